@@ -1,0 +1,7 @@
+"""Moving payloads over torch.distributed, and the byte Meter."""
+
+from thinwire.comm.collectives import all_gather_bytes, all_reduce_mean, done, world
+from thinwire.comm.meter import ENTITIES, TRAFFIC, Meter, Record
+
+__all__ = ["ENTITIES", "TRAFFIC", "Meter", "Record", "all_gather_bytes", "all_reduce_mean",
+           "done", "world"]

@@ -1,0 +1,94 @@
+"""Moving bytes over torch.distributed, metered. Single-process use is a no-op.
+
+Multi-round exchanges perform their early rounds in the caller's thread and
+return a future for the last round only. Callbacks never launch or wait on
+collectives: a collective issued from a callback can be ordered differently on
+different ranks, and waiting inside one is how torch 2.13's ``powerSGD_hook``
+deadlocks on gloo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from thinwire.comm.meter import Meter
+
+Group = dist.ProcessGroup | None
+
+
+def world(group: Group = None) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) when not distributed."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def done(value: object) -> torch.futures.Future:  # type: ignore[type-arg]
+    """A future that already holds ``value``."""
+    future: torch.futures.Future = torch.futures.Future()  # type: ignore[type-arg]
+    future.set_result(value)
+    return future
+
+
+def all_reduce_mean(flat: torch.Tensor, group: Group = None) -> torch.futures.Future:  # type: ignore[type-arg]
+    """Average ``flat`` across ranks (modified in place); the future holds it.
+
+    Divides before summing, as DDP's own all-reduce hook does.
+    """
+    _, n = world(group)
+    if n == 1:
+        return done(flat)
+    flat.div_(n)
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda f: f.value()[0])
+
+
+def all_gather_bytes(payload: torch.Tensor, group: Group = None,
+                     meter: Meter | None = None,
+                     segments: Sequence[tuple[str, int]] = (),
+                     entity: str = "W_grad") -> torch.futures.Future:  # type: ignore[type-arg]
+    """All-gather uint8 buffers whose lengths differ per rank.
+
+    Round 1 (blocking, in this thread) all-gathers each rank's length as an
+    int64; round 2 all-gathers the buffers padded to the longest. The meter
+    sees both rounds: each ``(layer, nbytes)`` of ``segments`` (the parts of
+    ``payload``), the padding as layer ``"(padding)"`` and the lengths as
+    entity ``"size"``.
+
+    Returns:
+        A future holding the list of each rank's unpadded buffer.
+    """
+    rank, n = world(group)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    if n == 1:
+        return done([payload])
+    lengths = torch.empty(n, dtype=torch.int64)
+    dist.all_gather_single(lengths, length, group=group)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = torch.empty(n * longest, dtype=torch.uint8)
+    if meter is not None:
+        meter.record("size", "(lengths)", "all_gather", length.numel() * 8, world_size=n)
+        for layer, nbytes in segments:
+            meter.record(entity, layer, "all_gather", nbytes, world_size=n)
+        meter.record(entity, "(padding)", "all_gather", longest - payload.numel(),
+                     world_size=n)
+    work = dist.all_gather_single(gathered, padded, group=group, async_op=True)
+    assert work is not None
+    sizes = lengths.tolist()
+
+    def unpad(_: torch.futures.Future) -> list[torch.Tensor]:  # type: ignore[type-arg]
+        rows = gathered.view(n, longest)
+        return [rows[r, : sizes[r]] for r in range(n)]
+
+    return work.get_future().then(unpad)
+
+
+def split_flat(flat: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
+    """Views of consecutive segments of ``flat``."""
+    return list(torch.split(flat, list(numels)))

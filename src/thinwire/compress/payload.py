@@ -1,0 +1,147 @@
+"""Payloads: what a compressor produces, with an exact byte encoding for the wire.
+
+Every payload serialises to a flat ``uint8`` tensor (``to_bytes``) and back
+(``from_bytes``); ``nbytes`` is the length of that tensor, so the bytes the
+Meter records are exactly the bytes handed to torch.distributed.
+
+Sparse layout (all fields 4-byte aligned so they can be viewed in place)::
+
+    int32 header            k >= 0: k int32 indices follow; -1: a bitmap follows
+    indices | bitmap        4k bytes, or ceil(N / 8) bytes padded to 4
+    values                  k values (fp32, or fp16 padded to 4 bytes)
+
+The index list is used when it is smaller than the bitmap (k < N / 32);
+otherwise the bitmap, whose values are then in ascending index order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+HEADER_BYTES = 4
+_BITMAP = -1
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _pad4(nbytes: int) -> int:
+    return (nbytes + 3) // 4 * 4
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8).reshape(-1)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a flat bool mask into bytes, least significant bit first."""
+    pad = (-mask.numel()) % 8
+    bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad))
+    return (bits.view(-1, 8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: a flat bool mask of ``numel`` entries."""
+    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS).ne(0)
+    return bits.reshape(-1)[:numel]
+
+
+@dataclass(frozen=True)
+class DensePayload:
+    """A whole tensor, possibly cast (fp16); summable, so it travels by all-reduce."""
+
+    values: torch.Tensor  # flat
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size()
+
+    def to_bytes(self) -> torch.Tensor:
+        return _as_bytes(self.values)
+
+
+@dataclass(frozen=True)
+class SparsePayload:
+    """Selected entries of a flat tensor of ``numel`` entries.
+
+    ``indices`` are int64 in memory; on the wire they become int32 or a bitmap,
+    whichever is smaller. ``values`` keep the dtype they travel in.
+    """
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    numel: int
+
+    @property
+    def count(self) -> int:
+        return self.values.numel()
+
+    @property
+    def uses_bitmap(self) -> bool:
+        return 4 * self.count > _pad4(math.ceil(self.numel / 8))
+
+    @property
+    def nbytes(self) -> int:
+        index_bytes = _pad4(math.ceil(self.numel / 8)) if self.uses_bitmap else 4 * self.count
+        return HEADER_BYTES + index_bytes + _pad4(self.count * self.values.element_size())
+
+    def to_bytes(self) -> torch.Tensor:
+        if self.uses_bitmap:
+            order = torch.argsort(self.indices)
+            mask = torch.zeros(self.numel, dtype=torch.bool)
+            mask[self.indices] = True
+            header = torch.tensor([_BITMAP], dtype=torch.int32)
+            index_part = pack_bits(mask)
+            index_part = torch.nn.functional.pad(index_part, (0, _pad4(index_part.numel()) - index_part.numel()))
+            values = self.values[order]
+        else:
+            header = torch.tensor([self.count], dtype=torch.int32)
+            index_part = _as_bytes(self.indices.to(torch.int32))
+            values = self.values
+        value_part = _as_bytes(values)
+        value_part = torch.nn.functional.pad(value_part, (0, _pad4(value_part.numel()) - value_part.numel()))
+        return torch.cat([_as_bytes(header), index_part, value_part])
+
+    @staticmethod
+    def from_bytes(
+        buffer: torch.Tensor, numel: int, value_dtype: torch.dtype
+    ) -> tuple[SparsePayload, int]:
+        """Decode one sparse payload from the start of ``buffer``.
+
+        Returns:
+            The payload and the number of bytes it occupied.
+        """
+        header = int(buffer[:HEADER_BYTES].view(torch.int32)[0])
+        offset = HEADER_BYTES
+        if header == _BITMAP:
+            nbitmap = math.ceil(numel / 8)
+            mask = unpack_bits(buffer[offset : offset + nbitmap], numel)
+            indices = mask.nonzero().squeeze(1)
+            offset += _pad4(nbitmap)
+        else:
+            indices = buffer[offset : offset + 4 * header].view(torch.int32).to(torch.int64)
+            offset += 4 * header
+        count = indices.numel()
+        value_bytes = count * torch.empty((), dtype=value_dtype).element_size()
+        values = buffer[offset : offset + value_bytes].view(value_dtype)
+        offset += _pad4(value_bytes)
+        return SparsePayload(values, indices, numel), offset
+
+
+@dataclass(frozen=True)
+class LowRankPayload:
+    """Factors of a low-rank approximation ``P @ Q.T`` of an (n, m) matrix."""
+
+    p: torch.Tensor  # (n, r)
+    q: torch.Tensor  # (m, r)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.p.numel() + self.q.numel()) * self.p.element_size()
+
+    def to_bytes(self) -> torch.Tensor:
+        return torch.cat([_as_bytes(self.p), _as_bytes(self.q)])
+
+
+Payload = DensePayload | SparsePayload | LowRankPayload

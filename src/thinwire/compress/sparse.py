@@ -1,0 +1,199 @@
+"""Sparsifiers: exact top-k, the DCT reused threshold (Alg. 1) and the Laplace estimate.
+
+Choices every sparsifier here shares (the papers leave them open):
+
+* Zeros are never sent. A threshold of 0 (an all-zero tensor, or a stale
+  threshold above every entry) therefore sends nothing rather than everything.
+* Ties at the threshold are all kept: the mask is the plain comparison
+  ``|x| >= tau`` of Algorithm 1 line 9 and never needs a sort, so the number
+  kept may exceed k when values repeat. The achieved density is recorded.
+* Tensors with fewer than ``min_numel`` entries, and ``sparsity == 0``, travel
+  dense: their index overhead would exceed what sparsity saves.
+* Empty tensors produce empty payloads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
+from thinwire.compress.payload import DensePayload, Payload, SparsePayload
+
+_VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+class Sparsifier(Compressor):
+    """Common machinery: routing small tensors dense, value dtype, a threshold trace.
+
+    Args:
+        min_numel: tensors smaller than this travel dense.
+        values: ``"fp32"`` or ``"fp16"``, the dtype values travel in.
+    """
+
+    def __init__(self, *, min_numel: int = 0, values: str = "fp32") -> None:
+        if min_numel < 0:
+            raise ValueError(f"min_numel={min_numel!r} must be >= 0")
+        if values not in _VALUE_DTYPES:
+            raise ValueError(f"values={values!r} must be one of {sorted(_VALUE_DTYPES)}")
+        self.min_numel = min_numel
+        self.value_dtype = _VALUE_DTYPES[values]
+        # key -> [(call index, threshold, achieved density)], for plots (DCT Fig. 2).
+        self.trace: dict[str, list[tuple[int, float, float]]] = {}
+        self._calls: dict[str, int] = {}
+
+    @property
+    def density(self) -> float:
+        """Target fraction of entries kept."""
+        raise NotImplementedError
+
+    def is_dense(self, info: TensorInfo) -> bool:
+        """Whether ``info``'s tensor bypasses sparsification (same answer on every rank)."""
+        return self.density >= 1.0 or info.numel < self.min_numel
+
+    def empty(self, info: TensorInfo) -> Payload:
+        if self.is_dense(info):
+            return DensePayload(torch.zeros(info.numel, dtype=self.value_dtype))
+        nothing = torch.zeros(0, dtype=torch.int64)
+        return SparsePayload(nothing.to(self.value_dtype), nothing, info.numel)
+
+    def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Payload:
+        flat = tensor.reshape(-1)
+        if self.is_dense(info):
+            return DensePayload(flat.to(self.value_dtype))
+        magnitudes = flat.abs()
+        call = self._calls.get(info.key, 0)
+        self._calls[info.key] = call + 1
+        indices, tau = self._select(magnitudes, info, call)
+        density = indices.numel() / max(1, flat.numel())
+        self.trace.setdefault(info.key, []).append((call, tau, density))
+        return SparsePayload(flat[indices].to(self.value_dtype), indices, flat.numel())
+
+    def _select(
+        self, magnitudes: torch.Tensor, info: TensorInfo, call: int
+    ) -> tuple[torch.Tensor, float]:
+        """Indices to send and the threshold they passed."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": dict(self._calls)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._calls = dict(state["calls"])
+
+
+def _above(magnitudes: torch.Tensor, tau: float) -> torch.Tensor:
+    mask = magnitudes >= tau if tau > 0 else magnitudes > 0
+    return mask.nonzero().squeeze(1)
+
+
+class TopK(Sparsifier):
+    """Exact top-k of ``|x|`` on every call: the copy-and-sort baseline of DCT Fig. 7a.
+
+    Args:
+        ratio: fraction of entries kept, in (0, 1].
+    """
+
+    def __init__(self, ratio: float, **kwargs: Any) -> None:
+        check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
+        super().__init__(**kwargs)
+        self.ratio = ratio
+
+    @property
+    def density(self) -> float:
+        return self.ratio
+
+    def _select(
+        self, magnitudes: torch.Tensor, info: TensorInfo, call: int
+    ) -> tuple[torch.Tensor, float]:
+        k = keep_count(magnitudes.numel(), self.ratio)
+        top, indices = torch.topk(magnitudes, k, sorted=False)
+        keep = top > 0
+        tau = float(top[keep].min()) if bool(keep.any()) else 0.0
+        return indices[keep], tau
+
+
+class DCTThreshold(Sparsifier):
+    """DCT-DP's reused top-K threshold, per tensor (DCT KDD'21 Algorithm 1).
+
+    Every ``life_span`` calls for a key (Alg. 1 lines 4-6, ``L | k``), tau is
+    recomputed as the k-th largest ``|x|`` with ``k = ceil(N (1 - sparsity))``
+    by ``torch.kthvalue`` (selection, no full sort). Algorithm 1 indexes the
+    ascending sort at ``floor(N * eta)``, which keeps one entry more than the
+    target; we index so that exactly k entries survive when there are no ties,
+    which makes ``life_span=1`` identical to :class:`TopK`. Between refreshes
+    tau is reused (line 8) and the mask is ``|x| >= tau`` (line 9).
+
+    Args:
+        sparsity: fraction eta of entries dropped, in [0, 1); 0 sends dense.
+        life_span: L, calls between threshold refreshes, >= 1.
+    """
+
+    def __init__(self, sparsity: float, life_span: int = 1000, **kwargs: Any) -> None:
+        check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+        if not isinstance(life_span, int) or life_span < 1:
+            raise ValueError(f"life_span={life_span!r} must be an integer >= 1")
+        super().__init__(**kwargs)
+        self.sparsity = sparsity
+        self.life_span = life_span
+        self.tau: dict[str, float] = {}
+        self.refreshes: dict[str, int] = {}
+
+    @property
+    def density(self) -> float:
+        return 1.0 - self.sparsity
+
+    def _select(
+        self, magnitudes: torch.Tensor, info: TensorInfo, call: int
+    ) -> tuple[torch.Tensor, float]:
+        if call % self.life_span == 0 or info.key not in self.tau:
+            numel = magnitudes.numel()
+            k = keep_count(numel, self.density)
+            self.tau[info.key] = float(torch.kthvalue(magnitudes, numel - k + 1).values)
+            self.refreshes[info.key] = self.refreshes.get(info.key, 0) + 1
+        tau = self.tau[info.key]
+        return _above(magnitudes, tau), tau
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "tau": dict(self.tau), "refreshes": dict(self.refreshes)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.tau = dict(state["tau"])
+        self.refreshes = dict(state["refreshes"])
+
+
+class LaplaceThreshold(Sparsifier):
+    """O(N) threshold from a Laplace fit of the entries (DCT MLSys §2.2, App. B).
+
+    The paper fits a Laplace law to the entries and reads tau off its quantile
+    function. We threshold magnitudes, so we fit the zero-centred Laplace whose
+    magnitude is exponential with maximum-likelihood scale ``b = mean(|x|)``;
+    then ``P(|X| >= tau) = 1 - eta`` gives ``tau = b * ln(1 / (1 - eta))``.
+    One pass over the tensor, no selection. The achieved density drifts from
+    the target as the fit does (the paper's Fig. 6b); it is in :attr:`trace`.
+
+    Args:
+        sparsity: target fraction eta of entries dropped, in [0, 1).
+    """
+
+    def __init__(self, sparsity: float, **kwargs: Any) -> None:
+        check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+        super().__init__(**kwargs)
+        self.sparsity = sparsity
+
+    @property
+    def density(self) -> float:
+        return 1.0 - self.sparsity
+
+    def threshold(self, magnitudes: torch.Tensor) -> float:
+        """The Laplace estimate of tau for these magnitudes."""
+        return float(magnitudes.mean()) * -math.log1p(-self.sparsity)
+
+    def _select(
+        self, magnitudes: torch.Tensor, info: TensorInfo, call: int
+    ) -> tuple[torch.Tensor, float]:
+        tau = self.threshold(magnitudes)
+        return _above(magnitudes, tau), tau

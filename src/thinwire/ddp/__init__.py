@@ -1,0 +1,5 @@
+"""Front door 1: synchronous data parallel through DDP communication hooks."""
+
+from thinwire.ddp.hook import HookState, comm_hook, register
+
+__all__ = ["HookState", "comm_hook", "register"]

@@ -1,0 +1,6 @@
+"""Error-feedback memories: residual (DCT), low-pass (ScaleCom), stochastic drain."""
+
+from thinwire.feedback.base import NONFINITE_POLICIES, Memory, all_finite, check_policy
+from thinwire.feedback.residual import Residual
+
+__all__ = ["NONFINITE_POLICIES", "Memory", "Residual", "all_finite", "check_policy"]

@@ -1,0 +1,7 @@
+"""Schemes registered by name: ``build("dct-dp", sparsity=0.99)``, ``names()``."""
+
+from thinwire.schemes import builtin as _builtin  # noqa: F401  (registers the schemes)
+from thinwire.schemes.base import CompressedScheme, Scheme
+from thinwire.schemes.registry import build, config_class, names, register
+
+__all__ = ["CompressedScheme", "Scheme", "build", "config_class", "names", "register"]

@@ -1,0 +1,97 @@
+"""The data-parallel schemes of the foundation: dense, fp16, topk, dct-dp, laplace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thinwire.compress import FP16, DCTThreshold, Dense, LaplaceThreshold, TopK
+from thinwire.feedback import Residual
+from thinwire.schemes.base import CompressedScheme, Scheme
+from thinwire.schemes.registry import (
+    register,
+    validate_common,
+    validate_ratio,
+    validate_sparsity,
+)
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+
+    def __post_init__(self) -> None:
+        validate_common(self)
+
+
+@dataclass(frozen=True)
+class TopKConfig:
+    ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
+    min_numel: int = 0  # tensors smaller than this travel dense
+    values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    error_feedback: bool = True  # keep what was not sent for the next step
+    nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+
+    def __post_init__(self) -> None:
+        validate_ratio(self.ratio)
+        validate_common(self)
+
+
+@dataclass(frozen=True)
+class DCTConfig:
+    sparsity: float = 0.99  # eta, fraction of each tensor's entries dropped, in [0, 1)
+    life_span: int = 1000  # L, steps between threshold refreshes, >= 1
+    min_numel: int = 0  # tensors smaller than this travel dense
+    values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    drain_every: int | None = None  # stochastic drain period of the error buffer
+    nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+
+    def __post_init__(self) -> None:
+        validate_sparsity(self.sparsity)
+        if not isinstance(self.life_span, int) or self.life_span < 1:
+            raise ValueError(f"life_span={self.life_span!r} must be an integer >= 1")
+        if self.drain_every is not None and self.drain_every < 1:
+            raise ValueError(f"drain_every={self.drain_every!r} must be None or >= 1")
+        validate_common(self)
+
+
+@dataclass(frozen=True)
+class LaplaceConfig:
+    sparsity: float = 0.99  # target fraction of entries dropped, in [0, 1)
+    min_numel: int = 0  # tensors smaller than this travel dense
+    values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+
+    def __post_init__(self) -> None:
+        validate_sparsity(self.sparsity)
+        validate_common(self)
+
+
+@register("dense", DenseConfig)
+def _dense(config: DenseConfig) -> Scheme:
+    return CompressedScheme(Dense(), None, config.nonfinite)
+
+
+@register("fp16", DenseConfig)
+def _fp16(config: DenseConfig) -> Scheme:
+    return CompressedScheme(FP16(), None, config.nonfinite)
+
+
+@register("topk", TopKConfig)
+def _topk(config: TopKConfig) -> Scheme:
+    compressor = TopK(config.ratio, min_numel=config.min_numel, values=config.values)
+    memory = Residual() if config.error_feedback else None
+    return CompressedScheme(compressor, memory, config.nonfinite)
+
+
+@register("dct-dp", DCTConfig)
+def _dct_dp(config: DCTConfig) -> Scheme:
+    compressor = DCTThreshold(config.sparsity, config.life_span, min_numel=config.min_numel,
+                              values=config.values)
+    return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
+
+
+@register("laplace", LaplaceConfig)
+def _laplace(config: LaplaceConfig) -> Scheme:
+    compressor = LaplaceThreshold(config.sparsity, min_numel=config.min_numel,
+                                  values=config.values)
+    return CompressedScheme(compressor, Residual(), config.nonfinite)

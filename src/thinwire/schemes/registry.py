@@ -1,0 +1,78 @@
+"""Schemes by name: frozen configs, validated, built from a dict registry."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from thinwire.compress.base import check_fraction
+from thinwire.feedback import check_policy
+from thinwire.schemes.base import Scheme
+
+ConfigT = TypeVar("ConfigT")
+Factory = Callable[[Any], Scheme]
+
+_REGISTRY: dict[str, tuple[type, Factory]] = {}
+
+
+def register(name: str, config: type) -> Callable[[Factory], Factory]:
+    """Register ``factory(config_instance) -> Scheme`` under ``name``."""
+
+    def decorate(factory: Factory) -> Factory:
+        if name in _REGISTRY:
+            raise ValueError(f"scheme {name!r} is already registered")
+        _REGISTRY[name] = (config, factory)
+        return factory
+
+    return decorate
+
+
+def names() -> list[str]:
+    """Registered scheme names, in registration order."""
+    return list(_REGISTRY)
+
+
+def config_class(name: str) -> type:
+    """The config dataclass of scheme ``name``."""
+    _known(name)
+    return _REGISTRY[name][0]
+
+
+def build(name: str, **config: Any) -> Scheme:
+    """Build scheme ``name`` from keyword config (see ``config_class(name)``).
+
+    Raises:
+        ValueError: unknown name, unknown option or an option out of range.
+    """
+    _known(name)
+    config_type, factory = _REGISTRY[name]
+    fields = {f.name for f in dataclasses.fields(config_type)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise ValueError(f"scheme {name!r} has no option(s) {unknown}; it takes {sorted(fields)}")
+    return factory(config_type(**config))
+
+
+def _known(name: str) -> None:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown scheme {name!r}; choose from {names()}")
+
+
+# Shared validation, called from each config's __post_init__.
+
+def validate_common(config: Any) -> None:
+    check_policy(config.nonfinite)
+    if hasattr(config, "min_numel") and (not isinstance(config.min_numel, int)
+                                         or config.min_numel < 0):
+        raise ValueError(f"min_numel={config.min_numel!r} must be an integer >= 0")
+    if hasattr(config, "values") and config.values not in ("fp32", "fp16"):
+        raise ValueError(f"values={config.values!r} must be 'fp32' or 'fp16'")
+
+
+def validate_sparsity(sparsity: float) -> None:
+    check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+
+
+def validate_ratio(ratio: float) -> None:
+    check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
