@@ -1,0 +1,40 @@
+"""The ``thinwire`` command line: one subcommand per module, listed in COMMANDS."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> module with add_arguments(parser) and run(args) -> int.
+COMMANDS: dict[str, str] = {
+    "compare": "thinwire.train.compare",
+    "train": "thinwire.train.torchrun",
+    "schemes": "thinwire.train.listing",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="thinwire", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = commands.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
+                                  description=module.__doc__)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ValueError as error:  # bad input: a clear message, not a traceback
+        print(f"thinwire {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
