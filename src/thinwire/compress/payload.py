@@ -34,6 +34,11 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.uint8).reshape(-1)
 
 
+def _padded(part: torch.Tensor) -> torch.Tensor:
+    """``part`` (bytes) zero-padded to a multiple of 4."""
+    return torch.nn.functional.pad(part, (0, _pad4(part.numel()) - part.numel()))
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a flat bool mask into bytes, least significant bit first."""
     pad = (-mask.numel()) % 8
@@ -92,16 +97,13 @@ class SparsePayload:
             mask = torch.zeros(self.numel, dtype=torch.bool)
             mask[self.indices] = True
             header = torch.tensor([_BITMAP], dtype=torch.int32)
-            index_part = pack_bits(mask)
-            index_part = torch.nn.functional.pad(index_part, (0, _pad4(index_part.numel()) - index_part.numel()))
+            index_part = _padded(pack_bits(mask))
             values = self.values[order]
         else:
             header = torch.tensor([self.count], dtype=torch.int32)
             index_part = _as_bytes(self.indices.to(torch.int32))
             values = self.values
-        value_part = _as_bytes(values)
-        value_part = torch.nn.functional.pad(value_part, (0, _pad4(value_part.numel()) - value_part.numel()))
-        return torch.cat([_as_bytes(header), index_part, value_part])
+        return torch.cat([_as_bytes(header), index_part, _padded(_as_bytes(values))])
 
     @staticmethod
     def from_bytes(
@@ -124,7 +126,8 @@ class SparsePayload:
             offset += 4 * header
         count = indices.numel()
         value_bytes = count * torch.empty((), dtype=value_dtype).element_size()
-        values = buffer[offset : offset + value_bytes].view(value_dtype)
+        # A copy: float64 values need 8-byte alignment the 4-byte layout does not give.
+        values = buffer[offset : offset + value_bytes].clone().view(value_dtype)
         offset += _pad4(value_bytes)
         return SparsePayload(values, indices, numel), offset
 

@@ -126,18 +126,31 @@ class DCTThreshold(Sparsifier):
     which makes ``life_span=1`` identical to :class:`TopK`. Between refreshes
     tau is reused (line 8) and the mask is ``|x| >= tau`` (line 9).
 
+    Budget guard (off by default, so the class is Algorithm 1 verbatim): with
+    ``refresh_above=f``, a reused tau that lets more than ``f * k`` entries
+    through is recomputed at once. Early in training the error memory is
+    still empty, the first tau is far below its steady level and a stale one
+    would send a large share of the tensor for a whole life-span; the guard
+    costs one selection on the steps where it fires and nothing otherwise.
+
     Args:
         sparsity: fraction eta of entries dropped, in [0, 1); 0 sends dense.
         life_span: L, calls between threshold refreshes, >= 1.
+        refresh_above: recompute a reused tau that keeps more than this many
+            times the target count; None (default) never does. Must be > 1.
     """
 
-    def __init__(self, sparsity: float, life_span: int = 1000, **kwargs: Any) -> None:
+    def __init__(self, sparsity: float, life_span: int = 1000,
+                 refresh_above: float | None = None, **kwargs: Any) -> None:
         check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
         if not isinstance(life_span, int) or life_span < 1:
             raise ValueError(f"life_span={life_span!r} must be an integer >= 1")
+        if refresh_above is not None and not refresh_above > 1.0:
+            raise ValueError(f"refresh_above={refresh_above!r} must be None or > 1")
         super().__init__(**kwargs)
         self.sparsity = sparsity
         self.life_span = life_span
+        self.refresh_above = refresh_above
         self.tau: dict[str, float] = {}
         self.refreshes: dict[str, int] = {}
 
@@ -148,13 +161,19 @@ class DCTThreshold(Sparsifier):
     def _select(
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int
     ) -> tuple[torch.Tensor, float]:
+        k = keep_count(magnitudes.numel(), self.density)
         if call % self.life_span == 0 or info.key not in self.tau:
-            numel = magnitudes.numel()
-            k = keep_count(numel, self.density)
-            self.tau[info.key] = float(torch.kthvalue(magnitudes, numel - k + 1).values)
-            self.refreshes[info.key] = self.refreshes.get(info.key, 0) + 1
-        tau = self.tau[info.key]
-        return _above(magnitudes, tau), tau
+            self._refresh(magnitudes, info.key, k)
+        indices = _above(magnitudes, self.tau[info.key])
+        if self.refresh_above is not None and indices.numel() > self.refresh_above * k:
+            self._refresh(magnitudes, info.key, k)
+            indices = _above(magnitudes, self.tau[info.key])
+        return indices, self.tau[info.key]
+
+    def _refresh(self, magnitudes: torch.Tensor, key: str, k: int) -> None:
+        """tau = the k-th largest magnitude (Alg. 1 lines 5-6), by selection."""
+        self.tau[key] = float(torch.kthvalue(magnitudes, magnitudes.numel() - k + 1).values)
+        self.refreshes[key] = self.refreshes.get(key, 0) + 1
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "tau": dict(self.tau), "refreshes": dict(self.refreshes)}

@@ -1,6 +1,6 @@
 """Front door 1: a DDP communication hook that applies a scheme layer-wise."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
 from dataclasses import dataclass
 
@@ -22,13 +22,13 @@ class HookState:
     group: Group = None
 
 
-def comm_hook(state: HookState, bucket: dist.GradBucket) -> Future:
+def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Split ``bucket`` into per-parameter gradients, reduce them with the scheme,
     and return a future of the bucket's flat averaged gradient."""
     grads = {state.names[id(p)]: g for p, g in zip(bucket.parameters(), bucket.gradients())}
     buffer = bucket.buffer()
 
-    def flatten(fut: Future) -> torch.Tensor:
+    def flatten(fut: Future) -> torch.Tensor:  # no collectives here: decode only
         reduced = fut.value()
         return torch.cat([reduced[key].reshape(-1) for key in grads]).to(buffer.dtype)
 

@@ -1,0 +1,221 @@
+"""Train the same model under several schemes side by side and compare them.
+
+Spawns N local ranks (gloo), trains the MLP with the same seed and data
+shards under each scheme on scikit-learn's digits, prints a table and writes
+``runs/<timestamp>/`` with results.json, results.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from thinwire import schemes
+from thinwire.train.dataparallel import RunOptions, run_scheme
+from thinwire.train.launch import spawn
+
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3, "mbps": 1e6,
+          "gbps": 1e9}
+# Fields the summary table and --json carry, in order.
+TABLE = ("scheme", "test_accuracy", "final_loss", "bytes_sent_per_step", "compression_ratio",
+         "overhead_ms_per_step", "wall_s", "modelled_s")
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bits per second from tc-style rates: ``100mbit``, ``1gbit``, ``500kbit``."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)(/s)?\s*", text)
+    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"bandwidth={text!r} must be a positive rate such as 100mbit or 1gbit "
+                         f"(units: {', '.join(_UNITS)})")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def scheme_config(name: str, sparsity: float | None, life_span: int | None,
+                  options: list[str]) -> dict[str, Any]:
+    """Map the shared command-line knobs onto the options scheme ``name`` has.
+
+    ``--sparsity`` sets ``sparsity``, or ``ratio = 1 - sparsity`` for schemes
+    that keep a ratio; ``--option KEY=VALUE`` applies to every scheme with KEY.
+    """
+    fields = {f.name: f for f in dataclasses.fields(schemes.config_class(name))}
+    config: dict[str, Any] = {}
+    if sparsity is not None and "sparsity" in fields:
+        config["sparsity"] = sparsity
+    if sparsity is not None and "ratio" in fields:
+        config["ratio"] = 1.0 - sparsity
+    if life_span is not None and "life_span" in fields:
+        config["life_span"] = life_span
+    for option in options:
+        key, _, value = option.partition("=")
+        key = key.replace("-", "_")
+        if key in fields:
+            config[key] = _parse_value(value)
+    return config
+
+
+def _parse_value(value: str) -> Any:
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
+            options: RunOptions) -> list[dict[str, Any]]:
+    bar = tqdm(total=len(runs) * options.steps, disable=rank != 0, unit="step",
+               dynamic_ncols=True, mininterval=1.0)
+    results = []
+    for name, config in runs:
+        bar.set_description(name)
+        result = run_scheme(name, config, options, progress=bar.update)
+        if rank != 0:  # the other ranks only report their weights, to check replicas
+            result = {"weights": result["weights"]}
+        results.append(result)
+    bar.close()
+    return results
+
+
+def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: float,
+            sparsity: float | None = None, life_span: int | None = None,
+            extra: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run every scheme in ``names`` on ``workers`` local ranks; rank 0's results."""
+    if workers < 1:
+        raise ValueError(f"workers={workers!r} must be >= 1")
+    runs = [(name, scheme_config(name, sparsity, life_span, extra or [])) for name in names]
+    for name, config in runs:  # validate before spawning anything
+        schemes.build(name, **config)
+    per_rank = spawn(_worker, workers, runs, options, timeout_s=max(600.0, 2.0 * len(runs)
+                                                                     * options.steps))
+    results = per_rank[0]
+    for index, result in enumerate(results):
+        weights = [rank_results[index].pop("weights") for rank_results in per_rank]
+        result["replicas_identical"] = all(
+            all(torch.equal(a, b) for a, b in zip(weights[0], other)) for other in weights[1:])
+        dense_bytes = sum(w.numel() * w.element_size() for w in weights[0])
+        result["dense_bytes_per_step"] = dense_bytes
+        result["compression_ratio"] = dense_bytes / max(result["bytes_sent_per_step"], 1e-9)
+        wire = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
+        per_step = (result["compute_ms_per_step"] + result["overhead_ms_per_step"]) / 1000.0
+        result["modelled_s"] = options.steps * (per_step + 8.0 * wire / bandwidth_bps)
+        result["bandwidth_bps"] = bandwidth_bps
+        result["workers"] = workers
+    return results
+
+
+def markdown_table(results: list[dict[str, Any]], bandwidth: str) -> str:
+    header = ["scheme", "test acc", "final loss", "bytes/step/worker", "ratio vs dense",
+              "overhead ms/step", "wall s", f"modelled s @ {bandwidth}"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        rows.append(
+            f"| {r['scheme']} | {r['test_accuracy']:.4f} | {r['final_loss']:.4f} | "
+            f"{r['bytes_sent_per_step']:,.0f} | {r['compression_ratio']:.1f}x | "
+            f"{r['overhead_ms_per_step']:.3f} | {r['wall_s']:.2f} | {r['modelled_s']:.2f} |")
+    return "\n".join(rows)
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Accuracy against bytes on the wire; the sparsifiers' thresholds across steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for r in results:
+        steps, handed, acc = zip(*r["curve"])
+        ax.plot(handed, acc, marker=".", label=r["scheme"])
+    ax.set(xscale="log", xlabel="cumulative bytes handed to torch.distributed per worker",
+           ylabel="test accuracy", title="Accuracy against bytes on the wire")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_bytes.png", dpi=120)
+    plt.close(fig)
+    written.append(out / "accuracy_vs_bytes.png")
+    traced = [r for r in results if r["threshold_trace"]]
+    if traced:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for r in traced:
+            for layer, points in r["threshold_trace"].items():
+                if not layer.endswith("weight"):
+                    continue
+                calls, taus, densities = zip(*points)
+                axes[0].plot(calls, taus, label=f"{r['scheme']} {layer}")
+                axes[1].plot(calls, densities, label=f"{r['scheme']} {layer}")
+        axes[0].set(xlabel="step", ylabel="threshold tau", yscale="log",
+                    title="Sparsification threshold per layer (DCT Fig. 2)")
+        axes[1].set(xlabel="step", ylabel="fraction of entries sent", yscale="log",
+                    title="Achieved density")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "threshold.png", dpi=120)
+        plt.close(fig)
+        written.append(out / "threshold.png")
+    return written
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schemes", default=",".join(schemes.names()),
+                        help="comma-separated scheme names (default: every registered one)")
+    parser.add_argument("--workers", type=int, default=4, help="local ranks (default 4)")
+    parser.add_argument("--steps", type=int, default=RunOptions.steps)
+    parser.add_argument("--batch-size", type=int, default=RunOptions.batch_size)
+    parser.add_argument("--lr", type=float, default=RunOptions.lr)
+    parser.add_argument("--hidden", type=int, default=RunOptions.hidden)
+    parser.add_argument("--seed", type=int, default=RunOptions.seed)
+    parser.add_argument("--sparsity", type=float, default=0.99,
+                        help="fraction dropped by sparsifiers (ratio = 1 - sparsity)")
+    parser.add_argument("--life-span", type=int, default=100,
+                        help="DCT threshold life-span L in steps")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="set KEY on every scheme that has it, e.g. --option rank=2")
+    parser.add_argument("--bandwidth", default="100mbit",
+                        help="link rate for the modelled time (compute + bytes / rate)")
+    parser.add_argument("--out", type=Path, default=None, help="run folder (default runs/<time>)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [name.strip() for name in args.schemes.split(",") if name.strip()]
+    options = RunOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                         hidden=args.hidden, seed=args.seed)
+    bandwidth_bps = parse_bandwidth(args.bandwidth)
+    results = compare(names, args.workers, options, bandwidth_bps, args.sparsity,
+                      args.life_span, args.option)
+    out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(results, args.bandwidth)
+    print(table)
+    summary = {"runs": [{key: r[key] for key in TABLE} for r in results]}
+    (out / "results.json").write_text(json.dumps({"runs": results, "options": vars(args)},
+                                                 indent=2, default=str))
+    (out / "results.md").write_text(
+        f"# thinwire compare\n\n{args.workers} workers, {options.steps} steps, "
+        f"sparsity {args.sparsity}, life-span {args.life_span}.\n\n{table}\n")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2))
+    figures = plot(results, out)
+    bad = [r["scheme"] for r in results if not r["replicas_identical"]]
+    if bad:
+        print(f"warning: replicas diverged under {bad}")
+    print(f"wrote {out}/results.json, results.md, " + ", ".join(f.name for f in figures))
+    assert all(math.isfinite(r["test_accuracy"]) for r in results)
+    return 0

@@ -1,0 +1,149 @@
+"""Sparsifiers: exact selection, DCT threshold reuse (Alg. 1), the documented edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from thinwire.compress import (
+    FP16,
+    DCTThreshold,
+    Dense,
+    DensePayload,
+    LaplaceThreshold,
+    SparsePayload,
+    TensorInfo,
+    TopK,
+    decode,
+)
+from thinwire.feedback import Residual
+
+
+def info_of(tensor: torch.Tensor, key: str = "w") -> TensorInfo:
+    return TensorInfo.of(key, tensor)
+
+
+def test_dense_is_bit_exact_and_fp16_rounds() -> None:
+    grad = torch.randn(5, 7)
+    assert torch.equal(Dense().decompress(Dense().compress(grad, info_of(grad)), info_of(grad)),
+                       grad)
+    half = FP16().compress(grad, info_of(grad))
+    assert half.nbytes == grad.numel() * 2
+    assert torch.equal(decode(half, info_of(grad)), grad.half().float())
+
+
+def test_topk_keeps_exactly_the_largest_magnitudes() -> None:
+    grad = torch.randn(1000)
+    payload = TopK(0.05).compress(grad, info_of(grad))
+    assert isinstance(payload, SparsePayload) and payload.count == 50
+    expected = set(torch.topk(grad.abs(), 50).indices.tolist())
+    assert set(payload.indices.tolist()) == expected
+    assert torch.equal(payload.values, grad[payload.indices])
+
+
+def test_dct_with_life_span_one_equals_topk_with_error_feedback() -> None:
+    dct, topk = DCTThreshold(0.9, life_span=1), TopK(1 - 0.9)
+    memory_dct, memory_topk = Residual(), Residual()
+    for _ in range(20):
+        grad = torch.randn(257)  # continuous values: no ties
+        sent = []
+        for compressor, memory in ((dct, memory_dct), (topk, memory_topk)):
+            info = info_of(grad)
+            compensated = memory.compensate("w", grad)
+            payload = compressor.compress(compensated, info)
+            decoded = compressor.decompress(payload, info)
+            memory.update("w", compensated, decoded)
+            sent.append(decoded)
+        assert torch.equal(sent[0], sent[1])
+        assert torch.equal(memory_dct.buffers["w"], memory_topk.buffers["w"])
+
+
+@pytest.mark.parametrize("steps,life_span", [(10, 3), (9, 3), (1, 5), (12, 1)])
+def test_dct_recomputes_threshold_ceil_steps_over_l_times(steps: int, life_span: int) -> None:
+    dct = DCTThreshold(0.9, life_span=life_span)
+    taus = []
+    for _ in range(steps):
+        grad = torch.randn(100)
+        dct.compress(grad, info_of(grad))
+        taus.append(dct.tau["w"])
+    assert dct.refreshes["w"] == math.ceil(steps / life_span)
+    for step in range(steps):  # reused in between refreshes
+        if step % life_span:
+            assert taus[step] == taus[step - 1]
+
+
+def test_dct_reused_threshold_masks_by_magnitude() -> None:
+    dct = DCTThreshold(0.5, life_span=100)
+    first = torch.arange(1.0, 11.0)
+    dct.compress(first, info_of(first))
+    assert dct.tau["w"] == 6.0  # the 5th largest of 1..10
+    later = torch.tensor([0.5, -7.0, 6.0, 5.9, 0.0, 100.0])
+    payload = dct.compress(later, info_of(later))
+    assert sorted(payload.indices.tolist()) == [1, 2, 5]  # |x| >= 6, ties kept
+
+
+def test_ties_at_threshold_are_all_kept() -> None:
+    grad = torch.tensor([1.0, 2.0, 2.0, 2.0, 0.5])
+    payload = DCTThreshold(0.8, life_span=1).compress(grad, info_of(grad))  # k = 1
+    assert sorted(payload.indices.tolist()) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("compressor", [DCTThreshold(0.9, 1), TopK(0.1), LaplaceThreshold(0.9)])
+def test_all_zero_tensor_sends_nothing(compressor: TopK) -> None:
+    grad = torch.zeros(300)
+    payload = compressor.compress(grad, info_of(grad))
+    assert isinstance(payload, SparsePayload) and payload.count == 0
+    assert payload.nbytes == 4
+
+
+def test_small_tensors_sparsity_zero_and_empty_tensors() -> None:
+    small = torch.randn(10)
+    assert isinstance(DCTThreshold(0.9, 1, min_numel=11).compress(small, info_of(small)),
+                      DensePayload)
+    dense = DCTThreshold(0.0, 1).compress(small, info_of(small))
+    assert isinstance(dense, DensePayload) and torch.equal(dense.values, small)
+    empty = torch.zeros(0)
+    payload = TopK(0.5).compress(empty, info_of(empty))
+    assert payload.nbytes == 4 and decode(payload, info_of(empty)).numel() == 0
+
+
+def test_laplace_records_achieved_density() -> None:
+    laplace = LaplaceThreshold(0.99)
+    grad = torch.distributions.Laplace(0.0, 1.0).sample((100_000,))
+    payload = laplace.compress(grad, info_of(grad))
+    _, tau, density = laplace.trace["w"][0]
+    assert density == payload.count / grad.numel()
+    assert tau == pytest.approx(math.log(100), rel=0.02)  # b = 1, eta = 0.99
+    assert density == pytest.approx(0.01, rel=0.1)  # the fit is right for Laplace data
+
+
+def test_fp16_values_halve_value_bytes() -> None:
+    grad = torch.randn(10_000)
+    full = TopK(0.01).compress(grad, info_of(grad))
+    half = TopK(0.01, values="fp16").compress(grad, info_of(grad))
+    assert full.nbytes - half.nbytes == 100 * 2
+
+
+def test_dct_state_dict_resumes_threshold() -> None:
+    dct = DCTThreshold(0.9, life_span=4)
+    grads = [torch.randn(50) for _ in range(8)]
+    for grad in grads[:3]:
+        dct.compress(grad, info_of(grad))
+    resumed = DCTThreshold(0.9, life_span=4)
+    resumed.load_state_dict(dct.state_dict())
+    for grad in grads[3:]:
+        a, b = dct.compress(grad, info_of(grad)), resumed.compress(grad, info_of(grad))
+        assert torch.equal(a.indices, b.indices)
+    assert dct.tau == resumed.tau and dct.refreshes == resumed.refreshes
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.0), lambda: TopK(1.5), lambda: TopK(float("nan")),
+                                  lambda: DCTThreshold(1.0), lambda: DCTThreshold(-0.1),
+                                  lambda: DCTThreshold(0.5, life_span=0),
+                                  lambda: LaplaceThreshold(1.2),
+                                  lambda: TopK(0.1, values="int8")])
+def test_bad_config_raises_value_error(make: object) -> None:
+    with pytest.raises(ValueError):
+        make()  # type: ignore[operator]

@@ -1,0 +1,82 @@
+"""Error feedback: the exact invariant, the non-finite policy, the drain, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thinwire.compress import DCTThreshold, TensorInfo, TopK
+from thinwire.feedback import Residual, all_finite
+from thinwire.schemes import build
+
+
+@pytest.mark.parametrize("compressor", [TopK(0.1), DCTThreshold(0.95, life_span=3),
+                                        TopK(0.2, values="fp16")])
+def test_invariant_grad_plus_old_error_equals_sent_plus_new_error(compressor: TopK) -> None:
+    memory = Residual()
+    shapes = {"fc1.weight": (16, 8), "fc1.bias": (16,), "fc2.weight": (4, 16)}
+    for _ in range(6):
+        for key, shape in shapes.items():
+            grad = torch.randn(shape, dtype=torch.float64)
+            old = memory.buffers.get(key, torch.zeros(shape, dtype=torch.float64)).clone()
+            info = TensorInfo.of(key, grad)
+            compensated = memory.compensate(key, grad)
+            sent = compressor.decompress(compressor.compress(compensated, info), info)
+            memory.update(key, compensated, sent)
+            assert torch.equal(grad + old, sent + memory.buffers[key])
+
+
+def test_memory_never_aliases_the_gradient() -> None:
+    memory = Residual()
+    grad = torch.ones(4)
+    compensated = memory.compensate("w", grad)
+    compensated.mul_(3)
+    assert torch.equal(grad, torch.ones(4))
+
+
+def test_nonfinite_policy() -> None:
+    grads = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")])}
+    with pytest.raises(FloatingPointError, match="'b'"):
+        all_finite(grads, "raise")
+    assert all_finite(grads, "skip") is False
+    assert all_finite({"a": torch.ones(3)}, "raise") is True
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nan_gradient_leaves_error_memory_finite(policy: str) -> None:
+    scheme = build("dct-dp", sparsity=0.9, life_span=2, nonfinite=policy)
+    scheme.reduce({"w": torch.randn(100)})
+    before = scheme.state_dict()
+    bad = torch.randn(100)
+    bad[7] = float("inf")
+    if policy == "raise":
+        with pytest.raises(FloatingPointError):
+            scheme.reduce({"w": bad})
+    else:
+        out = scheme.reduce({"w": bad})
+        assert torch.equal(out["w"], torch.zeros(100))  # this rank contributes nothing
+        assert scheme.skipped == 1
+    after = scheme.state_dict()
+    assert torch.isfinite(after["memory"]["buffers"]["w"]).all()
+    assert torch.equal(after["memory"]["buffers"]["w"], before["memory"]["buffers"]["w"])
+    assert after["compressor"]["tau"] == before["compressor"]["tau"]
+
+
+def test_stochastic_drain_empties_buffers_at_the_expected_rate() -> None:
+    memory = Residual(drain_every=4, seed=1)
+    for _ in range(400):
+        memory.update("w", torch.ones(3), torch.zeros(3))
+    assert 60 < memory.drains < 140  # binomial(400, 1/4): mean 100, sd 8.7
+    with pytest.raises(ValueError, match="drain_every=0"):
+        Residual(drain_every=0)
+
+
+def test_residual_state_dict_round_trip_includes_drain_generator() -> None:
+    memory = Residual(drain_every=2, seed=3)
+    memory.update("w", torch.ones(3), torch.zeros(3))
+    copy = Residual(drain_every=2)
+    copy.load_state_dict(memory.state_dict())
+    for _ in range(20):
+        memory.update("w", torch.ones(3), torch.zeros(3))
+        copy.update("w", torch.ones(3), torch.zeros(3))
+    assert memory.drains == copy.drains

@@ -1,0 +1,66 @@
+"""Wire encodings: exact byte sizes, index list vs bitmap, round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thinwire.compress import DensePayload, LowRankPayload, SparsePayload
+from thinwire.compress.payload import pack_bits, unpack_bits
+
+
+def sparse(numel: int, indices: list[int], dtype: torch.dtype = torch.float32) -> SparsePayload:
+    index = torch.tensor(indices, dtype=torch.int64)
+    return SparsePayload(torch.arange(1, len(indices) + 1, dtype=dtype), index, numel)
+
+
+def test_index_list_size_is_header_indices_values() -> None:
+    payload = sparse(1000, [3, 500, 999])
+    assert not payload.uses_bitmap
+    assert payload.nbytes == 4 + 3 * 4 + 3 * 4
+    assert payload.to_bytes().numel() == payload.nbytes
+
+
+def test_bitmap_chosen_when_denser_than_one_in_32() -> None:
+    numel = 64  # bitmap: 8 bytes; index list: 4 bytes per entry
+    below = sparse(numel, [0])  # 4 bytes of indices < 8 of bitmap
+    above = sparse(numel, [0, 5, 9])  # 12 > 8
+    assert not below.uses_bitmap and above.uses_bitmap
+    assert above.nbytes == 4 + 8 + 3 * 4
+
+
+def test_bitmap_and_half_values_are_padded_to_four_bytes() -> None:
+    payload = sparse(20, [1, 2, 3], torch.float16)  # bitmap 3 bytes -> 4; values 6 -> 8
+    assert payload.uses_bitmap
+    assert payload.nbytes == 4 + 4 + 8
+    assert payload.to_bytes().numel() == payload.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("numel,count", [(1, 1), (7, 0), (100, 2), (100, 50), (4096, 4096)])
+def test_sparse_round_trip(dtype: torch.dtype, numel: int, count: int) -> None:
+    indices = torch.randperm(numel)[:count]
+    payload = SparsePayload(torch.randn(count).to(dtype), indices, numel)
+    wire = payload.to_bytes()
+    assert wire.dtype == torch.uint8 and wire.numel() == payload.nbytes
+    back, used = SparsePayload.from_bytes(torch.cat([wire, torch.ones(5, dtype=torch.uint8)]),
+                                          numel, dtype)
+    assert used == payload.nbytes
+    original = torch.zeros(numel, dtype=dtype).index_put_((indices,), payload.values)
+    decoded = torch.zeros(numel, dtype=dtype).index_put_((back.indices,), back.values)
+    assert torch.equal(original, decoded)
+
+
+def test_dense_and_low_rank_sizes() -> None:
+    assert DensePayload(torch.zeros(10)).nbytes == 40
+    assert DensePayload(torch.zeros(10, dtype=torch.float16)).nbytes == 20
+    low_rank = LowRankPayload(torch.zeros(6, 2), torch.zeros(5, 2))
+    assert low_rank.nbytes == (12 + 10) * 4 == low_rank.to_bytes().numel()
+
+
+@pytest.mark.parametrize("numel", [1, 8, 9, 63, 1000])
+def test_bits_round_trip(numel: int) -> None:
+    mask = torch.rand(numel) > 0.5
+    packed = pack_bits(mask)
+    assert packed.numel() == (numel + 7) // 8
+    assert torch.equal(unpack_bits(packed, numel), mask)
