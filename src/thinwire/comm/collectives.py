@@ -10,6 +10,7 @@ deadlocks on gloo.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from thinwire.comm.meter import Meter
 
 Group = dist.ProcessGroup | None
+Future = torch.futures.Future
 
 
 def world(group: Group = None) -> tuple[int, int]:
@@ -26,14 +28,14 @@ def world(group: Group = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def done(value: object) -> torch.futures.Future:  # type: ignore[type-arg]
+def done(value: object) -> Future[Any]:
     """A future that already holds ``value``."""
-    future: torch.futures.Future = torch.futures.Future()  # type: ignore[type-arg]
+    future: Future[Any] = Future()
     future.set_result(value)
     return future
 
 
-def all_reduce_mean(flat: torch.Tensor, group: Group = None) -> torch.futures.Future:  # type: ignore[type-arg]
+def all_reduce_mean(flat: torch.Tensor, group: Group = None) -> Future[Any]:
     """Average ``flat`` across ranks (modified in place); the future holds it.
 
     Divides before summing, as DDP's own all-reduce hook does.
@@ -44,13 +46,14 @@ def all_reduce_mean(flat: torch.Tensor, group: Group = None) -> torch.futures.Fu
     flat.div_(n)
     work = dist.all_reduce(flat, group=group, async_op=True)
     assert work is not None
-    return work.get_future().then(lambda f: f.value()[0])
+    result: Future[Any] = work.get_future().then(lambda f: f.value()[0])
+    return result
 
 
 def all_gather_bytes(payload: torch.Tensor, group: Group = None,
                      meter: Meter | None = None,
                      segments: Sequence[tuple[str, int]] = (),
-                     entity: str = "W_grad") -> torch.futures.Future:  # type: ignore[type-arg]
+                     entity: str = "W_grad") -> Future[Any]:
     """All-gather uint8 buffers whose lengths differ per rank.
 
     Round 1 (blocking, in this thread) all-gathers each rank's length as an
@@ -82,11 +85,12 @@ def all_gather_bytes(payload: torch.Tensor, group: Group = None,
     assert work is not None
     sizes = lengths.tolist()
 
-    def unpad(_: torch.futures.Future) -> list[torch.Tensor]:  # type: ignore[type-arg]
+    def unpad(_: Future[Any]) -> list[torch.Tensor]:
         rows = gathered.view(n, longest)
         return [rows[r, : sizes[r]] for r in range(n)]
 
-    return work.get_future().then(unpad)
+    gathered_future: Future[Any] = work.get_future().then(unpad)
+    return gathered_future
 
 
 def split_flat(flat: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:

@@ -33,7 +33,7 @@ def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
     columns give a valid orthonormal basis instead of the NaNs of
     Gram-Schmidt with eps = 0.
     """
-    q, _ = torch.linalg.qr(matrix, mode="reduced")
+    q: torch.Tensor = torch.linalg.qr(matrix, mode="reduced")[0]
     return q
 
 

@@ -3,14 +3,15 @@
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm import Meter
-from thinwire.comm.collectives import Group
-from thinwire.schemes.base import Future, Scheme
+from thinwire.comm.collectives import Future, Group
+from thinwire.schemes.base import Scheme
 
 
 @dataclass(slots=True)
@@ -22,13 +23,13 @@ class HookState:
     group: Group = None
 
 
-def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
     """Split ``bucket`` into per-parameter gradients, reduce them with the scheme,
     and return a future of the bucket's flat averaged gradient."""
     grads = {state.names[id(p)]: g for p, g in zip(bucket.parameters(), bucket.gradients())}
     buffer = bucket.buffer()
 
-    def flatten(fut: Future) -> torch.Tensor:  # no collectives here: decode only
+    def flatten(fut: Future[Any]) -> torch.Tensor:  # no collectives here: decode only
         reduced = fut.value()
         return torch.cat([reduced[key].reshape(-1) for key in grads]).to(buffer.dtype)
 

@@ -11,11 +11,9 @@ from typing import Any
 import torch
 
 from thinwire.comm import Meter, all_gather_bytes, all_reduce_mean, world
-from thinwire.comm.collectives import Group, done
+from thinwire.comm.collectives import Future, Group, done
 from thinwire.compress import Compressor, DensePayload, Payload, SparsePayload, TensorInfo
 from thinwire.feedback import Memory, all_finite
-
-Future = torch.futures.Future  # type: ignore[type-arg]
 
 
 class Scheme(ABC):
@@ -38,7 +36,7 @@ class Scheme(ABC):
         self._lock = threading.Lock()
 
     @abstractmethod
-    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future:
+    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Start averaging ``grads`` (not modified); the future holds a dict of results."""
 
     def reduce(self, grads: Mapping[str, torch.Tensor],
@@ -85,7 +83,7 @@ class CompressedScheme(Scheme):
         self.memory.update(key, compensated, self.compressor.decompress(payload, info))
         return payload
 
-    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future:
+    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         start = time.perf_counter()
         _, n = world(group)
         finite = all_finite(grads, self.nonfinite)
@@ -108,7 +106,7 @@ class CompressedScheme(Scheme):
         self._charge(time.perf_counter() - start)
         both = torch.futures.collect_all(futures) if futures else done([])
 
-        def decode(fut: Future) -> dict[str, torch.Tensor]:
+        def decode(fut: Future[Any]) -> dict[str, torch.Tensor]:
             begin = time.perf_counter()
             results = [f.value() for f in fut.value()]
             out: dict[str, torch.Tensor] = {}

@@ -102,7 +102,7 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
         schemes.build(name, **config)
     per_rank = spawn(_worker, workers, runs, options, timeout_s=max(600.0, 2.0 * len(runs)
                                                                      * options.steps))
-    results = per_rank[0]
+    results: list[dict[str, Any]] = per_rank[0]
     for index, result in enumerate(results):
         weights = [rank_results[index].pop("weights") for rank_results in per_rank]
         result["replicas_identical"] = all(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ def shard(split: Split, rank: int, world_size: int) -> Split:
     return Split(split.x[part], split.y[part])
 
 
-def batches(split: Split, batch_size: int, seed: int) -> torch.Tensor:
+def batches(split: Split, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
     """An endless stream of batch index tensors, reshuffled each epoch, reproducible."""
     generator = torch.Generator().manual_seed(seed)
     while True:

@@ -48,7 +48,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     if world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be >= 1")
     with tempfile.TemporaryDirectory(prefix="thinwire-") as workdir:
-        context = mp.start_processes(
+        context = mp.start_processes(  # type: ignore[attr-defined]
             _entry, args=(fn, world_size, workdir, timeout_s, backend, args, threads),
             nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
