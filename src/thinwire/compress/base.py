@@ -61,6 +61,8 @@ class Compressor(ABC):
     ``TensorInfo.key`` so it survives DDP re-bucketing.
     """
 
+    value_dtype: torch.dtype = torch.float32  # dtype of sparse payload values on the wire
+
     @abstractmethod
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Payload:
         """Encode ``tensor`` (not modified)."""

@@ -15,6 +15,7 @@ Choices every sparsifier here shares (the papers leave them open):
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from typing import Any
 
 import torch
@@ -45,9 +46,9 @@ class Sparsifier(Compressor):
         self._calls: dict[str, int] = {}
 
     @property
+    @abstractmethod
     def density(self) -> float:
         """Target fraction of entries kept."""
-        raise NotImplementedError
 
     def is_dense(self, info: TensorInfo) -> bool:
         """Whether ``info``'s tensor bypasses sparsification (same answer on every rank)."""
@@ -71,11 +72,11 @@ class Sparsifier(Compressor):
         self.trace.setdefault(info.key, []).append((call, tau, density))
         return SparsePayload(flat[indices].to(self.value_dtype), indices, flat.numel())
 
+    @abstractmethod
     def _select(
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int
     ) -> tuple[torch.Tensor, float]:
         """Indices to send and the threshold they passed."""
-        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": dict(self._calls)}
