@@ -124,7 +124,10 @@ class SparsePayload:
             offset += 4 * header
         count = indices.numel()
         value_bytes = count * torch.empty((), dtype=value_dtype).element_size()
-        values = buffer[offset : offset + value_bytes].view(value_dtype)
+        values = buffer[offset : offset + value_bytes]
+        if values.storage_offset() % max(1, count and value_bytes // count):
+            values = values.clone()  # fp64 values sit on 4-byte boundaries only
+        values = values.view(value_dtype)
         offset += _pad4(value_bytes)
         return SparsePayload(values, indices, numel), offset
 

@@ -1,6 +1,7 @@
 """Front door 1: a DDP communication hook that applies a scheme layer-wise."""
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the
+# hook's annotations with dist.GradBucket and Future[Tensor] as objects, not strings.
 
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ class HookState:
     group: Group = None
 
 
-def comm_hook(state: HookState, bucket: dist.GradBucket) -> Future:
+def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Split ``bucket`` into per-parameter gradients, reduce them with the scheme,
     and return a future of the bucket's flat averaged gradient."""
     grads = {state.names[id(p)]: g for p, g in zip(bucket.parameters(), bucket.gradients())}
