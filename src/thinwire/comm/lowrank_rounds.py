@@ -10,6 +10,7 @@ only asynchronous one. torch 2.13's ``powerSGD_hook`` instead waits on round
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from thinwire.comm._metered import Segments, record_segments
 from thinwire.comm.collectives import Group, all_reduce_mean, done, world
 from thinwire.comm.meter import Meter
 
-Future = torch.futures.Future  # type: ignore[type-arg]
+Future = torch.futures.Future[Any]
 
 
 def two_round_all_reduce(first: torch.Tensor, second: Callable[[torch.Tensor], torch.Tensor],

@@ -10,6 +10,7 @@ bytes to each round whatever the world size: nothing builds up.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from thinwire.comm._metered import Segments, record_segments
 from thinwire.comm.collectives import Group, all_reduce_mean, done, world
 from thinwire.comm.meter import Meter
 
-Future = torch.futures.Future  # type: ignore[type-arg]
+Future = torch.futures.Future[Any]
 
 
 def shared_index_all_reduce(index_wire: torch.Tensor, leader: int,

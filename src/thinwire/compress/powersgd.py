@@ -25,6 +25,9 @@ from the same Q without communicating it. Error feedback is the caller's
 
 Choices where the paper is open:
 
+* A column of the averaged Q that is exactly zero (the mean gradient was
+  zero, or of rank below r) is not kept for the warm start: the previous
+  column stays, so one zero step does not cost the next one its subspace.
 * Q is not orthonormalised between steps (torch's hook does; the paper and
   its reference code do not). The approximation only depends on span(Q), so
   this changes nothing but rounding.
@@ -120,7 +123,15 @@ class PowerSGD:
             The (n, m) approximation of the mean matrix.
         """
         if self.warm_start:
-            self.qs[key] = q_mean.clone()
+            kept = q_mean.clone()
+            previous = self.qs.get(key)
+            # A zero column (a zero mean gradient, or one of rank below r) would make the
+            # next P's column zero too; keep the previous column there instead. q_mean is
+            # identical on every rank, so is this choice.
+            zero = kept.norm(dim=0) == 0
+            if previous is not None and previous.shape == kept.shape and bool(zero.any()):
+                kept[:, zero] = previous[:, zero].to(kept.dtype)
+            self.qs[key] = kept
         else:
             self.qs.pop(key, None)
         return reconstruct(p_hat, q_mean)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from thinwire.compress.base import check_fraction
@@ -22,6 +20,10 @@ class LowPass(Memory):
     so the range is (0, 1]. (Appendix E calls the unfiltered runs "beta = 0";
     in the update written above, which the main text uses, that case is
     ``beta = 1``.)
+
+    ``beta`` is configuration, not state: :meth:`state_dict` holds the
+    buffers only, so a schedule (App. E.2 raises beta to 1 late in training)
+    is a new memory with the new beta loading the old one's state.
 
     Args:
         beta: the filter's discount factor, in (0, 1].
@@ -44,10 +46,3 @@ class LowPass(Memory):
             self.buffers[key] = residual if self.beta == 1.0 else residual.mul_(self.beta)
             return
         self.buffers[key] = previous.mul(1.0 - self.beta).add_(residual, alpha=self.beta)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "beta": self.beta}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.beta = float(state["beta"])

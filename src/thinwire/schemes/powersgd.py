@@ -120,7 +120,7 @@ class PowerSGDScheme(Scheme):
                 parts.append(right(matrices[key], p_hat).reshape(-1))
             for key in dense:
                 grad = grads[key].reshape(-1).to(dtype)
-                parts.append(grad.clone() if finite else torch.zeros_like(grad))
+                parts.append(grad if finite else torch.zeros_like(grad))  # cat copies
             self._charge(time.perf_counter() - begin)
             return torch.cat(parts)
 

@@ -190,6 +190,7 @@ class CyclicLocalTopK(_SelectedTopK):
                 for key in sparse])
         else:
             wire = torch.empty(sum(wire_sizes.values()), dtype=torch.uint8)
+        chosen_by_key: dict[str, torch.Tensor] = {}  # this launch's own, for its callback
         self._charge(time.perf_counter() - start)
 
         def gather(received: torch.Tensor) -> torch.Tensor:
@@ -200,7 +201,7 @@ class CyclicLocalTopK(_SelectedTopK):
                 numel = grads[key].numel()
                 chosen = decode_indices(received[offset: offset + wire_sizes[key]], ks[key], numel)
                 offset += wire_sizes[key]
-                self.indices[key] = chosen
+                chosen_by_key[key] = self.indices[key] = chosen
                 p = compensated[key]
                 if finite:
                     parts.append(p.reshape(-1)[chosen].to(dtype))
@@ -209,7 +210,7 @@ class CyclicLocalTopK(_SelectedTopK):
                     parts.append(torch.zeros(ks[key], dtype=dtype))
             for key in dense:
                 grad = grads[key].reshape(-1).to(dtype)
-                parts.append(grad.clone() if finite else torch.zeros_like(grad))
+                parts.append(grad if finite else torch.zeros_like(grad))  # cat copies
             self._charge(time.perf_counter() - begin)
             return torch.cat(parts)
 
@@ -227,7 +228,7 @@ class CyclicLocalTopK(_SelectedTopK):
             for key in sparse:
                 grad = grads[key]
                 flat = torch.zeros(grad.numel(), dtype=grad.dtype)
-                flat[self.indices[key]] = mean[offset: offset + ks[key]].to(grad.dtype)
+                flat[chosen_by_key[key]] = mean[offset: offset + ks[key]].to(grad.dtype)
                 offset += ks[key]
                 out[key] = flat.reshape(grad.shape)
             for key in dense:
