@@ -258,10 +258,12 @@ def _cltk_worker(rank: int, world_size: int) -> dict[str, object]:
                 record["indices"] = dict(scheme.indices)
             trace[label].append(record)
             meters[label].next_step()
-    return {"trace": trace, "bytes": {label: m.summary() for label, m in meters.items()}}
+    return {"trace": trace, "bytes": {label: m.summary() for label, m in meters.items()},
+            "ddp": _ddp_run(rank) if world_size == 2 else None}
 
 
-def _ddp_worker(rank: int, world_size: int) -> tuple[list[torch.Tensor], list[int]]:
+def _ddp_run(rank: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Three SGD steps of a small model through DDP with several buckets and clt-k."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 3)).double()
@@ -391,8 +393,9 @@ def test_cltk_bytes_per_worker_do_not_grow_with_world_size_but_local_topks_do(
     assert cltk[1] / cltk[0] == pytest.approx((2 / 3) / (1 / 2))  # ring's 2(n-1)/n, < 2
 
 
-def test_cltk_through_the_ddp_hook_with_several_buckets_keeps_replicas_equal() -> None:
-    (params, launches), (other, _) = spawn(_ddp_worker, 2, timeout_s=30)
+def test_cltk_through_the_ddp_hook_with_several_buckets_keeps_replicas_equal(
+        runs: dict[int, list[dict[str, object]]]) -> None:
+    (params, launches), (other, _) = (run["ddp"] for run in runs[2])
     assert len(launches) > 3 and sum(launches) == 3 * 4  # several buckets per step
     for mine, theirs in zip(params, other, strict=True):
         assert torch.equal(mine, theirs)
