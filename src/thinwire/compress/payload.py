@@ -123,9 +123,10 @@ class SparsePayload:
             indices = buffer[offset : offset + 4 * header].view(torch.int32).to(torch.int64)
             offset += 4 * header
         count = indices.numel()
-        value_bytes = count * torch.empty((), dtype=value_dtype).element_size()
+        element = torch.empty((), dtype=value_dtype).element_size()
+        value_bytes = count * element
         values = buffer[offset : offset + value_bytes]
-        if values.storage_offset() % max(1, count and value_bytes // count):
+        if values.storage_offset() % element:
             values = values.clone()  # fp64 values sit on 4-byte boundaries only
         values = values.view(value_dtype)
         offset += _pad4(value_bytes)
