@@ -1,0 +1,1 @@
+"""Performance and paper-reproduction scripts (never imported by tests)."""

@@ -1,6 +1,7 @@
 """Error-feedback memories: residual (DCT), low-pass (ScaleCom), stochastic drain."""
 
 from thinwire.feedback.base import NONFINITE_POLICIES, Memory, all_finite, check_policy
+from thinwire.feedback.lowpass import LowPass
 from thinwire.feedback.residual import Residual
 
-__all__ = ["NONFINITE_POLICIES", "Memory", "Residual", "all_finite", "check_policy"]
+__all__ = ["NONFINITE_POLICIES", "LowPass", "Memory", "Residual", "all_finite", "check_policy"]

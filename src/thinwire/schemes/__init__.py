@@ -1,6 +1,8 @@
 """Schemes registered by name: ``build("dct-dp", sparsity=0.99)``, ``names()``."""
 
 from thinwire.schemes import builtin as _builtin  # noqa: F401  (registers the schemes)
+from thinwire.schemes import powersgd as _powersgd  # noqa: F401
+from thinwire.schemes import scalecom as _scalecom  # noqa: F401
 from thinwire.schemes.base import CompressedScheme, Scheme
 from thinwire.schemes.registry import build, config_class, names, register
 

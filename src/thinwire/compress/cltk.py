@@ -1,0 +1,140 @@
+"""ScaleCom's CLT-k selection maths: the leader's top-k indices and their wire encoding.
+
+CLT-k (ScaleCom, App. E): at step t the leading worker ``t mod n`` picks the
+top-k indices of its error-feedback gradient ``p = m + g``; every worker
+then sends its own ``p`` at those indices, so the values can be all-reduced.
+Because every worker uses the same index set ``I``,
+``mean_i(p_i[I]) == (mean_i p_i)[I]``: the all-reduced result is exactly
+``CLT_k`` applied to the mean of the workers' ``p``.
+
+Selection (the leader only), per layer of ``N`` entries keeping ``k``:
+
+* ``"chunk"`` (default): the "chunk-wise quasi-sorting" of App. E / Fig. A2.
+  The flat tensor is cut into ``k`` contiguous chunks whose sizes differ by
+  at most one (``N mod k`` chunks of ``ceil(N / k)`` entries, then chunks of
+  ``floor(N / k)``) and the largest ``|p|`` of each chunk is kept (the first
+  one on ties). The appendix does not fix the chunk size; cutting into
+  exactly ``k`` chunks keeps exactly ``k`` entries, so the bytes equal exact
+  top-k's and the two selections compare at the same compression. One
+  vectorised argmax, no sort.
+* ``"exact"``: ``torch.topk`` of ``|p|``.
+
+Indices are returned ascending, so every rank gathers in the same order.
+An index set travels as ``k`` int32 or as a bitmap of ``N`` bits, whichever
+is smaller; both sizes depend only on ``(k, N)``, which every rank knows, so
+the broadcast needs no size round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from thinwire.compress.base import keep_count
+from thinwire.compress.payload import pack_bits, unpack_bits
+
+
+def chunk_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Index of the largest entry of each of ``k`` near-equal contiguous chunks.
+
+    Args:
+        magnitudes: flat tensor of ``|p|``.
+        k: number of chunks (= entries kept), ``0 <= k <= magnitudes.numel()``.
+
+    Returns:
+        ``k`` distinct int64 indices, ascending.
+    """
+    numel = magnitudes.numel()
+    _check_k(k, numel)
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    size, extra = divmod(numel, k)  # `extra` chunks of size + 1, then k - extra of size
+    head = extra * (size + 1)
+    parts = []
+    if extra:
+        starts = torch.arange(extra, dtype=torch.int64) * (size + 1)
+        parts.append(magnitudes[:head].reshape(extra, size + 1).argmax(dim=1) + starts)
+    if k > extra:
+        starts = head + torch.arange(k - extra, dtype=torch.int64) * size
+        parts.append(magnitudes[head:].reshape(k - extra, size).argmax(dim=1) + starts)
+    return torch.cat(parts)
+
+
+def exact_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries (``torch.topk``), ascending."""
+    _check_k(k, magnitudes.numel())
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    indices = torch.topk(magnitudes, k, sorted=False).indices
+    return torch.sort(indices).values
+
+
+SELECTIONS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "chunk": chunk_topk,
+    "exact": exact_topk,
+}
+
+
+def select(tensor: torch.Tensor, k: int, selection: str = "chunk") -> torch.Tensor:
+    """The leader's CLT-k index set of ``tensor`` (any shape; indices into its flat view).
+
+    Raises:
+        ValueError: unknown ``selection`` or ``k`` outside ``[0, numel]``.
+    """
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection={selection!r} must be one of {sorted(SELECTIONS)}")
+    return SELECTIONS[selection](tensor.reshape(-1).abs(), k)
+
+
+def layer_k(numel: int, ratio: float, k: int | None = None) -> int:
+    """Entries kept of a layer of ``numel``: ``k`` capped at ``numel`` if given, else
+    ``keep_count(numel, ratio)`` (ceil, at least one)."""
+    if k is not None:
+        return min(k, numel)
+    return keep_count(numel, ratio)
+
+
+def sparsify(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``CLT_k(tensor)``: ``tensor`` at ``indices``, zero elsewhere (same shape and dtype)."""
+    flat = tensor.reshape(-1)
+    out = torch.zeros_like(flat)
+    out[indices] = flat[indices]
+    return out.reshape(tensor.shape)
+
+
+def _pad4(nbytes: int) -> int:
+    return (nbytes + 3) // 4 * 4
+
+
+def _uses_bitmap(k: int, numel: int) -> bool:
+    return _pad4(math.ceil(numel / 8)) < 4 * k
+
+
+def index_nbytes(k: int, numel: int) -> int:
+    """Wire bytes of ``k`` indices into ``numel`` entries: min(4k, bitmap padded to 4)."""
+    return _pad4(math.ceil(numel / 8)) if _uses_bitmap(k, numel) else 4 * k
+
+
+def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """``indices`` (distinct, ascending) as ``index_nbytes(k, numel)`` uint8."""
+    k = indices.numel()
+    if _uses_bitmap(k, numel):
+        mask = torch.zeros(numel, dtype=torch.bool)
+        mask[indices] = True
+        packed = pack_bits(mask)
+        return torch.nn.functional.pad(packed, (0, index_nbytes(k, numel) - packed.numel()))
+    return indices.to(torch.int32).view(torch.uint8)
+
+
+def decode_indices(wire: torch.Tensor, k: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`encode_indices`: ``k`` int64 indices, ascending."""
+    if _uses_bitmap(k, numel):
+        return unpack_bits(wire[: math.ceil(numel / 8)], numel).nonzero().squeeze(1)
+    return wire.view(torch.int32).to(torch.int64)
+
+
+def _check_k(k: int, numel: int) -> None:
+    if not 0 <= k <= numel:
+        raise ValueError(f"k={k!r} must lie in [0, {numel}] for a tensor of {numel} entries")

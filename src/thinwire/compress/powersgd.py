@@ -1,0 +1,144 @@
+"""PowerSGD maths (Vogels et al., NeurIPS 2019, Alg. 1), one matrix at a time. No collectives.
+
+One rank-r power-iteration step on worker w's matrix ``M_w`` (n x m):
+
+====  =======================================  ==============================
+line  maths                                    here
+====  =======================================  ==============================
+2     ``P_w = M_w Q``                          :meth:`PowerSGD.left`
+3     ``P = mean_w P_w``                       the caller's all-reduce
+4     ``P_hat = orthonormalize(P)``            :func:`orthonormalize`
+5     ``Q_w = M_w^T P_hat``                    :func:`right`
+6     ``Q = mean_w Q_w``                       the caller's all-reduce
+7     ``G_hat = P_hat Q^T``                    :meth:`PowerSGD.finish`
+====  =======================================  ==============================
+
+so that ``G_hat = P_hat P_hat^T mean_w(M_w)``: the projection of the mean
+onto the span of ``mean_w(M_w) Q``. If the mean has rank at most r (and Q
+is generic) the step reconstructs it exactly.
+
+:class:`PowerSGD` holds the per-key state: Q, warm-started (Q of step t is
+the averaged Q of step t - 1, PowerSGD §3 "warm start") or redrawn each step,
+drawn from a seed that depends only on (key, seed, draw) so every rank starts
+from the same Q without communicating it. Error feedback is the caller's
+(``e_w <- M_w - G_hat``, Alg. 2); :class:`thinwire.feedback.Residual` does it.
+
+Choices where the paper is open:
+
+* A column of the averaged Q that is exactly zero (the mean gradient was
+  zero, or of rank below r) is not kept for the warm start: the previous
+  column stays, so one zero step does not cost the next one its subspace.
+* Q is not orthonormalised between steps (torch's hook does; the paper and
+  its reference code do not). The approximation only depends on span(Q), so
+  this changes nothing but rounding.
+* Orthonormalisation is Householder QR (:func:`thinwire.compress.lowrank.orthonormalize`):
+  a zero or repeated column of P (a zero gradient, or rank below r) gives a
+  valid orthonormal basis instead of the NaN of Gram-Schmidt with eps = 0.
+* Which tensors are compressed is :func:`thinwire.compress.lowrank.compressible`:
+  1-D tensors, and those with ``(n + m) r >= n m / 2``, travel dense.
+
+Typical use for one matrix ``M`` (n x m) under key ``"fc.weight"``::
+
+    codec = PowerSGD(rank=2)
+    p = codec.left("fc.weight", M)          # send p, get p_mean
+    p_hat = orthonormalize(p_mean)
+    q = right(M, p_hat)                     # send q, get q_mean
+    approx = codec.finish("fc.weight", p_hat, q_mean)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from thinwire.compress.lowrank import as_matrix, compressible, orthonormalize, seeded_normal
+
+__all__ = ["PowerSGD", "as_matrix", "compressible", "orthonormalize", "reconstruct", "right"]
+
+
+def right(matrix: torch.Tensor, p_hat: torch.Tensor) -> torch.Tensor:
+    """``Q_w = M_w^T P_hat`` (Alg. 1 line 5): (m, r) from (n, m) and (n, r)."""
+    return matrix.t() @ p_hat
+
+
+def reconstruct(p_hat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``P_hat Q^T`` (Alg. 1 line 7): the (n, m) rank-r approximation."""
+    return p_hat @ q.t()
+
+
+class PowerSGD:
+    """Per-key PowerSGD state (Q) and the steps that use it, for one matrix at a time.
+
+    Args:
+        rank: r, columns of P and Q, >= 1.
+        warm_start: reuse the averaged Q of the previous step (True), or draw
+            a fresh Q every step (False).
+        seed: seeds every initial Q; equal on all ranks, so are the Qs.
+
+    Raises:
+        ValueError: ``rank`` < 1, or ``seed`` not an integer.
+    """
+
+    def __init__(self, rank: int, *, warm_start: bool = True, seed: int = 0) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank={rank!r} must be an integer >= 1")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed={seed!r} must be an integer")
+        self.rank = rank
+        self.warm_start = warm_start
+        self.seed = seed
+        self.qs: dict[str, torch.Tensor] = {}  # key -> (m, r) Q for the next step
+        self.draws: dict[str, int] = {}  # key -> Qs drawn so far (seeds the next draw)
+
+    def compresses(self, shape: tuple[int, ...]) -> bool:
+        """Whether a tensor of ``shape`` goes through PowerSGD (else it travels dense)."""
+        return compressible(shape, self.rank)
+
+    def q(self, key: str, matrix: torch.Tensor) -> torch.Tensor:
+        """The Q that ``key``'s next :meth:`left` uses: the warm one, or a fresh seeded draw."""
+        cols = matrix.shape[1]
+        current = self.qs.get(key)
+        if self.warm_start and current is not None and current.shape == (cols, self.rank):
+            return current.to(matrix.dtype)
+        draw = self.draws.get(key, 0)
+        self.draws[key] = draw + 1
+        # Draw d of key k depends only on (k, seed, d): identical on every rank.
+        fresh = seeded_normal(key, (cols, self.rank), seed=self.seed + draw, dtype=matrix.dtype)
+        self.qs[key] = fresh
+        return fresh
+
+    def left(self, key: str, matrix: torch.Tensor) -> torch.Tensor:
+        """``P_w = M_w Q`` (Alg. 1 line 2) for ``key``'s (n, m) matrix: (n, r)."""
+        return matrix @ self.q(key, matrix)
+
+    def finish(self, key: str, p_hat: torch.Tensor, q_mean: torch.Tensor) -> torch.Tensor:
+        """``G_hat = P_hat Q^T`` (Alg. 1 line 7); keeps ``q_mean`` as the next warm start.
+
+        Args:
+            p_hat: the orthonormalised averaged P, (n, r).
+            q_mean: the averaged Q, (m, r); identical on every rank.
+
+        Returns:
+            The (n, m) approximation of the mean matrix.
+        """
+        if self.warm_start:
+            kept = q_mean.clone()
+            previous = self.qs.get(key)
+            # A zero column (a zero mean gradient, or one of rank below r) would make the
+            # next P's column zero too; keep the previous column there instead. q_mean is
+            # identical on every rank, so is this choice.
+            zero = kept.norm(dim=0) == 0
+            if previous is not None and previous.shape == kept.shape and bool(zero.any()):
+                kept[:, zero] = previous[:, zero].to(kept.dtype)
+            self.qs[key] = kept
+        else:
+            self.qs.pop(key, None)
+        return reconstruct(p_hat, q_mean)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"qs": {k: v.clone() for k, v in self.qs.items()}, "draws": dict(self.draws)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.qs = {k: v.clone() for k, v in state["qs"].items()}
+        self.draws = dict(state["draws"])

@@ -1,0 +1,172 @@
+"""PowerSGD (Vogels et al., NeurIPS 2019) as a scheme: two all-reduce rounds, gloo-safe.
+
+Per parameter (never per bucket, so DDP's re-bucketing cannot mix up state):
+``M = grad + error`` as a matrix, ``P = M Q``, all-reduce P (blocking, in the
+caller's thread), ``P_hat = orthonormalize(P)``, ``Q = M^T P_hat``,
+all-reduce Q together with the dense tensors (the only asynchronous round),
+``G_hat = P_hat Q^T``, ``error <- M - G_hat``. Before ``start_iter``, and for
+tensors that do not compress (1-D, or ``(n + m) r >= n m / 2``), gradients
+are all-reduced dense. The maths is :mod:`thinwire.compress.powersgd`; the
+rounds are :func:`thinwire.comm.lowrank_rounds.two_round_all_reduce`.
+
+No collective is ever issued or waited on inside a future callback, so it
+works through the DDP hook with any number of buckets on gloo, where torch
+2.13's own ``powerSGD_hook`` deadlocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import reduce
+from typing import Any
+
+import torch
+
+from thinwire.comm import done, world
+from thinwire.comm.collectives import Group
+from thinwire.comm.lowrank_rounds import two_round_all_reduce
+from thinwire.compress.powersgd import PowerSGD, as_matrix, orthonormalize, right
+from thinwire.feedback import Residual, all_finite
+from thinwire.schemes.base import Future, Scheme
+from thinwire.schemes.registry import register, validate_common
+
+
+@dataclass(frozen=True)
+class PowerSGDConfig:
+    """Options of ``powersgd``."""
+
+    rank: int = 2  # r, columns of the factors P and Q, >= 1
+    start_iter: int = 0  # steps all-reduced dense before PowerSGD starts, >= 0
+    warm_start: bool = True  # reuse the previous step's Q (else draw a fresh one each step)
+    seed: int = 0  # seeds the initial Q, equal on every rank
+    error_feedback: bool = True  # keep M - G_hat and add it to the next gradient
+    nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank={self.rank!r} must be an integer >= 1")
+        if (isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int)
+                or self.start_iter < 0):
+            raise ValueError(f"start_iter={self.start_iter!r} must be an integer >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an integer")
+        for name in ("warm_start", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        validate_common(self)
+
+
+class PowerSGDScheme(Scheme):
+    """Rank-r PowerSGD with warm start and error feedback, per parameter.
+
+    Args:
+        config: a :class:`PowerSGDConfig`.
+
+    Attributes:
+        codec: the per-key Q state (:class:`thinwire.compress.powersgd.PowerSGD`).
+        memory: the error ``M - G_hat`` per key, or None without error feedback.
+    """
+
+    def __init__(self, config: PowerSGDConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.codec = PowerSGD(config.rank, warm_start=config.warm_start, seed=config.seed)
+        self.memory = Residual() if config.error_feedback else None
+        self.steps: dict[str, int] = {}  # key -> launches so far
+
+    def low_rank(self, shape: tuple[int, ...], step: int) -> bool:
+        """Whether a tensor of ``shape`` is compressed at ``step`` (the same on every rank)."""
+        return step >= self.config.start_iter and self.codec.compresses(shape)
+
+    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future:
+        """Average ``grads`` (not modified) with PowerSGD; the future holds a dict."""
+        if not grads:
+            return done({})
+        start = time.perf_counter()
+        _, n = world(group)
+        finite = all_finite(grads, self.config.nonfinite)
+        if not finite:
+            self.skipped += 1
+        step = self.steps.get(next(iter(grads)), 0)
+        for key in grads:
+            self.steps[key] = self.steps.get(key, 0) + 1
+        low = [key for key, grad in grads.items() if self.low_rank(tuple(grad.shape), step)]
+        dense = [key for key in grads if key not in set(low)]
+        dtype = reduce(torch.promote_types, (grad.dtype for grad in grads.values()))
+        rank = self.config.rank
+        compensated: dict[str, torch.Tensor] = {}
+        for key in low:
+            grad = grads[key] if finite else torch.zeros_like(grads[key])
+            # A skipped (non-finite) step contributes zeros; the memory is kept for later.
+            compensated[key] = (grad if self.memory is None or not finite
+                                else self.memory.compensate(key, grad))
+        matrices = {key: as_matrix(compensated[key]).to(dtype) for key in low}
+        ps = [self.codec.left(key, matrices[key]).reshape(-1) for key in low]
+        first = torch.cat(ps) if ps else torch.zeros(0, dtype=dtype)
+        p_hats: dict[str, torch.Tensor] = {}
+        self._charge(time.perf_counter() - start)
+
+        def second(p_mean: torch.Tensor) -> torch.Tensor:
+            begin = time.perf_counter()
+            parts = []
+            offset = 0
+            for key in low:
+                rows = matrices[key].shape[0]
+                p_hat = orthonormalize(p_mean[offset: offset + rows * rank].view(rows, rank))
+                offset += rows * rank
+                p_hats[key] = p_hat
+                parts.append(right(matrices[key], p_hat).reshape(-1))
+            for key in dense:
+                grad = grads[key].reshape(-1).to(dtype)
+                parts.append(grad if finite else torch.zeros_like(grad))  # cat copies
+            self._charge(time.perf_counter() - begin)
+            return torch.cat(parts)
+
+        size = torch.empty((), dtype=dtype).element_size()
+        future = two_round_all_reduce(
+            first, second, group=group, meter=self.meter,
+            first_segments=[(key, matrices[key].shape[0] * rank * size) for key in low],
+            second_segments=[(key, matrices[key].shape[1] * rank * size) for key in low]
+            + [(key, grads[key].numel() * size) for key in dense])
+
+        def decompress(fut: Future) -> dict[str, torch.Tensor]:
+            begin = time.perf_counter()
+            mean = fut.value()
+            out: dict[str, torch.Tensor] = {}
+            offset = 0
+            for key in low:
+                grad = grads[key]
+                cols = matrices[key].shape[1]
+                q_mean = mean[offset: offset + cols * rank].view(cols, rank)
+                offset += cols * rank
+                approx = self.codec.finish(key, p_hats[key], q_mean).reshape(grad.shape)
+                if self.memory is not None and finite:
+                    self.memory.update(key, compensated[key], approx)  # e <- M - G_hat
+                out[key] = approx.to(grad.dtype)
+            for key in dense:
+                grad = grads[key]
+                out[key] = mean[offset: offset + grad.numel()].to(grad.dtype).reshape(grad.shape)
+                offset += grad.numel()
+            self._charge(time.perf_counter() - begin)
+            return {key: out[key] for key in grads}
+
+        return future.then(decompress)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "codec": self.codec.state_dict(),
+                "memory": None if self.memory is None else self.memory.state_dict(),
+                "steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.codec.load_state_dict(state["codec"])
+        if self.memory is not None:
+            self.memory.load_state_dict(state["memory"])
+        self.steps = dict(state["steps"])
+
+
+@register("powersgd", PowerSGDConfig)
+def _powersgd(config: PowerSGDConfig) -> Scheme:
+    return PowerSGDScheme(config)

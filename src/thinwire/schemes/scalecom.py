@@ -1,0 +1,330 @@
+"""ScaleCom's CLT-k (cyclic local top-k) and the local top-k baseline whose bytes build up.
+
+Both schemes share everything but the transport: the same per-layer k, the
+same selection (chunk-wise or exact top-k), the same low-pass error memory,
+warm-up and dense exclusions. So a comparison of the two isolates the one
+thing ScaleCom changes -- who chooses the indices.
+
+* ``clt-k`` (:class:`CyclicLocalTopK`, ScaleCom App. E): at step t the
+  leader is rank ``t mod n``; it selects the top-k indices of its own
+  ``p = m + g`` and broadcasts them (entity ``"index"``); every rank gathers
+  its own ``p`` there and the values are all-reduced (``"W_grad"``).
+  Per-rank bytes handed: k values + k indices (or a bitmap) per layer, the
+  same at any world size.
+* ``local-topk`` (:class:`LocalTopK`): each rank sends its own top-k
+  (values + indices) by all-gather and sums what it receives; every rank
+  receives all n payloads, so its inbound bytes grow linearly with n (the
+  "gradient build-up" of ScaleCom App. F).
+
+The memory update is ``m <- (1 - beta) m + beta (p - C(p))`` with ``C(p)``
+this rank's own sparsified ``p`` (:class:`thinwire.feedback.LowPass`).
+Steps are counted per parameter name; the keys launched together (one DDP
+bucket) share the step of the first one, so every layer of a step has the
+same leader.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from functools import reduce
+from typing import Any
+
+import torch
+
+from thinwire.comm import all_gather_bytes, all_reduce_mean, done, world
+from thinwire.comm._metered import record_segments
+from thinwire.comm.collectives import Group
+from thinwire.comm.shared_index import shared_index_all_reduce
+from thinwire.compress import SparsePayload
+from thinwire.compress.base import check_fraction
+from thinwire.compress.cltk import (
+    SELECTIONS,
+    decode_indices,
+    encode_indices,
+    index_nbytes,
+    layer_k,
+    select,
+    sparsify,
+)
+from thinwire.feedback import LowPass, all_finite
+from thinwire.schemes.base import Future, Scheme
+from thinwire.schemes.registry import register, validate_common, validate_ratio
+
+
+@dataclass(frozen=True)
+class CLTkConfig:
+    """Options of ``clt-k`` (and, unchanged, of ``local-topk``)."""
+
+    ratio: float = 0.01  # fraction of each layer's entries sent, in (0, 1]; ~100x
+    k: int | None = None  # entries sent per layer instead of ratio (>= 1, capped at the size)
+    selection: str = "chunk"  # "chunk": top of each of k equal chunks; "exact": top-k
+    beta: float = 1.0  # low-pass factor of the memory, in (0, 1]; 1 is plain error feedback
+    warmup_steps: int = 0  # steps all-reduced dense before compression starts
+    exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
+    min_numel: int = 0  # tensors with fewer entries are sent dense
+    nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+
+    def __post_init__(self) -> None:
+        validate_ratio(self.ratio)
+        if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
+                                   or self.k < 1):
+            raise ValueError(f"k={self.k!r} must be None or an integer >= 1")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection={self.selection!r} must be one of {sorted(SELECTIONS)}")
+        check_fraction("beta", self.beta, 0.0, 1.0, closed_low=False, closed_high=True)
+        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
+                or self.warmup_steps < 0):
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        # A comma-separated string (from a command line) is a list of patterns.
+        patterns = self.exclude.split(",") if isinstance(self.exclude, str) else self.exclude
+        if not all(isinstance(p, str) for p in patterns):
+            raise ValueError(f"exclude={self.exclude!r} must be name patterns (strings)")
+        patterns = tuple(p.strip() for p in patterns if p.strip())
+        object.__setattr__(self, "exclude", patterns)
+        validate_common(self)
+
+
+@dataclass(frozen=True)
+class LocalTopKConfig(CLTkConfig):
+    """Options of ``local-topk``: those of ``clt-k``, so the two compare like for like."""
+
+
+def _common_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
+    return reduce(torch.promote_types, (t.dtype for t in tensors.values()))
+
+
+class _SelectedTopK(Scheme):
+    """What CLT-k and local top-k share: routing, k per layer, memory, step counters.
+
+    Args:
+        config: a :class:`CLTkConfig`.
+    """
+
+    def __init__(self, config: CLTkConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.memory = LowPass(config.beta)
+        self.steps: dict[str, int] = {}  # key -> launches so far
+
+    def _begin(self, grads: Mapping[str, torch.Tensor]) -> int:
+        """This launch's step (that of its first key); advances every key's counter."""
+        step = self.steps.get(next(iter(grads)), 0)
+        for key in grads:
+            self.steps[key] = self.steps.get(key, 0) + 1
+        return step
+
+    def _finite(self, grads: Mapping[str, torch.Tensor]) -> bool:
+        finite = all_finite(grads, self.config.nonfinite)
+        if not finite:
+            self.skipped += 1
+        return finite
+
+    def sparse(self, key: str, numel: int, step: int) -> bool:
+        """Whether ``key``'s tensor is sparsified at ``step`` (the same on every rank)."""
+        config = self.config
+        return (step >= config.warmup_steps and numel > 0 and numel >= config.min_numel
+                and not any(fnmatchcase(key, pattern) for pattern in config.exclude))
+
+    def k(self, numel: int) -> int:
+        """Entries sent of a layer of ``numel``."""
+        return layer_k(numel, self.config.ratio, self.config.k)
+
+    def _split(self, grads: Mapping[str, torch.Tensor],
+               step: int) -> tuple[list[str], list[str]]:
+        sparse = [key for key, grad in grads.items() if self.sparse(key, grad.numel(), step)]
+        dense = [key for key in grads if key not in set(sparse)]
+        return sparse, dense
+
+    def _compensated(self, key: str, grad: torch.Tensor, finite: bool) -> torch.Tensor:
+        # A skipped (non-finite) gradient counts as zero: p is the memory alone.
+        return self.memory.compensate(key, grad if finite else torch.zeros_like(grad))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "memory": self.memory.state_dict(),
+                "steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.memory.load_state_dict(state["memory"])
+        self.steps = dict(state["steps"])
+
+
+class CyclicLocalTopK(_SelectedTopK):
+    """ScaleCom's CLT-k: a rotating leader's indices, shared by every rank, all-reduced.
+
+    Attributes:
+        leader: the leader of the last launch (``step mod n``).
+        indices: key -> the index set used by the last launch (int64, ascending).
+    """
+
+    def __init__(self, config: CLTkConfig) -> None:
+        super().__init__(config)
+        self.leader = 0
+        self.indices: dict[str, torch.Tensor] = {}
+
+    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future:
+        """Average ``grads`` (not modified) with CLT-k; the future holds a dict of results.
+
+        Round 1 (blocking) broadcasts the leader's indices, round 2 (async)
+        all-reduces the values at them together with the dense tensors.
+        """
+        if not grads:
+            return done({})
+        start = time.perf_counter()
+        rank, n = world(group)
+        finite = self._finite(grads)
+        step = self._begin(grads)
+        leader = self.leader = step % n
+        sparse, dense = self._split(grads, step)
+        dtype = _common_dtype(grads)
+        ks = {key: self.k(grads[key].numel()) for key in sparse}
+        wire_sizes = {key: index_nbytes(ks[key], grads[key].numel()) for key in sparse}
+        compensated = {key: self._compensated(key, grads[key], finite) for key in sparse}
+        if rank == leader and sparse:
+            wire = torch.cat([
+                encode_indices(select(compensated[key], ks[key], self.config.selection),
+                               grads[key].numel())
+                for key in sparse])
+        else:
+            wire = torch.empty(sum(wire_sizes.values()), dtype=torch.uint8)
+        chosen_by_key: dict[str, torch.Tensor] = {}  # this launch's own, for its callback
+        self._charge(time.perf_counter() - start)
+
+        def gather(received: torch.Tensor) -> torch.Tensor:
+            begin = time.perf_counter()
+            parts = []
+            offset = 0
+            for key in sparse:
+                numel = grads[key].numel()
+                chosen = decode_indices(received[offset: offset + wire_sizes[key]], ks[key], numel)
+                offset += wire_sizes[key]
+                chosen_by_key[key] = self.indices[key] = chosen
+                p = compensated[key]
+                if finite:
+                    parts.append(p.reshape(-1)[chosen].to(dtype))
+                    self.memory.update(key, p, sparsify(p, chosen))
+                else:  # contribute nothing, leave the memory as it was
+                    parts.append(torch.zeros(ks[key], dtype=dtype))
+            for key in dense:
+                grad = grads[key].reshape(-1).to(dtype)
+                parts.append(grad if finite else torch.zeros_like(grad))  # cat copies
+            self._charge(time.perf_counter() - begin)
+            return torch.cat(parts)
+
+        size = torch.empty((), dtype=dtype).element_size()
+        future = shared_index_all_reduce(
+            wire, leader, gather, group=group, meter=self.meter,
+            index_segments=[(key, wire_sizes[key]) for key in sparse],
+            value_segments=[(key, ks[key] * size) for key in sparse]
+            + [(key, grads[key].numel() * size) for key in dense])
+
+        def scatter(fut: Future) -> dict[str, torch.Tensor]:
+            mean = fut.value()
+            out: dict[str, torch.Tensor] = {}
+            offset = 0
+            for key in sparse:
+                grad = grads[key]
+                flat = torch.zeros(grad.numel(), dtype=grad.dtype)
+                flat[chosen_by_key[key]] = mean[offset: offset + ks[key]].to(grad.dtype)
+                offset += ks[key]
+                out[key] = flat.reshape(grad.shape)
+            for key in dense:
+                grad = grads[key]
+                out[key] = mean[offset: offset + grad.numel()].to(grad.dtype).reshape(grad.shape)
+                offset += grad.numel()
+            return {key: out[key] for key in grads}
+
+        return future.then(scatter)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "leader": self.leader}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.leader = state["leader"]
+
+
+class LocalTopK(_SelectedTopK):
+    """Local top-k with error feedback: each rank's own indices, exchanged by sparse all-gather.
+
+    Sparse payloads (``k`` values + int32 indices or a bitmap, with a header)
+    travel through :func:`thinwire.comm.all_gather_bytes`; each rank sums all
+    n payloads in rank order and divides by n. Dense tensors are all-reduced.
+    """
+
+    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future:
+        """Average ``grads`` (not modified) with local top-k; the future holds a dict."""
+        if not grads:
+            return done({})
+        start = time.perf_counter()
+        _, n = world(group)
+        finite = self._finite(grads)
+        step = self._begin(grads)
+        sparse, dense = self._split(grads, step)
+        payloads: dict[str, SparsePayload] = {}
+        for key in sparse:
+            p = self._compensated(key, grads[key], finite)
+            flat = p.reshape(-1)
+            if finite:
+                chosen = select(p, self.k(p.numel()), self.config.selection)
+                self.memory.update(key, p, sparsify(p, chosen))
+            else:  # contribute nothing, leave the memory as it was
+                chosen = torch.zeros(0, dtype=torch.int64)
+            payloads[key] = SparsePayload(flat[chosen], chosen, flat.numel())
+        futures = []
+        if dense:
+            dtype = _common_dtype({key: grads[key] for key in dense})
+            flat = torch.cat([grads[key].reshape(-1).to(dtype) for key in dense])
+            if not finite:
+                flat.zero_()
+            size = flat.element_size()
+            record_segments(self.meter, "W_grad", "all_reduce",
+                            [(key, grads[key].numel() * size) for key in dense], n)
+            futures.append(all_reduce_mean(flat, group))
+        if sparse:
+            wire = torch.cat([payloads[key].to_bytes() for key in sparse])
+            segments = [(key, payloads[key].nbytes) for key in sparse]
+            futures.append(all_gather_bytes(wire, group, self.meter, segments))
+        self._charge(time.perf_counter() - start)
+
+        def total(fut: Future) -> dict[str, torch.Tensor]:
+            begin = time.perf_counter()
+            results = [f.value() for f in fut.value()]
+            out: dict[str, torch.Tensor] = {}
+            if dense:
+                mean = results.pop(0)
+                offset = 0
+                for key in dense:
+                    grad = grads[key]
+                    out[key] = (mean[offset: offset + grad.numel()].to(grad.dtype)
+                                .reshape(grad.shape))
+                    offset += grad.numel()
+            if sparse:
+                sums = {key: torch.zeros(grads[key].numel(), dtype=grads[key].dtype)
+                        for key in sparse}
+                for buffer in results.pop(0):  # rank order: the same sum on every rank
+                    offset = 0
+                    for key in sparse:
+                        payload, used = SparsePayload.from_bytes(
+                            buffer[offset:], grads[key].numel(), grads[key].dtype)
+                        sums[key].index_add_(0, payload.indices, payload.values)
+                        offset += used
+                for key in sparse:
+                    out[key] = (sums[key] / n).reshape(grads[key].shape)
+            self._charge(time.perf_counter() - begin)
+            return {key: out[key] for key in grads}
+
+        return torch.futures.collect_all(futures).then(total)
+
+
+@register("clt-k", CLTkConfig)
+def _clt_k(config: CLTkConfig) -> Scheme:
+    return CyclicLocalTopK(config)
+
+
+@register("local-topk", LocalTopKConfig)
+def _local_topk(config: LocalTopKConfig) -> Scheme:
+    return LocalTopK(config)

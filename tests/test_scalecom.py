@@ -1,0 +1,405 @@
+"""ScaleCom CLT-k and local top-k: selection maths, low-pass memory, schemes, bytes."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from thinwire import ddp, schemes
+from thinwire.comm import Meter
+from thinwire.compress.cltk import (
+    chunk_topk,
+    decode_indices,
+    encode_indices,
+    exact_topk,
+    index_nbytes,
+    layer_k,
+    select,
+    sparsify,
+)
+from thinwire.feedback import LowPass, Residual
+from thinwire.train.launch import spawn
+
+# ---------------------------------------------------------------- selection maths
+
+
+def _chunk_reference(values: np.ndarray, k: int) -> list[int]:
+    """Argmax of |x| in each of numpy's array_split chunks (sizes differ by at most one)."""
+    chosen, start = [], 0
+    for chunk in np.array_split(np.abs(values), k):
+        chosen.append(start + int(np.argmax(chunk)))
+        start += chunk.size
+    return chosen
+
+
+@pytest.mark.parametrize("numel,k", [(1, 1), (10, 3), (10, 10), (97, 7), (100, 1), (1000, 10),
+                                     (1001, 13)])
+def test_chunk_topk_takes_the_largest_of_each_chunk(numel: int, k: int) -> None:
+    values = torch.randn(numel, dtype=torch.float64)
+    chosen = chunk_topk(values.abs(), k)
+    assert chosen.tolist() == _chunk_reference(values.numpy(), k)
+    assert chosen.numel() == k and torch.equal(chosen, torch.sort(chosen).values)
+    assert torch.unique(chosen).numel() == k
+
+
+def test_chunk_topk_breaks_ties_at_the_first_entry() -> None:
+    assert chunk_topk(torch.zeros(8), 2).tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("numel,k", [(10, 3), (1000, 10), (64, 64)])
+def test_exact_topk_is_the_k_largest_magnitudes(numel: int, k: int) -> None:
+    values = torch.randn(numel, dtype=torch.float64)
+    expected = sorted(np.argsort(-np.abs(values.numpy()))[:k].tolist())
+    assert exact_topk(values.abs(), k).tolist() == expected
+    assert select(values.reshape(2, -1) if numel % 2 == 0 else values, k,
+                  "exact").tolist() == expected
+
+
+def test_selection_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="selection='best'"):
+        select(torch.ones(4), 2, "best")
+    with pytest.raises(ValueError, match="k=5"):
+        chunk_topk(torch.ones(4), 5)
+    with pytest.raises(ValueError, match="k=-1"):
+        exact_topk(torch.ones(4), -1)
+    assert chunk_topk(torch.ones(4), 0).numel() == 0 and exact_topk(torch.ones(4), 0).numel() == 0
+
+
+def test_layer_k_uses_ratio_or_a_capped_k() -> None:
+    assert layer_k(1000, 0.01) == 10 and layer_k(10, 0.01) == 1
+    assert layer_k(1000, 0.01, k=7) == 7 and layer_k(5, 0.01, k=7) == 5
+
+
+@pytest.mark.parametrize("numel,k", [(1000, 10), (1000, 31), (1000, 32), (1000, 300), (9, 9),
+                                     (33, 2), (7, 0)])
+def test_index_codec_round_trips_in_its_declared_bytes(numel: int, k: int) -> None:
+    indices = torch.sort(torch.randperm(numel)[:k]).values
+    wire = encode_indices(indices, numel)
+    assert wire.dtype == torch.uint8
+    assert wire.numel() == index_nbytes(k, numel) == min(4 * k, (-(-numel // 8) + 3) // 4 * 4)
+    assert torch.equal(decode_indices(wire, k, numel), indices)
+
+
+def test_sparsify_keeps_only_the_indices() -> None:
+    tensor = torch.arange(1.0, 7.0).reshape(2, 3)
+    assert torch.equal(sparsify(tensor, torch.tensor([1, 5])),
+                       torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, 6.0]]))
+
+# ---------------------------------------------------------------- low-pass memory
+
+
+def test_lowpass_with_beta_one_is_plain_error_feedback() -> None:
+    lowpass, residual = LowPass(1.0), Residual()
+    for _ in range(4):
+        grad = torch.randn(20, dtype=torch.float64)
+        for memory in (lowpass, residual):
+            compensated = memory.compensate("w", grad)
+            memory.update("w", compensated, sparsify(compensated, torch.tensor([1, 7])))
+        assert torch.equal(lowpass.buffers["w"], residual.buffers["w"])
+
+
+def test_lowpass_filters_the_residual() -> None:
+    memory = LowPass(0.25)
+    m = torch.zeros(6, dtype=torch.float64)
+    for _ in range(3):
+        grad = torch.randn(6, dtype=torch.float64)
+        p = memory.compensate("w", grad)
+        assert torch.equal(p, grad + m)
+        sent = sparsify(p, torch.tensor([0, 3]))
+        memory.update("w", p, sent)
+        m = 0.75 * m + 0.25 * (p - sent)
+        torch.testing.assert_close(memory.buffers["w"], m, rtol=1e-15, atol=0.0)
+    restored = LowPass(0.25)
+    restored.load_state_dict(copy.deepcopy(memory.state_dict()))
+    assert torch.equal(restored.buffers["w"], memory.buffers["w"])
+    grad = torch.randn(6, dtype=torch.float64)
+    for twin in (memory, restored):
+        p = twin.compensate("w", grad)
+        twin.update("w", p, sparsify(p, torch.tensor([2])))
+    assert torch.equal(restored.buffers["w"], memory.buffers["w"])
+
+
+@pytest.mark.parametrize("beta", [0.0, -0.1, 1.5, float("nan")])
+def test_lowpass_rejects_beta_outside_the_unit_interval(beta: float) -> None:
+    with pytest.raises(ValueError, match="beta"):
+        LowPass(beta)
+
+# ---------------------------------------------------------------- schemes, one process
+
+
+def _grads(step: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return {"conv.weight": torch.randn(4, 3, 3, 3, generator=generator, dtype=dtype),
+            "fc.weight": torch.randn(10, 20, generator=generator, dtype=dtype),
+            "fc.bias": torch.randn(10, generator=generator, dtype=dtype)}
+
+
+@pytest.mark.parametrize("name", ["clt-k", "local-topk"])
+def test_one_worker_with_beta_one_is_topk_with_error_feedback(name: str) -> None:
+    ours = schemes.build(name, ratio=0.1, selection="exact", beta=1.0)
+    reference = schemes.build("topk", ratio=0.1)
+    for step in range(5):
+        grads = _grads(step, torch.float32)  # the topk scheme sends fp32 values
+        got, expected = ours.reduce(grads), reference.reduce(grads)
+        for key in grads:
+            assert torch.equal(got[key], expected[key]), (step, key)
+
+
+def test_one_worker_chunk_selection_with_lowpass_matches_a_reference() -> None:
+    scheme = schemes.build("clt-k", ratio=0.05, beta=0.5)
+    memory = {key: torch.zeros_like(g) for key, g in _grads(0).items()}
+    for step in range(4):
+        grads = _grads(step)
+        got = scheme.reduce(grads)
+        for key, grad in grads.items():
+            p = grad + memory[key]
+            k = max(1, int(np.ceil(p.numel() * 0.05)))
+            chosen = torch.tensor(_chunk_reference(p.reshape(-1).numpy(), k))
+            expected = sparsify(p, chosen)
+            assert torch.equal(got[key], expected)
+            memory[key] = 0.5 * memory[key] + 0.5 * (p - expected)
+            torch.testing.assert_close(scheme.memory.buffers[key], memory[key], rtol=1e-15,
+                                       atol=0.0)
+
+
+def test_warmup_exclusions_and_small_tensors_travel_dense() -> None:
+    scheme = schemes.build("clt-k", ratio=0.05, warmup_steps=2, exclude="conv.*",
+                           min_numel=11)
+    for step in range(3):
+        grads = _grads(step)
+        got = scheme.reduce(grads)
+        dense = {"conv.weight", "fc.bias"} | ({"fc.weight"} if step < 2 else set())
+        for key in grads:
+            if key in dense:
+                assert torch.equal(got[key], grads[key]) and key not in scheme.memory.buffers
+            else:
+                assert int((got[key] != 0).sum()) == 10 and key in scheme.memory.buffers
+
+
+def test_nonfinite_gradients_are_skipped_without_touching_memory() -> None:
+    scheme = schemes.build("clt-k", ratio=0.1, nonfinite="skip")
+    scheme.reduce(_grads(0))
+    before = copy.deepcopy(scheme.memory.state_dict())
+    bad = _grads(1)
+    bad["fc.weight"][0, 0] = float("nan")
+    got = scheme.reduce(bad)
+    assert scheme.skipped == 1 and all(bool((v == 0).all()) for v in got.values())
+    for key, buffer in before["buffers"].items():
+        assert torch.equal(scheme.memory.buffers[key], buffer)
+    with pytest.raises(FloatingPointError, match="fc.weight"):
+        schemes.build("clt-k").reduce(bad)
+
+
+@pytest.mark.parametrize("name", ["clt-k", "local-topk"])
+def test_state_dict_resumes_exactly(name: str) -> None:
+    scheme = schemes.build(name, ratio=0.1, beta=0.5)
+    for step in range(3):
+        scheme.reduce(_grads(step))
+    state = copy.deepcopy(scheme.state_dict())
+    resumed = schemes.build(name, ratio=0.1, beta=0.5)
+    resumed.load_state_dict(state)
+    for step in range(3, 6):
+        got, expected = resumed.reduce(_grads(step)), scheme.reduce(_grads(step))
+        for key in got:
+            assert torch.equal(got[key], expected[key])
+    assert resumed.state_dict()["steps"] == scheme.state_dict()["steps"] == {
+        key: 6 for key in _grads(0)}
+
+
+@pytest.mark.parametrize("name", ["clt-k", "local-topk"])
+@pytest.mark.parametrize("option,value", [
+    ("beta", 0.0), ("beta", 1.01), ("ratio", 0.0), ("ratio", 1.5), ("k", 0), ("k", 2.5),
+    ("selection", "sorted"), ("warmup_steps", -1), ("exclude", [3]), ("nonfinite", "ignore"),
+])
+def test_bad_config_is_a_value_error(name: str, option: str, value: object) -> None:
+    with pytest.raises(ValueError, match=option):
+        schemes.build(name, **{option: value})
+
+# ---------------------------------------------------------------- distributed (gloo)
+
+
+STEPS = 6  # a multiple of 2 and 3: every rank leads equally often
+
+
+def _worker_grads(rank: int, step: int) -> dict[str, torch.Tensor]:
+    """Float64 multiples of 3/4096 in a wide range (ties are rare): means over 3 ranks,
+    and the low-pass halvings, are exact, so no sum rounds in any order."""
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    shapes = {"conv.weight": (4, 3, 3, 3), "fc.weight": (20, 100), "fc.bias": (20,)}
+    return {key: torch.randint(-2**20, 2**20, shape, generator=generator).double() * 3 / 4096
+            for key, shape in shapes.items()}
+
+
+CONFIGS = {  # name -> (scheme, options)
+    "chunk": ("clt-k", {"ratio": 0.02, "beta": 1.0}),  # int32 indices
+    "exact": ("clt-k", {"ratio": 0.2, "beta": 0.5, "selection": "exact"}),  # bitmaps
+    "local": ("local-topk", {"ratio": 0.02}),
+}
+
+
+def _cltk_worker(rank: int, world_size: int) -> dict[str, object]:
+    built = {label: schemes.build(name, **options) for label, (name, options) in CONFIGS.items()}
+    meters = {}
+    for label, scheme in built.items():
+        scheme.meter = meters[label] = Meter(rank, world_size)
+    trace: dict[str, list[dict[str, object]]] = {label: [] for label in built}
+    for step in range(STEPS):
+        grads = _worker_grads(rank, step)
+        for label, scheme in built.items():
+            result = scheme.reduce(grads)
+            record: dict[str, object] = {"result": result,
+                                         "memory": dict(scheme.memory.buffers)}
+            if label != "local":
+                record["leader"] = scheme.leader
+                record["indices"] = dict(scheme.indices)
+            trace[label].append(record)
+            meters[label].next_step()
+    return {"trace": trace, "bytes": {label: m.summary() for label, m in meters.items()},
+            "ddp": _ddp_run(rank) if world_size == 2 else None}
+
+
+def _ddp_run(rank: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Three SGD steps of a small model through DDP with several buckets and clt-k."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 3)).double()
+    # torch 2.13 rebuilds a small model into one bucket after the first step unless it
+    # looks for unused parameters; then the small cap keeps several buckets.
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=0.001, find_unused_parameters=True)
+    scheme = schemes.build("clt-k", ratio=0.1)
+    launches: list[int] = []
+    launch = scheme.launch
+
+    def counted(grads, group=None):  # type: ignore[no-untyped-def]
+        launches.append(len(grads))
+        return launch(grads, group)
+
+    scheme.launch = counted  # type: ignore[method-assign]
+    ddp.register(wrapped, scheme)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        optimizer.zero_grad()
+        inputs = torch.randn(8, 16, generator=generator, dtype=torch.float64)
+        wrapped(inputs).square().mean().backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], launches
+
+
+def _reference(label: str, world_size: int) -> list[dict[str, object]]:
+    """CLT-k written out on all ranks' p in one process (App. E)."""
+    name, options = CONFIGS[label]
+    ratio, beta = options["ratio"], options.get("beta", 1.0)
+    selection = options.get("selection", "chunk")
+    memory = [{key: torch.zeros_like(g) for key, g in _worker_grads(0, 0).items()}
+              for _ in range(world_size)]
+    steps = []
+    for step in range(STEPS):
+        grads = [_worker_grads(rank, step) for rank in range(world_size)]
+        leader = step % world_size
+        expected: dict[str, object] = {"leader": leader, "result": {}, "indices": {},
+                                       "memory": [{} for _ in range(world_size)]}
+        for key in grads[0]:
+            ps = [grads[r][key] + memory[r][key] for r in range(world_size)]
+            k = max(1, int(np.ceil(ps[0].numel() * ratio - 1e-9)))
+            lead = ps[leader].reshape(-1).numpy()
+            if selection == "chunk":
+                chosen = torch.tensor(_chunk_reference(lead, k))
+            else:
+                chosen = torch.tensor(sorted(np.argsort(-np.abs(lead))[:k].tolist()))
+            mean = torch.stack(ps).mean(dim=0)
+            expected["result"][key] = sparsify(mean, chosen)  # CLT_k of the mean
+            expected["indices"][key] = chosen
+            for r in range(world_size):
+                memory[r][key] = (1 - beta) * memory[r][key] + beta * (
+                    ps[r] - sparsify(ps[r], chosen))
+                expected["memory"][r][key] = memory[r][key]
+        steps.append(expected)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[dict[str, object]]]:
+    return {n: spawn(_cltk_worker, n, timeout_s=60) for n in (2, 3)}
+
+
+@pytest.mark.parametrize("label", ["chunk", "exact"])
+def test_cltk_result_is_cltk_of_the_mean_at_the_leaders_indices(
+        runs: dict[int, list[dict[str, object]]], label: str) -> None:
+    for n, ranks in runs.items():
+        for step, expected in enumerate(_reference(label, n)):
+            for rank, run in enumerate(ranks):
+                got = run["trace"][label][step]
+                assert got["leader"] == expected["leader"] == step % n
+                for key, value in expected["result"].items():
+                    # float64, exact: the values are chosen so that no sum rounds.
+                    assert torch.equal(got["result"][key], value), (n, step, rank, key)
+                    assert torch.equal(got["indices"][key], expected["indices"][key])
+                    assert torch.equal(got["memory"][key], expected["memory"][rank][key])
+
+
+def test_the_leader_rotates_through_every_rank(
+        runs: dict[int, list[dict[str, object]]]) -> None:
+    for n, ranks in runs.items():
+        for run in ranks:
+            leaders = [record["leader"] for record in run["trace"]["chunk"]]
+            assert leaders == [step % n for step in range(STEPS)]
+            assert set(leaders) == set(range(n))
+
+
+def test_local_topk_sums_every_ranks_own_topk(runs: dict[int, list[dict[str, object]]]) -> None:
+    for n, ranks in runs.items():
+        memory = [{key: torch.zeros_like(g) for key, g in _worker_grads(0, 0).items()}
+                  for _ in range(n)]
+        for step in range(STEPS):
+            for key in memory[0]:
+                ps = [_worker_grads(r, step)[key] + memory[r][key] for r in range(n)]
+                k = max(1, int(np.ceil(ps[0].numel() * 0.02 - 1e-9)))
+                sent = [sparsify(p, torch.tensor(_chunk_reference(p.reshape(-1).numpy(), k)))
+                        for p in ps]
+                expected = torch.stack(sent).sum(dim=0) / n
+                for rank in range(n):
+                    assert torch.equal(ranks[rank]["trace"]["local"][step]["result"][key],
+                                       expected)
+                    memory[rank][key] = ps[rank] - sent[rank]
+
+
+def test_cltk_bytes_per_worker_do_not_grow_with_world_size_but_local_topks_do(
+        runs: dict[int, list[dict[str, object]]]) -> None:
+    def mean_over_ranks(n: int, label: str, field: str) -> float:
+        return float(np.mean([run["bytes"][label][field] for run in runs[n]]))
+
+    # k = 3 + 40 + 1 entries per step: fp64 values all-reduced, int32 indices broadcast.
+    values, index = 8 * (3 + 40 + 1), 4 * (3 + 40 + 1)
+    for n in (2, 3):
+        assert mean_over_ranks(n, "chunk", "bytes_sent_per_step") == values + index
+        entities = runs[n][0]["bytes"]["chunk"]["bytes_per_entity"]
+        assert entities == {"W_grad": values, "index": index}
+        # Ring model: all-reduce moves 2(n-1)/n of the values, the rotating broadcast
+        # brings the indices into all ranks but the leader; both are bounded in n.
+        expected_received = (n - 1) / n * (2 * values + index)
+        assert mean_over_ranks(n, "chunk", "bytes_received_per_step") == pytest.approx(
+            expected_received)
+    # Local top-k hands the same bytes, but every rank receives all n - 1 others'.
+    handed = [mean_over_ranks(n, "local", "bytes_sent_per_step") for n in (2, 3)]
+    received = [mean_over_ranks(n, "local", "bytes_received_per_step") for n in (2, 3)]
+    assert handed[0] == handed[1]
+    assert received[1] == pytest.approx(2 * received[0])
+    cltk = [mean_over_ranks(n, "chunk", "bytes_received_per_step") for n in (2, 3)]
+    assert cltk[1] / cltk[0] == pytest.approx((2 / 3) / (1 / 2))  # ring's 2(n-1)/n, < 2
+
+
+def test_cltk_through_the_ddp_hook_with_several_buckets_keeps_replicas_equal(
+        runs: dict[int, list[dict[str, object]]]) -> None:
+    (params, launches), (other, _) = (run["ddp"] for run in runs[2])
+    assert len(launches) > 3 and sum(launches) == 3 * 4  # several buckets per step
+    for mine, theirs in zip(params, other, strict=True):
+        assert torch.equal(mine, theirs)
+    torch.manual_seed(0)
+    start = [p.detach().double() for p in torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)).parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(start, params, strict=True))
