@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from thinwire.comm import done, world
-from thinwire.comm.collectives import Group
+from thinwire.comm.collectives import Future, Group
 from thinwire.comm.lowrank_rounds import two_round_all_reduce
 from thinwire.compress.powersgd import PowerSGD, as_matrix, orthonormalize, right
 from thinwire.feedback import Residual, all_finite
-from thinwire.schemes.base import Future, Scheme
+from thinwire.schemes.base import Scheme
 from thinwire.schemes.registry import register, validate_common
 
 
@@ -80,7 +80,7 @@ class PowerSGDScheme(Scheme):
         """Whether a tensor of ``shape`` is compressed at ``step`` (the same on every rank)."""
         return step >= self.config.start_iter and self.codec.compresses(shape)
 
-    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future:
+    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with PowerSGD; the future holds a dict."""
         if not grads:
             return done({})
@@ -131,7 +131,7 @@ class PowerSGDScheme(Scheme):
             second_segments=[(key, matrices[key].shape[1] * rank * size) for key in low]
             + [(key, grads[key].numel() * size) for key in dense])
 
-        def decompress(fut: Future) -> dict[str, torch.Tensor]:
+        def decompress(fut: Future[Any]) -> dict[str, torch.Tensor]:
             begin = time.perf_counter()
             mean = fut.value()
             out: dict[str, torch.Tensor] = {}

@@ -36,7 +36,7 @@ import torch
 
 from thinwire.comm import all_gather_bytes, all_reduce_mean, done, world
 from thinwire.comm._metered import record_segments
-from thinwire.comm.collectives import Group
+from thinwire.comm.collectives import Future, Group
 from thinwire.comm.shared_index import shared_index_all_reduce
 from thinwire.compress import SparsePayload
 from thinwire.compress.base import check_fraction
@@ -50,7 +50,7 @@ from thinwire.compress.cltk import (
     sparsify,
 )
 from thinwire.feedback import LowPass, all_finite
-from thinwire.schemes.base import Future, Scheme
+from thinwire.schemes.base import Scheme
 from thinwire.schemes.registry import register, validate_common, validate_ratio
 
 
@@ -165,7 +165,7 @@ class CyclicLocalTopK(_SelectedTopK):
         self.leader = 0
         self.indices: dict[str, torch.Tensor] = {}
 
-    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future:
+    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with CLT-k; the future holds a dict of results.
 
         Round 1 (blocking) broadcasts the leader's indices, round 2 (async)
@@ -221,7 +221,7 @@ class CyclicLocalTopK(_SelectedTopK):
             value_segments=[(key, ks[key] * size) for key in sparse]
             + [(key, grads[key].numel() * size) for key in dense])
 
-        def scatter(fut: Future) -> dict[str, torch.Tensor]:
+        def scatter(fut: Future[Any]) -> dict[str, torch.Tensor]:
             mean = fut.value()
             out: dict[str, torch.Tensor] = {}
             offset = 0
@@ -255,7 +255,7 @@ class LocalTopK(_SelectedTopK):
     n payloads in rank order and divides by n. Dense tensors are all-reduced.
     """
 
-    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future:
+    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with local top-k; the future holds a dict."""
         if not grads:
             return done({})
@@ -290,7 +290,7 @@ class LocalTopK(_SelectedTopK):
             futures.append(all_gather_bytes(wire, group, self.meter, segments))
         self._charge(time.perf_counter() - start)
 
-        def total(fut: Future) -> dict[str, torch.Tensor]:
+        def total(fut: Future[Any]) -> dict[str, torch.Tensor]:
             begin = time.perf_counter()
             results = [f.value() for f in fut.value()]
             out: dict[str, torch.Tensor] = {}
