@@ -25,6 +25,8 @@ from thinwire.train.launch import spawn
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3, "mbps": 1e6,
           "gbps": 1e9}
+# What `thinwire compare` runs when --schemes is not given (every name in --schemes works).
+DEFAULT_SCHEMES = ("dense", "fp16", "topk", "dct-dp", "powersgd", "clt-k")
 # Fields the summary table and --json carry, in order.
 TABLE = ("scheme", "test_accuracy", "final_loss", "bytes_sent_per_step", "compression_ratio",
          "overhead_ms_per_step", "wall_s", "modelled_s")
@@ -172,8 +174,9 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schemes", default=",".join(schemes.names()),
-                        help="comma-separated scheme names (default: every registered one)")
+    parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+                        help="comma-separated scheme names, from `thinwire schemes` "
+                             f"(default: {','.join(DEFAULT_SCHEMES)})")
     parser.add_argument("--workers", type=int, default=4, help="local ranks (default 4)")
     parser.add_argument("--steps", type=int, default=RunOptions.steps)
     parser.add_argument("--batch-size", type=int, default=RunOptions.batch_size)

@@ -27,7 +27,7 @@ from thinwire.train.mlp import mlp
 
 @dataclass(frozen=True)
 class RunOptions:
-    steps: int = 300  # optimiser steps per scheme
+    steps: int = 500  # optimiser steps per scheme
     batch_size: int = 32  # samples per worker per step
     lr: float = 0.05  # SGD learning rate
     momentum: float = 0.9  # SGD momentum
