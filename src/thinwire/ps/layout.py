@@ -55,7 +55,8 @@ class Layout:
             raise ValueError(f"expected a flat tensor of {self.numel} entries, got shape "
                              f"{tuple(flat.shape)}")
         parts = torch.split(flat, list(self.numels))
-        return {name: part.view(shape) for name, part, shape in zip(self.names, parts, self.shapes, strict=True)}
+        return {name: part.view(shape)
+                for name, part, shape in zip(self.names, parts, self.shapes, strict=True)}
 
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One flat tensor of ``tensors`` in layout order."""

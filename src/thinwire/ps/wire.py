@@ -106,7 +106,8 @@ class PushCodec:
             if not self.raw:
                 self.nonfinite += 1
             if meter is not None:
-                for info, part in zip(self.infos, torch.split(grad, list(self.layout.numels)), strict=True):
+                parts = torch.split(grad, list(self.layout.numels))
+                for info, part in zip(self.infos, parts, strict=True):
                     meter.record("push", info.key, "send", part.numel() * part.element_size())
             return Encoded(grad, True, grad)
         segments: list[torch.Tensor] = []
