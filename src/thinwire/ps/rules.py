@@ -276,7 +276,8 @@ def build_rule(name: str, **config: Any) -> UpdateRule:
     Raises:
         ValueError: unknown name, unknown option or an option out of range.
     """
-    return _RULES[name][1](make_config(name, **config))
+    built = make_config(name, **config)
+    return _RULES[name][1](built)
 
 
 def _known(name: str) -> None:
