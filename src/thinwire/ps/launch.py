@@ -52,6 +52,7 @@ class RunResult:
     wall_seconds: float  # the launcher's wall time for the run
     bytes: dict[str, int]  # bytes pulled and pushed, summed over workers
     workers: dict[int, dict[str, Any]]  # per worker: pushes and outcomes, or its error
+    membership: list[str]  # final status of each stream: left, dead or refused
     server_state: dict[str, Any] = field(repr=False, default_factory=dict)  # final core state
 
     def summary(self) -> dict[str, Any]:
@@ -62,18 +63,22 @@ class RunResult:
                 "staleness": self.staleness, "updates": self.updates,
                 "updates_per_second": self.updates_per_second,
                 "apply_seconds": self.apply_seconds, "wall_seconds": self.wall_seconds,
-                "bytes": self.bytes, "workers": self.workers}
+                "bytes": self.bytes, "workers": self.workers, "membership": self.membership}
 
 
 def run(config: AsyncConfig, spec: TaskSpec | None = None, *,
-        kill_after: Mapping[int, int] | None = None, progress: bool = False) -> RunResult:
+        kill_after: Mapping[int, int] | None = None,
+        worker_specs: Mapping[int, TaskSpec] | None = None, progress: bool = False) -> RunResult:
     """Train ``spec``'s model with ``config.method`` and evaluate the global model.
 
     Args:
         config: method, workers, rule, pushes, checkpoints, deadline.
         spec: the task every process rebuilds (default: the conv net on digits).
-        kill_after: fault injection: ``{worker: n}`` kills worker ``n``'s process
-            (SIGKILL) once it has pushed ``n`` times.
+        kill_after: fault injection: ``{m: n}`` makes worker ``m`` send its
+            ``n + 1``-th push and kill its own process (SIGKILL) while that push
+            is in flight.
+        worker_specs: start worker ``m`` with another task spec (a deployment
+            mistake: the server refuses such a worker at join).
         progress: show a progress bar of pushes.
 
     Raises:
@@ -89,7 +94,8 @@ def run(config: AsyncConfig, spec: TaskSpec | None = None, *,
         received = _received(load_checkpoint(config.resume)["core"])
         first_pass = round(received / per_pass)
     with _one_thread():
-        return _run(config, spec, task, per_pass, first_pass, kill_after or {}, progress)
+        return _run(config, spec, task, per_pass, first_pass, kill_after or {},
+                    worker_specs or {}, progress)
 
 
 @contextlib.contextmanager
@@ -105,13 +111,14 @@ def _one_thread() -> Iterator[None]:
 
 
 def _run(config: AsyncConfig, spec: TaskSpec, task: ClassifierTask, per_pass: int,
-         first_pass: int, kill_after: Mapping[int, int], progress: bool) -> RunResult:
+         first_pass: int, kill_after: Mapping[int, int], worker_specs: Mapping[int, TaskSpec],
+         progress: bool) -> RunResult:
     start = time.monotonic()
     if config.method == "sequential":
         server_out, workers = _run_local(config, task, first_pass, progress)
     else:
         server_out, workers = _run_processes(config, spec, per_pass, first_pass, kill_after,
-                                             progress)
+                                             worker_specs, progress)
     wall = time.monotonic() - start
     state = server_out["core"]
     snapshots = [Snapshot(*entry) for entry in state["snapshots"]]
@@ -124,7 +131,7 @@ def _run(config: AsyncConfig, spec: TaskSpec, task: ClassifierTask, per_pass: in
     return RunResult(config, spec, state["weights"], task.evaluate(state["weights"]), curve,
                      server_out["staleness"], int(state["version"]),
                      float(server_out["updates_per_second"]), float(server_out["apply_seconds"]),
-                     wall, totals, workers, state)
+                     wall, totals, workers, list(server_out["status"]), state)
 
 
 def _received(state: Mapping[str, Any]) -> int:
@@ -161,7 +168,7 @@ def _context() -> Any:
 
 
 def _run_processes(config: AsyncConfig, spec: TaskSpec, per_pass: int, first_pass: int,
-                   kill_after: Mapping[int, int],
+                   kill_after: Mapping[int, int], worker_specs: Mapping[int, TaskSpec],
                    progress: bool) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     context = _context()
     with tempfile.TemporaryDirectory(prefix="thinwire-ps-") as workdir:
@@ -172,18 +179,18 @@ def _run_processes(config: AsyncConfig, spec: TaskSpec, per_pass: int, first_pas
         server = context.Process(target=serve, name="thinwire-ps",
                                  args=(config, spec, workdir, init_method, deaths, stop))
         workers = [context.Process(target=work, name=f"thinwire-worker{m}",
-                                   args=(m, config, spec, workdir, init_method, counters[m],
-                                         first_pass))
+                                   args=(m, config, worker_specs.get(m, spec), workdir,
+                                         init_method, counters[m], first_pass,
+                                         kill_after.get(m)))
                    for m in range(config.workers)]
         processes = [server, *workers]
         deadline = time.monotonic() + config.timeout_s
-        killed: set[int] = set()
         try:
             for process in processes:
                 process.start()
             with tqdm(total=per_pass * config.passes, disable=not progress, unit="push",
                       desc=config.method) as bar:
-                _supervise(server, workers, counters, deaths, kill_after, killed, deadline, bar)
+                _supervise(server, workers, counters, deaths, deadline, bar)
             stop.set()  # every worker has ended: the server may shut its agent down
             server.join(max(1.0, deadline - time.monotonic()))
             if server.is_alive():
@@ -193,7 +200,7 @@ def _run_processes(config: AsyncConfig, spec: TaskSpec, per_pass: int, first_pas
                 raise RuntimeError(f"the parameter server failed (exit code {server.exitcode}):\n"
                                    f"{_read(workdir, 'server.error')}")
             server_out = torch.load(os.path.join(workdir, "server.pt"), weights_only=False)
-            reports = {m: _worker_report(workdir, m, workers[m].exitcode, m in killed)
+            reports = {m: _worker_report(workdir, m, workers[m].exitcode)
                        for m in range(config.workers)}
         finally:
             for process in processes:
@@ -205,19 +212,13 @@ def _run_processes(config: AsyncConfig, spec: TaskSpec, per_pass: int, first_pas
 
 
 def _supervise(server: Any, workers: list[Any], counters: list[Any], deaths: Any,
-               kill_after: Mapping[int, int], killed: set[int], deadline: float,
-               bar: tqdm) -> None:  # type: ignore[type-arg]
+               deadline: float, bar: tqdm) -> None:  # type: ignore[type-arg]
     """Watch the processes until every worker has ended (or the server failed)."""
     reported: set[int] = set()
     while len(reported) < len(workers) and server.is_alive():
         pushes = sum(counter.value for counter in counters)
         bar.update(pushes - bar.n)
         for m, process in enumerate(workers):
-            limit = kill_after.get(m)
-            if (limit is not None and m not in killed and process.is_alive()
-                    and counters[m].value >= limit):
-                os.kill(process.pid, signal.SIGKILL)
-                killed.add(m)
             if m not in reported and not process.is_alive() and process.exitcode is not None:
                 reported.add(m)
                 if process.exitcode != 0:
@@ -236,15 +237,13 @@ def _read(workdir: str, name: str) -> str:
         return handle.read()
 
 
-def _worker_report(workdir: str, worker: int, exitcode: int | None,
-                   killed: bool) -> dict[str, Any]:
+def _worker_report(workdir: str, worker: int, exitcode: int | None) -> dict[str, Any]:
     path = os.path.join(workdir, f"worker{worker}.pt")
     if os.path.exists(path):
         report: dict[str, Any] = torch.load(path, weights_only=False)
         return report
-    if killed or (exitcode is not None and exitcode < 0):
-        signal_number = -exitcode if exitcode is not None and exitcode < 0 else signal.SIGKILL
-        return {"worker": worker, "error": f"killed by signal {signal_number}"}
-    error = _read(workdir, f"worker{worker}.error").strip().splitlines()
-    return {"worker": worker, "error": error[-1] if error else f"exit code {exitcode}"}
+    if exitcode is not None and exitcode < 0:
+        return {"worker": worker, "error": f"killed by {signal.Signals(-exitcode).name}"}
+    return {"worker": worker, "error": _read(workdir, f"worker{worker}.error").strip()
+            or f"exit code {exitcode}"}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import sys
 import threading
 import traceback
 import warnings
@@ -247,7 +248,8 @@ def serve(config: AsyncConfig, spec: TaskSpec, workdir: str, init_method: str,
                      rpc_backend_options=backend_options(config, init_method))
     except BaseException:
         _write_error(workdir, "server")
-        raise
+        sys.exit(1)  # the launcher raises with the traceback just written
+    failed = False
     try:
         while not server.core.wait_finished(timeout=0.05):
             while True:
@@ -261,10 +263,12 @@ def serve(config: AsyncConfig, spec: TaskSpec, workdir: str, init_method: str,
         stop.wait(config.rpc_timeout_s)
     except BaseException:
         _write_error(workdir, "server")
-        raise
+        failed = True
     finally:
         rpc.shutdown(graceful=False)
         _SERVER = None
+    if failed:
+        sys.exit(1)
 
 
 def _write_error(workdir: str, name: str) -> None:

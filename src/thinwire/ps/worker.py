@@ -11,6 +11,8 @@ sequential reference and by tests).
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import threading
 import traceback
 from collections import Counter
@@ -64,12 +66,47 @@ class RpcTransport:
         return int(version), weights
 
     def push(self, stream: int, seq: int, encoded: Encoded) -> dict[str, Any]:
-        answer: dict[str, Any] = rpc.rpc_sync(
-            self.server, ps_server.rpc_push, args=(stream, seq, encoded.data, encoded.dense))
+        answer: dict[str, Any] = self.push_async(stream, seq, encoded).wait()
         return answer
+
+    def push_async(self, stream: int, seq: int, encoded: Encoded) -> Any:
+        return rpc.rpc_async(self.server, ps_server.rpc_push,
+                             args=(stream, seq, encoded.data, encoded.dense))
 
     def leave(self, stream: int) -> None:
         rpc.rpc_sync(self.server, ps_server.rpc_leave, args=(stream,))
+
+
+class DyingTransport:
+    """Fault injection: after ``after`` pushes, send one more and kill this process at once.
+
+    The process receives SIGKILL while its last push is in flight (no cleanup,
+    no ``leave``), which is how a machine failure looks to the server.
+    """
+
+    def __init__(self, inner: RpcTransport, after: int) -> None:
+        self.inner = inner
+        self.after = after
+        self.pushes = 0
+        self._lock = threading.Lock()
+
+    def join(self, worker: int, fingerprint: dict[str, Any]) -> list[int]:
+        return self.inner.join(worker, fingerprint)
+
+    def pull(self, stream: int) -> tuple[int, torch.Tensor]:
+        return self.inner.pull(stream)
+
+    def push(self, stream: int, seq: int, encoded: Encoded) -> dict[str, Any]:
+        with self._lock:
+            self.pushes += 1
+            doomed = self.pushes > self.after
+        if doomed:
+            self.inner.push_async(stream, seq, encoded)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner.push(stream, seq, encoded)
+
+    def leave(self, stream: int) -> None:
+        self.inner.leave(stream)
 
 
 class LocalTransport:
@@ -187,11 +224,12 @@ def _bytes_by_entity(meter: Meter | None) -> dict[str, int]:
 
 
 def work(worker: int, config: AsyncConfig, spec: TaskSpec, workdir: str, init_method: str,
-         counter: Any, first_pass: int = 0) -> None:
+         counter: Any, first_pass: int = 0, die_after: int | None = None) -> None:
     """Worker process: join the RPC group as ``worker{m}``, train, report, shut down.
 
     Args:
-        counter: a shared integer the launcher reads for progress (and fault injection).
+        counter: a shared integer the launcher reads for progress.
+        die_after: fault injection, see :class:`DyingTransport`.
     """
     ps_server.prepare_process(config.interface)
     try:
@@ -202,23 +240,40 @@ def work(worker: int, config: AsyncConfig, spec: TaskSpec, workdir: str, init_me
                      rpc_backend_options=ps_server.backend_options(config, init_method))
     except BaseException:
         _write_error(workdir, worker)
-        raise
+        sys.exit(1)  # reported by the launcher from the files just written
 
     def on_push() -> None:
         with counter.get_lock():
             counter.value += 1
 
+    failed = False
     try:
-        result = run_worker(worker, config, task, codec, RpcTransport(task.layout, meter),
-                            meter, on_push, first_pass)
+        transport: Transport = RpcTransport(task.layout, meter)
+        if die_after is not None:
+            transport = DyingTransport(RpcTransport(task.layout, meter), die_after)
+        result = run_worker(worker, config, task, codec, transport, meter, on_push, first_pass)
         torch.save(result, os.path.join(workdir, f"worker{worker}.pt"))
     except BaseException:
         _write_error(workdir, worker)
-        raise
+        failed = True
     finally:
         rpc.shutdown(graceful=False)
+    if failed:
+        sys.exit(1)
 
 
 def _write_error(workdir: str, worker: int) -> None:
-    with open(os.path.join(workdir, f"worker{worker}.error"), "w") as handle:
+    """Save the traceback, and a one-line summary the launcher reports."""
+    with open(os.path.join(workdir, f"worker{worker}.traceback"), "w") as handle:
         handle.write(traceback.format_exc())
+    with open(os.path.join(workdir, f"worker{worker}.error"), "w") as handle:
+        handle.write(error_summary(sys.exc_info()[1]))
+
+
+def error_summary(error: BaseException | None) -> str:
+    """One line for an exception; for one raised on the server, the server's own message."""
+    lines = str(error).splitlines()
+    for number, line in enumerate(lines[:-1]):
+        if "On WorkerInfo" in line:  # torch RPC: the remote exception's repr comes next
+            return lines[number + 1]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
