@@ -47,7 +47,7 @@ def _methods(args: argparse.Namespace) -> dict[str, tuple[str, dict[str, Any]]]:
         "ssgd": ("ssgd", plain),
         "asgd": ("asgd", plain),
         "dc-asgd-square": ("dc-asgd", {**plain, "variant": "square", "lam": args.lambda_square,
-                                       "adaptive": args.adaptive}),
+                                       "adaptive": args.square_mode == "adaptive"}),
         "dc-asgd-abs": ("dc-asgd", {**plain, "variant": "abs", "lam": args.lambda_abs}),
     }
 
@@ -147,6 +147,9 @@ def summarise(records: list[dict[str, Any]], args: argparse.Namespace,
                 rows[label]["updates_per_second"] = _median(records, label, workers,
                                                             "updates_per_second")
                 rows[label]["updates"] = _median(records, label, workers, "updates")
+                rows[label]["rule_us_per_update"] = statistics.median(
+                    1e6 * r["apply_seconds"] / max(1, r["updates"]) for r in records
+                    if r["label"] == label and r["workers"] == workers)
         asgd_gap = rows.get("asgd", {}).get("gap", float("nan"))
         for label in ("dc-asgd-square", "dc-asgd-abs"):
             if label in rows:
@@ -237,6 +240,8 @@ def _print_table(title: str, table: dict[str, Any]) -> None:
                 line += f"  updates/s {row['updates_per_second']:7.1f}"
             if "updates_per_second_over_asgd" in row:
                 line += f" ({row['updates_per_second_over_asgd']:.2f}x asgd)"
+            if "rule_us_per_update" in row:
+                line += f"  rule {row['rule_us_per_update']:.0f} us/update"
             histogram = row["staleness_histogram"]
             total = sum(histogram.values())
             mean_tau = sum(t * n for t, n in histogram.items()) / total if total else 0.0
@@ -248,15 +253,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/async", help="folder for JSON and PNG files")
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--passes", type=int, default=10)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--lambda-square", type=float, default=0.04,
-                        help="lambda_2 of Option II (the paper's CIFAR value)")
-    parser.add_argument("--lambda-abs", type=float, default=2.0,
-                        help="lambda_1 of Option I (the paper's CIFAR value)")
-    parser.add_argument("--adaptive", action="store_true",
-                        help="Option II with lambda / sqrt(MeanSquare(g)) (DC-ASGD-a)")
+    parser.add_argument("--lambda-square", type=float, default=2.0,
+                        help="lambda_2 of Option II (with --square-mode plain the paper's "
+                        "CIFAR value is 0.04)")
+    parser.add_argument("--square-mode", choices=["adaptive", "plain"], default="adaptive",
+                        help="Option II with lambda / sqrt(MeanSquare(g)) (DC-ASGD-a) or as is")
+    parser.add_argument("--lambda-abs", type=float, default=8.0,
+                        help="lambda_1 of Option I (the paper's CIFAR value is 2)")
     parser.add_argument("--milestones", type=float, nargs="*", default=[],
                         help="passes at which lr drops 10x and lambda grows 10x")
     parser.add_argument("--dataset", default="digits")

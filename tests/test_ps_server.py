@@ -12,8 +12,8 @@ import torch
 from thinwire.comm import Meter
 from thinwire.ps import AsyncConfig, ClassifierTask, TaskSpec, load_checkpoint, run
 from thinwire.ps.server import build_server
-from thinwire.ps.worker import LocalTransport, run_worker
 from thinwire.ps.wire import PushCodec
+from thinwire.ps.worker import LocalTransport, run_worker
 
 SPEC = TaskSpec(model="linear", batch_size=16, train_limit=96)
 

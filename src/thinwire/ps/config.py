@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from thinwire.ps.rules import make_config
 
@@ -96,9 +96,14 @@ class AsyncConfig:
                 "synchronous": self.synchronous}
 
 
-class _Steps:  # what the plan needs of a task
-    def steps(self, stream: int, streams: int, passes: int) -> int: ...  # pragma: no cover
-    def fingerprint(self) -> dict[str, Any]: ...  # pragma: no cover
+class _Steps(Protocol):
+    """What planning needs of a task."""
+
+    def steps(self, stream: int, streams: int, passes: int) -> int:
+        """Gradients stream ``stream`` of ``streams`` computes in ``passes`` passes."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a worker must share with the server."""
 
 
 def pushes_per_pass(config: AsyncConfig, task: _Steps) -> int:

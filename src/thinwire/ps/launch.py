@@ -212,7 +212,7 @@ def _run_processes(config: AsyncConfig, spec: TaskSpec, per_pass: int, first_pas
 
 
 def _supervise(server: Any, workers: list[Any], counters: list[Any], deaths: Any,
-               deadline: float, bar: tqdm) -> None:  # type: ignore[type-arg]
+               deadline: float, bar: tqdm) -> None:
     """Watch the processes until every worker has ended (or the server failed)."""
     reported: set[int] = set()
     while len(reported) < len(workers) and server.is_alive():

@@ -35,7 +35,7 @@ from thinwire.ps.staleness import MALFORMED, PENDING
 from thinwire.ps.task import ClassifierTask, TaskSpec
 from thinwire.ps.wire import MalformedPush, PushCodec
 
-Future = torch.futures.Future  # type: ignore[type-arg]
+Future = torch.futures.Future[dict[str, Any]]  # what a push answers
 SERVER_NAME = "ps"
 
 
@@ -175,7 +175,7 @@ def rpc_pull(stream: int) -> tuple[int, torch.Tensor]:
     return _server().pull(stream)
 
 
-@rpc.functions.async_execution  # type: ignore[misc]
+@rpc.functions.async_execution  # type: ignore[untyped-decorator]
 def rpc_push(stream: int, seq: int, data: torch.Tensor, dense: bool) -> Future:
     return _server().push(stream, seq, data, dense)
 
@@ -244,8 +244,9 @@ def serve(config: AsyncConfig, spec: TaskSpec, workdir: str, init_method: str,
     try:
         task = ClassifierTask(spec)
         _SERVER = server = build_server(config, task)
-        rpc.init_rpc(SERVER_NAME, rank=0, world_size=config.workers + 1,
-                     rpc_backend_options=backend_options(config, init_method))
+        rpc.init_rpc(  # type: ignore[no-untyped-call]
+            SERVER_NAME, rank=0, world_size=config.workers + 1,
+            rpc_backend_options=backend_options(config, init_method))
     except BaseException:
         _write_error(workdir, "server")
         sys.exit(1)  # the launcher raises with the traceback just written

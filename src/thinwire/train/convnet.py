@@ -32,7 +32,8 @@ class SmallConvNet(nn.Module):
         hidden = torch.relu(self.conv1(images))
         hidden = nn.functional.max_pool2d(hidden, 2)
         hidden = self.pool(torch.relu(self.conv2(hidden)))
-        return self.fc(hidden.flatten(1))
+        logits: torch.Tensor = self.fc(hidden.flatten(1))
+        return logits
 
 
 class SoftmaxRegression(nn.Module):
@@ -43,4 +44,5 @@ class SoftmaxRegression(nn.Module):
         self.fc = nn.Linear(features, classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.fc(images.flatten(1))
+        logits: torch.Tensor = self.fc(images.flatten(1))
+        return logits
