@@ -8,7 +8,8 @@ methods of one seed run back to back):
 
 * test error of the global model, and each method's gap to sequential SGD;
 * the staleness histogram (tau = updates between a worker's pull and push);
-* server updates per second of DC-ASGD relative to ASGD;
+* server updates per second of DC-ASGD relative to ASGD, in the runs (worker
+  bound) and at saturation (the server alone, fed precomputed gradients);
 * a worker killed mid-run (SIGKILL with a push in flight): the error and
   updates of DC-ASGD with and without it;
 * figures: test error against passes (Fig. 2) and against wall time (Fig. 3).
@@ -37,6 +38,8 @@ import torch
 from tqdm import tqdm
 
 from thinwire.ps import AsyncConfig, ClassifierTask, ParameterServerCore, TaskSpec, build_rule, run
+from thinwire.ps.config import run_fingerprint
+from thinwire.ps.server import build_server
 from thinwire.ps.simulate import cyclic_schedule, run_schedule
 
 
@@ -117,6 +120,40 @@ def run_simulated(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 "staleness": core.staleness.summary(),
                                 "wall_seconds": time.perf_counter() - begin})
     return records
+
+
+def server_capacity(args: argparse.Namespace, pushes: int = 400,
+                    repeats: int = 7) -> dict[str, Any]:
+    """Updates per second the server itself can apply (decode, lock, rule), workers excluded.
+
+    Streams pull and push precomputed gradients round-robin in this process
+    (tau = M - 1), ASGD and DC-ASGD alternating, ``repeats`` times; medians.
+    """
+    spec = TaskSpec(dataset=args.dataset, model=args.model, batch_size=args.batch_size)
+    task = ClassifierTask(spec)
+    batches = task.batches(0, 1, 1)
+    grads = [task.gradient(task.initial_weights(), next(batches)) for _ in range(8)]
+    workers = max(args.workers)
+    labels = {k: v for k, v in _methods(args).items() if k != "ssgd"}
+    rates: dict[str, list[float]] = {label: [] for label in labels}
+    for _ in range(repeats):
+        for label, (method, rule) in labels.items():
+            config = AsyncConfig(method=method, workers=workers, passes=1, rule=rule)
+            server = build_server(config, task)
+            for m in range(workers):
+                server.join(m, run_fingerprint(config, task))
+            for m in range(workers):
+                server.pull(m)
+            begin = time.perf_counter()
+            for n in range(pushes):
+                stream = n % workers
+                server.push(stream, n, grads[n % len(grads)], True).wait()
+                server.pull(stream)
+            rates[label].append(pushes / (time.perf_counter() - begin))
+    medians = {label: statistics.median(values) for label, values in rates.items()}
+    return {"workers": workers, "pushes": pushes, "repeats": repeats,
+            "updates_per_second": medians,
+            "over_asgd": {label: rate / medians["asgd"] for label, rate in medians.items()}}
 
 
 def _median(records: list[dict[str, Any]], label: str, workers: int, key: str) -> float:
@@ -255,7 +292,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--passes", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.15,
+                        help="learning rate of every method (sequential SGD does best near it)")
     parser.add_argument("--lambda-square", type=float, default=2.0,
                         help="lambda_2 of Option II (with --square-mode plain the paper's "
                         "CIFAR value is 0.04)")
@@ -284,9 +322,14 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
     begin = time.time()
+    capacity = server_capacity(args)
+    print("server capacity (updates/s, in-process, no workers): " + ", ".join(
+        f"{label} {rate:.0f} ({capacity['over_asgd'][label]:.2f}x asgd)"
+        for label, rate in capacity["updates_per_second"].items()))
     records = run_real(args)
     results: dict[str, Any] = {"arguments": vars(args), "runs": records,
-                               "summary": summarise(records, args)}
+                               "summary": summarise(records, args),
+                               "server_capacity": capacity}
     _print_table(f"{args.dataset}, {args.passes} passes, medians over seeds {args.seeds}",
                  results["summary"])
     kill = [r for r in records if r["label"] == "dc-asgd-abs+kill"]

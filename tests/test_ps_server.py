@@ -128,3 +128,20 @@ def test_run_configuration_errors_name_the_value() -> None:
         AsyncConfig(method="asgd", rule={"lam": 0.04})
     with pytest.raises(ValueError, match="milestones"):
         AsyncConfig(milestones=(3.0, 1.0))
+
+
+def test_nonfinite_and_malformed_pushes_are_counted_never_applied() -> None:
+    config = AsyncConfig(method="asgd", workers=1, passes=1, push="topk",
+                         push_options={"ratio": 0.1})
+    task, server = _local_server(config)
+    server.join(0, {**task.fingerprint(), **config.fingerprint()})
+    before = server.core.weights
+    poisoned = torch.ones(task.layout.numel)
+    poisoned[3] = float("inf")
+    encoded = PushCodec(task.layout, "topk", ratio=0.1).encode(poisoned)
+    assert encoded.dense  # a non-finite gradient travels raw, for the server to reject
+    assert server.push(0, 0, encoded.data, encoded.dense).value()["outcome"] == "nonfinite"
+    assert server.push(0, 1, torch.zeros(7, dtype=torch.uint8), False).value()[
+        "outcome"] == "malformed"
+    assert server.core.weights is before and server.core.version == 0
+    assert server.core.staleness.summary()["outcomes"]["nonfinite"] == 1

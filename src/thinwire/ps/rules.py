@@ -168,7 +168,7 @@ class UpdateRule:
             previous = self.momentum_buffers.get(key)
             # First step stores d itself, as torch.optim.SGD does (no dampening).
             direction = (direction.clone() if previous is None
-                         else previous.mul(self.config.momentum).add(direction))
+                         else previous.mul(self.config.momentum).add_(direction))
             self.momentum_buffers[key] = direction
         return weights.add(direction, alpha=-self.lr)
 
@@ -210,15 +210,22 @@ class DCASGD(UpdateRule):
 
     def direction(self, key: str, weights: torch.Tensor, grad: torch.Tensor,
                   backup: torch.Tensor) -> torch.Tensor:
-        curvature = grad * grad if self.config.variant == "square" else grad.abs()
-        lam: float | torch.Tensor = self.lam
+        # In place on one fresh buffer: the server applies this for every push.
+        compensation = weights - backup
+        if self.config.variant == "square":
+            compensation.mul_(grad).mul_(grad)
+        else:
+            compensation.mul_(grad.abs())
         if self.config.adaptive:
+            decay = self.config.ms_decay
             previous = self.mean_squares.get(key)
-            fresh = (1.0 - self.config.ms_decay) * (grad * grad)
-            mean_square = fresh if previous is None else previous * self.config.ms_decay + fresh
+            mean_square = (grad * grad).mul_(1.0 - decay) if previous is None else (
+                previous.mul(decay).addcmul_(grad, grad, value=1.0 - decay))
             self.mean_squares[key] = mean_square
-            lam = lam / (mean_square + self.config.eps).sqrt()
-        return grad + lam * curvature * (weights - backup)
+            compensation.mul_(mean_square.add(self.config.eps).rsqrt_().mul_(self.lam))
+        else:
+            compensation.mul_(self.lam)
+        return compensation.add_(grad)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),
