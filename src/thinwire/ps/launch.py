@@ -44,7 +44,8 @@ class RunResult:
     spec: TaskSpec
     weights: torch.Tensor  # the final global model (flat)
     final: dict[str, float]  # test error and loss of the final model
-    curve: list[dict[str, float]]  # per snapshot: version, passes, seconds, test error/loss
+    curve: list[dict[str, float]]  # per snapshot: version, passes, seconds since the first
+    # pull, test error and loss
     staleness: dict[str, Any]  # histogram of tau, dropped, outcome counts
     updates: int  # updates the server applied (including a resumed run's earlier ones)
     updates_per_second: float  # server updates per second, first pull to last update
@@ -122,8 +123,10 @@ def _run(config: AsyncConfig, spec: TaskSpec, task: ClassifierTask, per_pass: in
     wall = time.monotonic() - start
     state = server_out["core"]
     snapshots = [Snapshot(*entry) for entry in state["snapshots"]]
-    curve = [{"version": s.version, "passes": s.received / per_pass, "seconds": s.seconds,
-              **task.evaluate(s.weights)} for s in snapshots]
+    started = state["first_pull"] or 0.0  # training time: from the first pull, not start-up
+    curve = [{"version": s.version, "passes": s.received / per_pass,
+              "seconds": max(0.0, s.seconds - started), **task.evaluate(s.weights)}
+             for s in snapshots]
     totals: dict[str, int] = {}
     for report in workers.values():
         for entity, nbytes in report.get("bytes", {}).items():
