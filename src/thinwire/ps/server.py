@@ -244,7 +244,7 @@ def serve(config: AsyncConfig, spec: TaskSpec, workdir: str, init_method: str,
     try:
         task = ClassifierTask(spec)
         _SERVER = server = build_server(config, task)
-        rpc.init_rpc(  # type: ignore[no-untyped-call]
+        rpc.init_rpc(
             SERVER_NAME, rank=0, world_size=config.workers + 1,
             rpc_backend_options=backend_options(config, init_method))
     except BaseException:

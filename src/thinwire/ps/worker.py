@@ -236,7 +236,7 @@ def work(worker: int, config: AsyncConfig, spec: TaskSpec, workdir: str, init_me
         task = ClassifierTask(spec)
         codec = PushCodec(task.layout, config.push, **config.push_options)
         meter = Meter(worker + 1, config.workers + 1)
-        rpc.init_rpc(  # type: ignore[no-untyped-call]
+        rpc.init_rpc(
             f"worker{worker}", rank=worker + 1, world_size=config.workers + 1,
             rpc_backend_options=ps_server.backend_options(config, init_method))
     except BaseException:
