@@ -59,14 +59,6 @@ def _ddp_run(rank: int, world_size: int, scheme: str | None, config: dict[str, A
     return out
 
 
-def test_dense_hook_is_bit_identical_to_ddp_without_hook() -> None:
-    plain = spawn(_ddp_run, 2, None, {}, 25.0, timeout_s=60)
-    hooked = spawn(_ddp_run, 2, "dense", {}, 0.001, timeout_s=60)  # one bucket per tensor
-    for a, b in zip(plain[0]["params"], hooked[0]["params"]):
-        assert torch.equal(a, b)
-    assert not torch.equal(plain[0]["params"][0], _model()[0].weight)  # it trained
-
-
 def _manual_run(rank: int, world_size: int, config: dict[str, Any]) -> list[torch.Tensor]:
     """The same training without DDP: local gradients through ``scheme.reduce``."""
     model = _model()
@@ -85,16 +77,6 @@ def _manual_run(rank: int, world_size: int, config: dict[str, Any]) -> list[torc
             p.grad = reduced[name]
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
-
-
-@pytest.mark.parametrize("bucket_cap_mb", [0.001, 25.0])
-def test_dct_hook_equals_reduce_without_ddp_for_any_bucketing(bucket_cap_mb: float) -> None:
-    config = {"sparsity": 0.9, "life_span": 3}
-    hooked = spawn(_ddp_run, 2, "dct-dp", config, bucket_cap_mb, timeout_s=60)
-    manual = spawn(_manual_run, 2, config, timeout_s=60)
-    for rank in range(2):
-        for a, b in zip(hooked[rank]["params"], manual[rank]):
-            assert torch.equal(a, b)
 
 
 def _resume_run(rank: int, world_size: int, split: int) -> list[torch.Tensor]:
@@ -120,16 +102,52 @@ def _resume_run(rank: int, world_size: int, split: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_checkpoint_resume_is_bit_identical_to_an_uninterrupted_run() -> None:
-    straight = spawn(_resume_run, 2, STEPS, timeout_s=60)
-    resumed = spawn(_resume_run, 2, 3, timeout_s=60)
-    for a, b in zip(straight[0], resumed[0]):
+DCT = {"sparsity": 0.9, "life_span": 3}
+
+
+def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
+    """Every DDP scenario in one process group: one spawn instead of ten."""
+    return {
+        "plain": _ddp_run(rank, world_size, None, {}, 25.0),
+        "dense": _ddp_run(rank, world_size, "dense", {}, 0.001),
+        "dct-small-buckets": _ddp_run(rank, world_size, "dct-dp", DCT, 0.001),
+        "dct-one-bucket": _ddp_run(rank, world_size, "dct-dp", DCT, 25.0),
+        "manual": _manual_run(rank, world_size, DCT),
+        "straight": _resume_run(rank, world_size, STEPS),
+        "resumed": _resume_run(rank, world_size, 3),
+        "nan": _ddp_run(rank, world_size, "dct-dp", {**DCT, "nonfinite": "skip"}, 0.001,
+                        (1, 2)),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return spawn(_all_scenarios, 2, timeout_s=120)
+
+
+def test_dense_hook_is_bit_identical_to_ddp_without_hook(runs: list[dict[str, Any]]) -> None:
+    for a, b in zip(runs[0]["plain"]["params"], runs[0]["dense"]["params"]):
+        assert torch.equal(a, b)
+    assert not torch.equal(runs[0]["plain"]["params"][0], _model()[0].weight)  # it trained
+
+
+@pytest.mark.parametrize("bucketing", ["dct-small-buckets", "dct-one-bucket"])
+def test_dct_hook_equals_reduce_without_ddp_for_any_bucketing(runs: list[dict[str, Any]],
+                                                             bucketing: str) -> None:
+    for rank in range(2):
+        for a, b in zip(runs[rank][bucketing]["params"], runs[rank]["manual"]):
+            assert torch.equal(a, b)
+
+
+def test_checkpoint_resume_is_bit_identical_to_an_uninterrupted_run(
+        runs: list[dict[str, Any]]) -> None:
+    for a, b in zip(runs[0]["straight"], runs[0]["resumed"]):
         assert torch.equal(a, b)
 
 
-def test_nan_on_one_rank_is_skipped_and_replicas_stay_identical() -> None:
-    config = {"sparsity": 0.9, "life_span": 2, "nonfinite": "skip"}
-    results = spawn(_ddp_run, 2, "dct-dp", config, 0.001, (1, 2), timeout_s=60)
+def test_nan_on_one_rank_is_skipped_and_replicas_stay_identical(
+        runs: list[dict[str, Any]]) -> None:
+    results = [r["nan"] for r in runs]
     # skipped counts reduce calls (one per DDP bucket) whose gradients were dropped
     assert results[0]["skipped"] == 0 and results[1]["skipped"] >= 1
     for a, b in zip(results[0]["params"], results[1]["params"]):
