@@ -19,6 +19,7 @@ per entity per step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -328,12 +329,22 @@ def _stage_state(model: nn.Module, stage: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if id(p) in owned}
 
 
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """A hash of the exact bytes of a set of named tensors (equal iff bit-identical)."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def engine_worker(rank: int, world_size: int, config: RunConfig,
                   return_state: bool = False) -> dict[str, Any]:
     """One rank of a ``stages × replicas`` run (module level, for ``spawn``).
 
     Returns:
-        This rank's ``{"rank", "stage", "replica", "meter", "losses"}`` (plus
+        This rank's ``{"rank", "stage", "replica", "meter", "losses", "seconds",
+        "initial_digest", "digest"}`` (digests of its stage's parameters; plus
         ``"state"``, its stage's parameters, when asked); rank 0 adds the
         train/test metrics of the assembled replica-0 model.
     """
@@ -357,6 +368,7 @@ def engine_worker(rank: int, world_size: int, config: RunConfig,
     stage = build_stage(stages, index, example.inputs, config.microbatches, side=example.side,
                         group=groups.pipeline, meter=meter, names=names, wrap=wrap)
     schedule = build_schedule(config.schedule, stage, config.microbatches, task.loss)
+    initial = state_digest(_stage_state(model, stages[index]))
     optimizer = OPTIMIZERS[config.optimizer](stages[index].parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
     losses: list[float] = []
@@ -378,9 +390,10 @@ def engine_worker(rank: int, world_size: int, config: RunConfig,
         scheduler.step()
         meter.next_step()
     seconds = time.perf_counter() - start
-    result: dict[str, Any] = {"rank": rank, "stage": index, "replica": replica,
-                              "meter": meter.summary(), "losses": losses, "seconds": seconds}
     state = _stage_state(model, stages[index])
+    result: dict[str, Any] = {"rank": rank, "stage": index, "replica": replica,
+                              "meter": meter.summary(), "losses": losses, "seconds": seconds,
+                              "initial_digest": initial, "digest": state_digest(state)}
     if return_state:
         result["state"] = state
     gathered: list[Any] = [None] * world_size if rank == 0 else []
