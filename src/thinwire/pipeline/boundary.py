@@ -22,9 +22,13 @@ Choices where the papers leave room:
   (uint8 for d <= 256, int16 for d <= 32768, ...). Values travel in the
   activation's dtype, or in fp16 when asked (both directions).
 * ``threshold="laplace"`` (DCT MLSys §2.2, App. B) replaces the per-row sort
-  by the Laplace estimate ``tau_i = mean|x_i| * ln(1 / (1 - eta))`` -- the
-  maths of :class:`thinwire.compress.LaplaceThreshold`, applied per row as
-  Algorithm 2 thresholds per sample. Its kept count varies per row, so we use
+  by a Laplace estimate: as the paper says, a Laplace law is fitted by its
+  mean and variance and tau is read off its quantile function
+  (:func:`laplace_thresholds`), per row as Algorithm 2 thresholds per sample.
+  (The foundation's :class:`thinwire.compress.LaplaceThreshold` fits a
+  zero-centred law by ``mean|x|`` instead; on ReLU activations, half zeros,
+  that tau is too low and nearly every row would overflow the budget.) Its
+  kept count varies per row, so we use
   **fixed-budget padding**: the kept entries are compacted in O(d) (a prefix
   sum, no sort) into the same k slots top-k would use; unused slots carry
   value 0 and index ``d`` (one past the end), which :func:`expand` drops and
@@ -110,13 +114,25 @@ def row_thresholds(acts: torch.Tensor, sparsity: float) -> torch.Tensor:
 
 
 def laplace_thresholds(magnitudes: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Per-row Laplace estimate ``tau_i = mean|x_i| * ln(1 / (1 - eta))`` (MLSys §2.2).
+    """Per-row Laplace estimate of ``tau_i`` (DCT MLSys §2.2, App. B).
 
-    The per-row form of :meth:`thinwire.compress.LaplaceThreshold.threshold`:
-    ``|x|`` of a zero-centred Laplace law is exponential with ML scale
-    ``b = mean|x|``, and ``P(|X| >= tau) = 1 - eta`` gives tau. One pass, O(d).
+    As the paper says, the Laplace law ``R`` is fitted by its mean and
+    variance -- location ``mu = mean``, scale ``b = sqrt(var / 2)`` -- and
+    ``tau`` is read off its quantile function so that ``P(R >= tau) = 1 - eta``:
+    ``tau = mu - b ln(2 (1 - eta))`` when ``1 - eta <= 1/2``, else
+    ``mu + b ln(2 eta)``. We fit each row's magnitudes (Algorithm 2 thresholds
+    ``|x|`` per sample; for ReLU outputs ``|x| = x``, the paper's setting).
+    Two passes over the row (mean, variance), no selection: O(d).
+
+    Returns:
+        (.., 1) thresholds.
     """
-    return magnitudes.mean(dim=-1, keepdim=True) * -math.log1p(-sparsity)
+    mean = magnitudes.mean(dim=-1, keepdim=True)
+    scale = (magnitudes.var(dim=-1, keepdim=True, correction=0) / 2).sqrt()
+    kept = 1.0 - sparsity
+    if kept <= 0.5:
+        return mean - scale * math.log(2 * kept)
+    return mean + scale * math.log(2 * sparsity) if sparsity > 0 else torch.zeros_like(mean)
 
 
 def _select_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -161,7 +177,7 @@ class _Compact(torch.autograd.Function):
     """(.., d) -> (values (.., k), indices (.., k)); backward scatters X_grad ⊙ M."""
 
     @staticmethod
-    def forward(ctx: Any, acts: torch.Tensor, rows: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, acts: torch.Tensor, rows: torch.Tensor,
                 wire: torch.dtype | None, small: torch.dtype,
                 padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
         source = F.pad(acts, (0, 1)) if padded else acts
@@ -175,7 +191,7 @@ class _Compact(torch.autograd.Function):
         return values, indices
 
     @staticmethod
-    def backward(ctx: Any, grad_values: torch.Tensor | None,  # type: ignore[override]
+    def backward(ctx: Any, grad_values: torch.Tensor | None,
                  grad_indices: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if grad_values is None:
             return None, None, None, None, None
@@ -190,7 +206,7 @@ class _Expand(torch.autograd.Function):
     """(values, indices) -> (.., d); backward gathers X_grad ⊙ M as values only."""
 
     @staticmethod
-    def forward(ctx: Any, values: torch.Tensor, indices: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, values: torch.Tensor, indices: torch.Tensor,
                 width: int, dtype: torch.dtype) -> torch.Tensor:
         rows = indices.long()
         padded = rows.numel() > 0 and int(rows.max()) == width
@@ -201,7 +217,7 @@ class _Expand(torch.autograd.Function):
         return out[..., :width].contiguous() if padded else out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (indices,) = ctx.saved_tensors
         source = F.pad(grad, (0, 1)) if ctx.padded else grad
         return source.gather(-1, indices.long()).to(ctx.wire), None, None, None

@@ -58,6 +58,8 @@ def sketch_matrix(name: str, width: int, compression: float, seed: int = 0,
 class SketchSender(Sender):
     """Sends ``X S`` (Appendix A, Table 6)."""
 
+    matrix: torch.Tensor
+
     def __init__(self, matrix: torch.Tensor, name: str = "", meter: Meter | None = None) -> None:
         super().__init__(name, meter)
         self.register_buffer("matrix", matrix, persistent=False)
@@ -69,6 +71,8 @@ class SketchSender(Sender):
 
 class SketchReceiver(Receiver):
     """Rebuilds ``X~ = Y S^T``."""
+
+    matrix: torch.Tensor
 
     def __init__(self, matrix: torch.Tensor, name: str = "", meter: Meter | None = None) -> None:
         super().__init__(name, meter)
@@ -102,13 +106,13 @@ class _TopKGrad(torch.autograd.Function):
     """Identity forward; backward keeps each row's top-k of ``X_grad + e``."""
 
     @staticmethod
-    def forward(ctx: Any, acts: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, acts: torch.Tensor,
                 receiver: XGradTopKReceiver) -> torch.Tensor:
         ctx.receiver = receiver
         return acts.view_as(acts)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return ctx.receiver.compress_grad(grad), None
 
 

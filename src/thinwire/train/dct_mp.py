@@ -6,7 +6,8 @@ Two ways to run one configuration:
   this process (:class:`thinwire.pipeline.Pipeline`), full batches, the
   boundaries' meters record what would cross. Numerically the computation a
   pipeline schedule performs (up to float summation order across
-  microbatches), and fast enough for the paper's sparsity sweeps.
+  microbatches), and fast enough for the paper's sparsity sweeps; data
+  parallel replicas are simulated (:class:`SimulatedReplicas`).
 * :func:`train_engine` -- ``stages × replicas`` processes on
   ``torch.distributed.pipelining`` (GPipe or 1F1B), DDP with a registered
   scheme on each stage's replicas; each rank's meter records its sends.
@@ -31,6 +32,7 @@ from torch import nn
 
 from thinwire import schemes
 from thinwire.comm import Meter
+from thinwire.compress import DensePayload, TensorInfo
 from thinwire.pipeline import (
     Layout,
     Pipeline,
@@ -266,21 +268,73 @@ def _probe(model: nn.Module, names: tuple[str, ...], sparsities: tuple[float, ..
     return module.register_forward_hook(hook).remove
 
 
-def train_local(config: RunConfig, *, progress: bool = False) -> dict[str, Any]:
+class SimulatedReplicas:
+    """Data parallelism over ``n`` replicas simulated in one process (for sweeps).
+
+    Every replica computes its shard's gradients; each has its own copy of the
+    scheme's compressor and error memory and encodes exactly as
+    :class:`thinwire.schemes.CompressedScheme` does on its rank; the decoded
+    payloads are averaged, which is what the all-reduce / all-gather computes.
+    The meter records each replica's payload bytes as ``W_grad`` (the engine
+    also sends the 8-byte length round and the padding of variable-size
+    payloads; those are left out here).
+
+    Raises:
+        ValueError: the scheme is not a ``CompressedScheme`` (it needs processes).
+    """
+
+    def __init__(self, name: str, options: Mapping[str, Any], replicas: int,
+                 meter: Meter) -> None:
+        self.schemes = [schemes.build(name, **options) for _ in range(replicas)]
+        for scheme in self.schemes:
+            if not isinstance(scheme, schemes.CompressedScheme):
+                raise ValueError(f"scheme {name!r} cannot be simulated in one process; run "
+                                 "with processes (train_engine)")
+        self.meter = meter
+
+    def encode(self, replica: int, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What replica ``replica`` contributes: its decoded payload per tensor."""
+        scheme = self.schemes[replica]
+        assert isinstance(scheme, schemes.CompressedScheme)  # checked in __init__
+        n = len(self.schemes)
+        out: dict[str, torch.Tensor] = {}
+        for key, grad in grads.items():
+            info = TensorInfo.of(key, grad)
+            compensated = grad if scheme.memory is None else scheme.memory.compensate(key, grad)
+            payload = scheme.compressor.compress(compensated, info)
+            decoded = scheme.compressor.decompress(payload, info)
+            if scheme.memory is not None:
+                scheme.memory.update(key, compensated, decoded)
+            collective = "all_reduce" if isinstance(payload, DensePayload) else "all_gather"
+            self.meter.record("W_grad", key, collective, payload.nbytes, world_size=n)
+            out[key] = decoded
+        return out
+
+
+def train_local(config: RunConfig, *, progress: bool = False,
+                task: Task | None = None) -> dict[str, Any]:
     """Train the split model in this process; see the module docstring.
 
+    With ``config.replicas > 1`` the data-parallel side is simulated
+    (:class:`SimulatedReplicas`): each step, every replica's shard runs
+    through the split model, and the parameters step on the average of the
+    replicas' compressed gradients.
+
+    Args:
+        task: a task already built for ``config`` (saves rebuilding its data).
+
     Returns:
-        ``{"config", "train", "test", "oracle", "bytes_per_entity", "bytes_per_layer",
-        "steps", "seconds", "thresholds", "trace"}``.
+        ``{"config", "splits", "train", "test", "oracle", "bytes_per_entity",
+        "bytes_per_layer", "steps", "seconds", "thresholds", "trace"}``.
     """
-    if config.replicas != 1:
-        raise ValueError("replicas > 1 needs processes: use train_engine")
-    task = TASKS[config.task](config)
+    task = task if task is not None else TASKS[config.task](config)
     meter = Meter()
     model, stages, names = build_split(config, task, meter)
     pipeline = Pipeline(stages)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
+    replicas = (SimulatedReplicas(config.dp_scheme, config.dp_options, config.replicas, meter)
+                if config.replicas > 1 else None)
     thresholds: dict[str, list[float]] = {}
     remove = _probe(model, names, config.probe, thresholds)
     order = batch_order(config, len(task.train))
@@ -291,11 +345,25 @@ def train_local(config: RunConfig, *, progress: bool = False) -> dict[str, Any]:
         from tqdm import tqdm
         iterator = tqdm(order, desc="train", leave=False)
     pipeline.train()
+    parameters = dict(model.named_parameters())
     for rows in iterator:
-        batch = task.train.rows(rows)
-        loss = task.loss(pipeline(batch.inputs, **batch.side), batch.targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if replicas is None:
+            batch = task.train.rows(rows)
+            loss = task.loss(pipeline(batch.inputs, **batch.side), batch.targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        else:
+            shard = len(rows) // config.replicas
+            total: dict[str, torch.Tensor] = {}
+            for replica in range(config.replicas):
+                batch = task.train.rows(rows[replica * shard: (replica + 1) * shard])
+                optimizer.zero_grad(set_to_none=True)
+                task.loss(pipeline(batch.inputs, **batch.side), batch.targets).backward()
+                grads = {k: p.grad for k, p in parameters.items() if p.grad is not None}
+                for key, part in replicas.encode(replica, grads).items():
+                    total[key] = total[key] + part if key in total else part
+            for key, summed in total.items():
+                parameters[key].grad = summed / config.replicas
         optimizer.step()
         scheduler.step()
         meter.next_step()

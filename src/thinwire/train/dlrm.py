@@ -36,6 +36,10 @@ class Interaction(nn.Module):
     """
 
     side_inputs = ("categorical",)
+    offsets: torch.Tensor
+    cardinalities: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
 
     def __init__(self, cardinalities: Sequence[int], dim: int = EMBEDDING_DIM) -> None:
         super().__init__()

@@ -33,7 +33,8 @@ class Embed(nn.Module):
         self.position = nn.Parameter(torch.randn(tokens, width) * 0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.project(tokens) + self.position
+        embedded: torch.Tensor = self.project(tokens) + self.position
+        return embedded
 
 
 class SelfAttention(nn.Module):
@@ -46,7 +47,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = self.norm(x)
-        attended, _ = self.attention(normed, normed, normed, need_weights=False)
+        attended: torch.Tensor = self.attention(normed, normed, normed, need_weights=False)[0]
         return x + attended
 
 
@@ -71,7 +72,8 @@ class FeedForwardOut(nn.Module):
 
     def forward(self, carry: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, hidden = carry
-        return x + self.linear(hidden)
+        update: torch.Tensor = self.linear(hidden)
+        return x + update
 
 
 class Classify(nn.Module):
@@ -83,7 +85,8 @@ class Classify(nn.Module):
         self.linear = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.norm(x).mean(dim=1))
+        logits: torch.Tensor = self.linear(self.norm(x).mean(dim=1))
+        return logits
 
 
 def encoder(features: int = 8, tokens: int = 8, classes: int = 10, *, width: int = 32,
