@@ -98,16 +98,16 @@ class Bench:
         self.task: Task = TASKS[base.task](base)
         self.results: dict[str, Any] = {}
 
-    def run(self, label: str, **changes: Any) -> dict[str, Any]:
+    def run(self, label: str, evaluation: bool = True, **changes: Any) -> dict[str, Any]:
         config = dataclasses.replace(self.base, **changes)
-        result = train_local(config, task=self.task)
+        result = train_local(config, task=self.task, evaluation=evaluation)
         self.results[label] = result
         return result
 
     def dense_bytes(self, stages: int) -> dict[str, float]:
         """Bytes per step of the dense split (constant per step: two steps suffice)."""
         result = self.run(f"dense-bytes-{stages}", stages=stages,
-                          boundary_options=_mp(0.0), max_steps=2)
+                          boundary_options=_mp(0.0), max_steps=2, evaluation=False)
         return result["bytes_per_entity"]
 
 
@@ -118,7 +118,8 @@ def bytes_table(bench: Bench, bar: tqdm) -> list[dict[str, Any]]:
     settings += [(0.9, "native", "laplace")]
     for sparsity, values, threshold in settings:
         result = bench.run(f"bytes-{sparsity}-{values}-{threshold}", stages=2, max_steps=2,
-                           boundary_options=_mp(sparsity, values=values, threshold=threshold))
+                           boundary_options=_mp(sparsity, values=values, threshold=threshold),
+                           evaluation=False)
         entities = result["bytes_per_entity"]
         ratios = _ratios(entities, dense)
         rows.append({"sparsity": sparsity, "values": values, "threshold": threshold,

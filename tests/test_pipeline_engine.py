@@ -22,7 +22,12 @@ from thinwire.train.launch import spawn
 
 MICROBATCHES = 4
 ROWS = 16
-CASES = [("gpipe", 0.0), ("1f1b", 0.0), ("gpipe", 0.75), ("1f1b", 0.75)]
+# (schedule, boundary kind, options); sparsity 0 must reproduce the unsplit model.
+CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("gpipe", "dct-mp", {"sparsity": 0.0}), ("1f1b", "dct-mp", {"sparsity": 0.0}),
+    ("gpipe", "dct-mp", {"sparsity": 0.75}), ("1f1b", "dct-mp", {"sparsity": 0.75}),
+    ("1f1b", "sketch", {"compression": 0.75}),
+]
 
 
 def _model() -> nn.Module:
@@ -42,12 +47,15 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
-def _reference(model: nn.Module, sparsity: float) -> dict[str, torch.Tensor]:
-    """Microbatch by microbatch in one process, accumulated and scaled as the schedule does."""
+def _reference(model: nn.Module, boundary: str,
+               options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Microbatch by microbatch in one process, accumulated and scaled as the schedule does;
+    the unsplit model itself at sparsity 0."""
     dense, side, labels = _batch()
     net: nn.Module = model
-    if sparsity:
-        net = Pipeline(split(model, ["bottom.3"], dense, side=side, sparsity=sparsity))
+    if options.get("sparsity", 1.0):
+        net = Pipeline(split(model, ["bottom.3"], dense, side=side, boundary=boundary,
+                             **options))
     for chunk in range(MICROBATCHES):
         rows = slice(chunk * ROWS // MICROBATCHES, (chunk + 1) * ROWS // MICROBATCHES)
         _loss(net(dense[rows], categorical=side["categorical"][rows]), labels[rows]).backward()
@@ -57,10 +65,10 @@ def _reference(model: nn.Module, sparsity: float) -> dict[str, torch.Tensor]:
 def _pipeline_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
     dense, side, labels = _batch()
     results = []
-    for schedule_name, sparsity in CASES:
+    for schedule_name, boundary, options in CASES:
         model = _model()
-        reference = _reference(copy.deepcopy(model), sparsity)
-        stages = split(model, ["bottom.3"], dense, side=side, sparsity=sparsity)
+        reference = _reference(copy.deepcopy(model), boundary, options)
+        stages = split(model, ["bottom.3"], dense, side=side, boundary=boundary, **options)
         meter = Meter(rank, world_size)
         stage = build_stage(stages, rank, dense, MICROBATCHES, side=side, meter=meter,
                             names=["bottom.3"])
@@ -86,7 +94,7 @@ def pipeline_runs() -> list[list[dict[str, Any]]]:
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_schedules_match_the_one_process_reference_bit_for_bit(
         pipeline_runs: list[list[dict[str, Any]]], case: int) -> None:
-    """Sparsity 0: the unsplit model's gradients; else: the split model's (Alg. 2)."""
+    """Sparsity 0: the unsplit model's gradients; else: the one-process split model's."""
     seen = set()
     for rank in range(2):
         run = pipeline_runs[rank][case]
@@ -100,15 +108,19 @@ def test_schedules_match_the_one_process_reference_bit_for_bit(
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_each_crossing_sends_exactly_the_payload(pipeline_runs: list[list[dict[str, Any]]],
                                                  case: int) -> None:
-    _, sparsity = CASES[case]
+    _, boundary, options = CASES[case]
     rows = ROWS // MICROBATCHES
     width = 12
     forward, backward = pipeline_runs[0][case]["records"], pipeline_runs[1][case]["records"]
-    if sparsity == 0:
+    if boundary == "sketch":
+        m = keep_count(width, 1 - options["compression"])
+        expected_forward = [("X_act", "bottom.3", "send", rows * m * 4)]
+        expected_backward = [("X_grad", "bottom.3", "send", rows * m * 4)]
+    elif options["sparsity"] == 0:
         expected_forward = [("X_act", "bottom.3", "send", rows * width * 4)]
         expected_backward = [("X_grad", "bottom.3", "send", rows * width * 4)]
     else:
-        k = keep_count(width, 1 - sparsity)
+        k = keep_count(width, 1 - options["sparsity"])
         expected_forward = [("X_act", "bottom.3", "send", rows * k * 4),  # fp32 values
                             ("X_act", "bottom.3", "send", rows * k * 1)]  # uint8 indices
         expected_backward = [("X_grad", "bottom.3", "send", rows * k * 4)]  # values only

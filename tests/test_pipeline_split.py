@@ -172,24 +172,32 @@ def test_gaussian_sketch_sends_x_s_and_returns_the_exact_sketched_gradient() -> 
     stages = split(model, ["bottom.3"], dense, side=side, boundary="sketch",
                    compression=0.75, seed=5, meter=meter)
     sender, receiver = stages[0].sender, stages[1].receiver
-    matrix = sketch_matrix("bottom.3", 12, 0.75, seed=5)
-    assert matrix.shape == (12, 3)
-    assert torch.equal(sender.matrix, matrix) and torch.equal(receiver.matrix, matrix)
-    acts = torch.randn(8, 12, dtype=torch.float64, requires_grad=True)
-    (sketch,) = sender(acts)
-    assert torch.equal(sketch, acts @ matrix.double())
-    rebuilt = receiver(sketch)
-    grad = torch.randn(8, 12, dtype=torch.float64)
-    rebuilt.backward(grad)
-    assert torch.equal(rebuilt.detach(), sketch.detach() @ matrix.double().T)
-    torch.testing.assert_close(acts.grad, grad @ matrix.double() @ matrix.double().T)
+    for call in (1, 2):  # a fresh S per training call, the same on both sides
+        matrix = sketch_matrix("bottom.3", 12, 0.75, seed=5, draw=call).double()
+        assert matrix.shape == (12, 3)
+        acts = torch.randn(8, 12, dtype=torch.float64, requires_grad=True)
+        (sketched,) = sender(acts)
+        assert torch.equal(sketched, acts @ matrix)
+        rebuilt = receiver(sketched)
+        assert torch.equal(rebuilt.detach(), sketched.detach() @ matrix.T)
+        grad = torch.randn(8, 12, dtype=torch.float64)
+        rebuilt.backward(grad)
+        torch.testing.assert_close(acts.grad, grad @ matrix @ matrix.T)
     assert [(r.entity, r.nbytes) for r in meter.records] == [("X_act", 8 * 3 * 8),
-                                                             ("X_grad", 8 * 3 * 8)]
-    # E[S S^T] = I: a wide sketch is nearly an isometry on average.
-    wide = sketch_matrix("x", 64, 0.0, seed=1)
-    average = sum(sketch_matrix("x", 64, 0.0, seed=s) @ sketch_matrix("x", 64, 0.0, seed=s).T
-                  for s in range(50)) / 50
-    assert wide.shape == (64, 64)
+                                                             ("X_grad", 8 * 3 * 8)] * 2
+    # The call count is checkpointed; evaluation uses draw 0 and counts nothing.
+    clone = split(_tiny_dlrm(), ["bottom.3"], dense, side=side, boundary="sketch",
+                  compression=0.75, seed=5)
+    clone[0].load_state_dict(stages[0].state_dict())
+    assert clone[0].sender.sketch.calls == 2
+    sender.eval()
+    with torch.no_grad():
+        fixed = sketch_matrix("bottom.3", 12, 0.75, seed=5)
+        assert torch.equal(sender(torch.eye(12))[0], fixed)
+    assert sender.sketch.calls == 2
+    # E[S S^T] = I over draws.
+    average = sum(sketch_matrix("x", 64, 0.0, seed=1, draw=d) @
+                  sketch_matrix("x", 64, 0.0, seed=1, draw=d).T for d in range(50)) / 50
     torch.testing.assert_close(average, torch.eye(64), atol=0.2, rtol=0.0)
 
 

@@ -5,14 +5,18 @@ Both exist so users can measure why DCT-MP is the default.
 ``sketch`` -- Gaussian sketching of activations (Table 6). The sender sends
 ``Y = X S`` with ``S`` a (d, m) matrix of i.i.d. N(0, 1/m) entries, so that
 ``E[S S^T] = I``; the receiver uses ``X~ = Y S^T``. ``m`` keeps the fraction
-``1 - compression`` of the width. Both sides draw the same S from a seed and
-the split's name (no bytes). Choices: S is drawn once per boundary, not per
-step -- a fresh S each step would need both sides to agree on a step counter,
-and a fixed S is the stronger baseline (the network can adapt to its
-subspace). The paper leaves the backward uncompressed; here what crosses
-back is the exact gradient of the sketched network, ``dL/dY = X~_grad S``,
-which is (B, m) -- the gradient of what was sent forward, as a pipeline
-schedule requires.
+``1 - compression`` of the width. Both sides draw the same S from the seed,
+the split's name and a count of training calls (no bytes): sender and
+receiver each see every microbatch once and in order, so their counts agree,
+in one process and under a pipeline schedule; the count is checkpointed in
+the modules' ``state_dict``. By default S is fresh at every training call, as
+a random sketch is in RandNLA (unbiased, ``E[X S S^T] = X``, but noisy);
+``resample=False`` keeps one S, which turns the split into a fixed rank-m
+projection the next layer can adapt to -- a stronger baseline than the
+paper's. Evaluation uses the seed's first S. The paper leaves the backward
+uncompressed; here what crosses back is the exact gradient of the sketched
+network, ``dL/dY = X~_grad S``, which is (B, m) -- the gradient of what was
+sent forward, as a pipeline schedule requires.
 
 ``xgrad-topk`` -- top-K with error feedback on ``X_grad`` (Table 7). The
 activation crosses dense; in backward the receiver adds its residual to
@@ -49,38 +53,67 @@ from thinwire.pipeline.registry import register_boundary
 
 
 def sketch_matrix(name: str, width: int, compression: float, seed: int = 0,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The (width, m) Gaussian sketch with N(0, 1/m) entries, identical on both sides."""
+                  draw: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Draw number ``draw`` of the (width, m) Gaussian sketch, N(0, 1/m) entries.
+
+    Depends only on its arguments, so both sides of a split draw the same S.
+    """
     columns = keep_count(width, 1.0 - compression)
-    return seeded_normal(f"sketch:{name}", (width, columns), seed, dtype) / math.sqrt(columns)
+    normal = seeded_normal(f"sketch:{name}:{draw}", (width, columns), seed, dtype)
+    return normal / math.sqrt(columns)
+
+
+class _Sketch:
+    """What both sides share: which S to use for the current call."""
+
+    def __init__(self, name: str, width: int, compression: float, seed: int,
+                 resample: bool) -> None:
+        self.name, self.width, self.compression = name, width, compression
+        self.seed, self.resample = seed, resample
+        self.calls = 0
+        self.fixed = sketch_matrix(name, width, compression, seed)
+
+    def matrix(self, training: bool) -> torch.Tensor:
+        if not (training and self.resample and torch.is_grad_enabled()):
+            return self.fixed
+        self.calls += 1
+        return sketch_matrix(self.name, self.width, self.compression, self.seed, self.calls)
 
 
 class SketchSender(Sender):
     """Sends ``X S`` (Appendix A, Table 6)."""
 
-    matrix: torch.Tensor
-
-    def __init__(self, matrix: torch.Tensor, name: str = "", meter: Meter | None = None) -> None:
-        super().__init__(name, meter)
-        self.register_buffer("matrix", matrix, persistent=False)
+    def __init__(self, sketch: _Sketch, meter: Meter | None = None) -> None:
+        super().__init__(sketch.name, meter)
+        self.sketch = sketch
 
     def encode(self, acts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         check_activation(acts)
-        return (acts @ self.matrix.to(acts.dtype),)
+        return (acts @ self.sketch.matrix(self.training).to(acts.dtype),)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": self.sketch.calls}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.sketch.calls = state["calls"]
 
 
 class SketchReceiver(Receiver):
-    """Rebuilds ``X~ = Y S^T``."""
+    """Rebuilds ``X~ = Y S^T`` with the sender's S."""
 
-    matrix: torch.Tensor
-
-    def __init__(self, matrix: torch.Tensor, name: str = "", meter: Meter | None = None) -> None:
-        super().__init__(name, meter)
-        self.register_buffer("matrix", matrix, persistent=False)
+    def __init__(self, sketch: _Sketch, meter: Meter | None = None) -> None:
+        super().__init__(sketch.name, meter)
+        self.sketch = sketch
 
     def decode(self, *payload: torch.Tensor) -> torch.Tensor:
-        (sketch,) = payload
-        return sketch @ self.matrix.to(sketch.dtype).T
+        (sketched,) = payload
+        return sketched @ self.sketch.matrix(self.training).to(sketched.dtype).T
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": self.sketch.calls}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.sketch.calls = state["calls"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +122,7 @@ class SketchConfig:
 
     compression: float = 0.5  # fraction of the width removed by the sketch, in [0, 1)
     seed: int = 0  # seeds S (with the split's name); both sides must agree
+    resample: bool = True  # a fresh S every training call (False: one fixed S)
 
     def __post_init__(self) -> None:
         check_fraction("compression", self.compression, 0.0, 1.0, closed_low=True,
@@ -98,8 +132,12 @@ class SketchConfig:
 @register_boundary("sketch", SketchConfig)
 def _sketch_pair(config: SketchConfig, name: str, width: int, dtype: torch.dtype,
                  meter: Meter | None) -> tuple[Sender, Receiver]:
-    matrix = sketch_matrix(name, width, config.compression, config.seed)
-    return SketchSender(matrix, name, meter), SketchReceiver(matrix.clone(), name, meter)
+    # Each side has its own counter: in one process they advance in step, across
+    # processes each rank owns one side.
+    def side() -> _Sketch:
+        return _Sketch(name, width, config.compression, config.seed, config.resample)
+
+    return SketchSender(side(), meter), SketchReceiver(side(), meter)
 
 
 class _TopKGrad(torch.autograd.Function):

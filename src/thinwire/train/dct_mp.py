@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ class RunConfig:
     train_size: int = 100_000  # synthetic criteo: training rows
     test_size: int = 10_000  # synthetic criteo: test rows
     probe: tuple[float, ...] = ()  # sparsities whose mean row threshold to trace (Fig. 5)
+    train_eval_rows: int | None = 20_000  # train loss/accuracy over the first rows (None: all)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -235,6 +237,13 @@ def lr_schedule(config: RunConfig, optimizer: torch.optim.Optimizer,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total)
 
 
+def train_rows(config: RunConfig, task: Task) -> Batches:
+    """The training rows the train loss and accuracy are measured on."""
+    if config.train_eval_rows is None:
+        return task.train
+    return task.train.rows(slice(0, config.train_eval_rows))
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Batches, task: Task,
              batch_size: int = 1024) -> dict[str, float]:
@@ -311,8 +320,8 @@ class SimulatedReplicas:
         return out
 
 
-def train_local(config: RunConfig, *, progress: bool = False,
-                task: Task | None = None) -> dict[str, Any]:
+def train_local(config: RunConfig, *, progress: bool = False, task: Task | None = None,
+                evaluation: bool = True) -> dict[str, Any]:
     """Train the split model in this process; see the module docstring.
 
     With ``config.replicas > 1`` the data-parallel side is simulated
@@ -321,7 +330,9 @@ def train_local(config: RunConfig, *, progress: bool = False,
     replicas' compressed gradients.
 
     Args:
+        progress: show a progress bar.
         task: a task already built for ``config`` (saves rebuilding its data).
+        evaluation: evaluate on the train and test sets at the end (else NaN).
 
     Returns:
         ``{"config", "splits", "train", "test", "oracle", "bytes_per_entity",
@@ -373,8 +384,9 @@ def train_local(config: RunConfig, *, progress: bool = False,
     return {
         "config": _config_dict(config),
         "splits": list(names),
-        "train": evaluate(pipeline, task.train, task),
-        "test": evaluate(pipeline, task.test, task),
+        "train": (evaluate(pipeline, train_rows(config, task), task) if evaluation
+                  else _NOT_EVALUATED),
+        "test": evaluate(pipeline, task.test, task) if evaluation else _NOT_EVALUATED,
         "oracle": task.oracle,
         "bytes_per_entity": summary["bytes_per_entity"],
         "bytes_per_layer": summary["bytes_per_layer"],
@@ -384,6 +396,9 @@ def train_local(config: RunConfig, *, progress: bool = False,
         "trace": {s.sender.name: getattr(s.sender, "trace", []) for s in stages
                   if s.sender is not None},
     }
+
+
+_NOT_EVALUATED = {"loss": math.nan, "accuracy": math.nan}
 
 
 def _config_dict(config: RunConfig) -> dict[str, Any]:
@@ -470,7 +485,7 @@ def engine_worker(rank: int, world_size: int, config: RunConfig,
         for part in gathered:
             model.load_state_dict(part, strict=False)
         pipeline = Pipeline(stages)
-        result.update(train=evaluate(pipeline, task.train, task),
+        result.update(train=evaluate(pipeline, train_rows(config, task), task),
                       test=evaluate(pipeline, task.test, task), oracle=task.oracle,
                       splits=list(names))
     return result
