@@ -217,3 +217,20 @@ def test_other_bad_input_is_rejected_with_a_clear_message() -> None:
         expand(values, indices[:, :2], 8)
     with pytest.raises(ValueError, match="width="):
         expand(values, indices, 3)
+
+
+def test_compact_traces_threshold_and_occupancy_only_while_training() -> None:
+    sender = Compact(0.9, threshold="laplace")
+    acts = torch.zeros(4, 200)
+    acts[:, ::20] = torch.arange(1.0, 11.0)  # 10 spikes per row, fewer than k = 20
+    kept = acts >= laplace_thresholds(acts, 0.9)
+    assert 0 < int(kept[0].sum()) < 10  # the estimate keeps the larger spikes only
+    sender(acts.clone().requires_grad_())
+    (tau, density), = sender.trace
+    assert tau == float(acts[kept].min())
+    assert density == float(kept.sum()) / acts.numel()
+    with torch.no_grad():
+        sender(acts)
+    sender.eval()
+    sender(acts)
+    assert len(sender.trace) == 1

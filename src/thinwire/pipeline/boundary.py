@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -288,15 +287,6 @@ def expand(values: torch.Tensor, indices: torch.Tensor, width: int,
     return out
 
 
-Recorder = Callable[[str, int], None]
-
-
-def _recorder(meter: Meter | None, layer: str) -> Recorder | None:
-    if meter is None:
-        return None
-    return lambda entity, nbytes: meter.record(entity, layer, "send", nbytes)
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -400,13 +390,16 @@ class Compact(Sender):
         values, indices = compact(acts, self.sparsity, threshold=self.threshold,
                                   values=self.values)
         if self.training and torch.is_grad_enabled():
-            width = acts.shape[-1]
-            used = indices.long() < width
-            magnitudes = values.detach().abs().float().masked_fill(~used, math.inf)
-            tau = magnitudes.amin(dim=-1)
-            self.trace.append((float(tau[tau.isfinite()].mean()) if bool(tau.isfinite().any())
-                               else 0.0, float(used.float().mean()) * values.shape[-1] / width))
+            self._trace(values, indices, acts.shape[-1])
         return values, indices
+
+    def _trace(self, values: torch.Tensor, indices: torch.Tensor, width: int) -> None:
+        """Record (mean over rows of the smallest kept |x|, fraction of entries kept)."""
+        used = indices.long() < width  # Laplace leaves empty slots (index d)
+        smallest = values.detach().abs().float().masked_fill(~used, math.inf).amin(dim=-1)
+        finite = smallest[smallest.isfinite()]
+        tau = float(finite.mean()) if finite.numel() else 0.0
+        self.trace.append((tau, float(used.sum()) / (used.numel() // values.shape[-1] * width)))
 
     def extra_repr(self) -> str:
         return f"sparsity={self.sparsity}, threshold={self.threshold!r}, values={self.values!r}"

@@ -17,7 +17,14 @@ from typing import Any
 
 from thinwire.pipeline.registry import boundary_kinds
 from thinwire.pipeline.stages import SCHEDULES
-from thinwire.train.dct_mp import OPTIMIZERS, TASKS, RunConfig, train_engine, train_local
+from thinwire.train.dct_mp import (
+    OPTIMIZERS,
+    TASK_DEFAULTS,
+    TASKS,
+    RunConfig,
+    train_engine,
+    train_local,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,11 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--local", action="store_true",
                         help="run the stages in this process instead of as processes")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="rows per step, all replicas (default: 256; 32 breast-cancer, "
+                             "64 digits)")
+    parser.add_argument("--epochs", type=float, default=None,
+                        help="passes over the data (default: 1; 5 breast-cancer, 20 digits)")
     parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate (default: 1e-3; 3e-3 digits)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-size", type=int, default=100_000,
                         help="synthetic criteo training rows (default: 100000)")
@@ -83,14 +94,15 @@ def config_from(args: argparse.Namespace) -> RunConfig:
             options[name] = getattr(args, name)
     if args.boundary == "dct-mp":
         options.setdefault("sparsity", 0.9)
-    return RunConfig(task=args.task, stages=args.stages,
+    tuned = {name: getattr(args, name) for name in ("batch_size", "epochs", "lr")
+             if getattr(args, name) is not None}
+    return RunConfig(**{**TASK_DEFAULTS[args.task], **tuned}, task=args.task, stages=args.stages,
                      splits=None if args.splits is None else tuple(args.splits),
                      boundary=args.boundary, boundary_options=options,
                      replicas=args.replicas, dp_scheme=args.dp_scheme,
                      dp_options=parse_options(args.dp_opt), schedule=args.schedule,
-                     microbatches=args.microbatches, batch_size=args.batch_size,
-                     epochs=args.epochs, max_steps=args.steps, optimizer=args.optimizer,
-                     lr=args.lr, seed=args.seed, train_size=args.train_size,
+                     microbatches=args.microbatches, max_steps=args.steps,
+                     optimizer=args.optimizer, seed=args.seed, train_size=args.train_size,
                      test_size=args.test_size)
 
 

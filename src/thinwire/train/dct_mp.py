@@ -185,6 +185,13 @@ TASKS: dict[str, Callable[[RunConfig], Task]] = {
     "digits": digits_task,
 }
 
+# Task -> RunConfig fields that suit it better than the defaults (which suit criteo).
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "criteo": {},
+    "breast-cancer": {"batch_size": 32, "epochs": 5.0},  # 426 rows: small batches
+    "digits": {"batch_size": 64, "epochs": 20.0, "lr": 3e-3},
+}
+
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
