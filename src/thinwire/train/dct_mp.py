@@ -468,14 +468,13 @@ def engine_worker(rank: int, world_size: int, config: RunConfig,
     for rows in order:
         batch = task.train.rows(rows[replica * shard: (replica + 1) * shard])
         optimizer.zero_grad(set_to_none=True)
-        if index == 0:
-            schedule.step(batch.inputs, **batch.side)
-        elif index == config.stages - 1:
-            step_losses: list[torch.Tensor] = []
-            schedule.step(target=batch.targets, losses=step_losses, **batch.side)
+        first, last = index == 0, index == config.stages - 1
+        step_losses: list[torch.Tensor] = []
+        schedule.step(*((batch.inputs,) if first else ()),
+                      **({"target": batch.targets, "losses": step_losses} if last else {}),
+                      **batch.side)
+        if last:
             losses.append(float(torch.stack(step_losses).detach().mean()))
-        else:
-            schedule.step(**batch.side)
         optimizer.step()
         scheduler.step()
         meter.next_step()
