@@ -56,8 +56,8 @@ class MeteredStage(PipelineStage):
         self.names = list(names)
 
     def _record(self, ops: list[dist.P2POp], entity: str, boundary: int) -> list[dist.P2POp]:
-        if self.meter is not None:
-            layer = self.names[boundary] if boundary < len(self.names) else f"split{boundary}"
+        if self.meter is not None and ops:
+            layer = self.names[boundary] if 0 <= boundary < len(self.names) else f"split{boundary}"
             for op in ops:
                 tensor = op.tensor
                 self.meter.record(entity, layer, "send", tensor.numel() * tensor.element_size())
