@@ -13,6 +13,7 @@ COMMANDS: dict[str, str] = {
     "train": "thinwire.train.torchrun",
     "schemes": "thinwire.train.listing",
     "async": "thinwire.ps.cli",
+    "pipeline": "thinwire.pipeline.cli",
 }
 
 

@@ -1,0 +1,458 @@
+"""DCT-MP boundary: per-row top-k of an activation crosses a model split as (values, indices).
+
+DCT KDD'21 §2.2, Algorithm 2. At the end of a stage each row ``i`` of the
+activation ``X_act`` (one sample, or one token of a (B, T, d) activation)
+keeps its ``k = ceil(d (1 - eta))`` largest ``|x|`` (lines 4-9); the stage
+sends ``X_act ⊙ M`` as fixed-shape ``values (.., k)`` and ``indices (.., k)``
+(line 11). The next stage scatters them back into a zero (.., d) tensor. In
+backward the receiving stage gathers ``X_grad`` at the same indices and sends
+``X_grad ⊙ M`` as values only (lines 13-14): the sending stage kept the mask,
+so no index travels back.
+
+Choices where the papers leave room:
+
+* Exactly k per row. Algorithm 2 line 7 keeps ``|x| >= tau_i``, which keeps
+  more than k when values tie at ``tau_i``; a pipeline needs fixed shapes, so
+  ties are broken by ``torch.topk`` (deterministic on CPU). Line 6 indexes the
+  ascending sort at ``floor(d eta)``, one entry more than the target; we keep
+  ``keep_count(d, 1 - eta)`` like every sparsifier of the package.
+* Rows with fewer than k non-zeros (ReLU outputs) keep some zeros: they cost
+  their slots but are harmless (Alg. 2 keeps them too, as ``tau_i = 0``).
+* Indices travel in the smallest integer dtype that holds the largest index
+  (uint8 for d <= 256, int16 for d <= 32768, ...). Values travel in the
+  activation's dtype, or in fp16 when asked (both directions).
+* ``threshold="laplace"`` (DCT MLSys §2.2, App. B) replaces the per-row sort
+  by a Laplace estimate: as the paper says, a Laplace law is fitted by its
+  mean and variance and tau is read off its quantile function
+  (:func:`laplace_thresholds`), per row as Algorithm 2 thresholds per sample.
+  (The foundation's :class:`thinwire.compress.LaplaceThreshold` fits a
+  zero-centred law by ``mean|x|`` instead; on ReLU activations, half zeros,
+  that tau is too low and nearly every row would overflow the budget.) Its
+  kept count varies per row, so we use
+  **fixed-budget padding**: the kept entries are compacted in O(d) (a prefix
+  sum, no sort) into the same k slots top-k would use; unused slots carry
+  value 0 and index ``d`` (one past the end), which :func:`expand` drops and
+  whose gradient is exactly 0. Rows whose estimate keeps more than k entries
+  (the fit's error, Fig. 6b) fall back to exact top-k for those rows only.
+  The wire cost is therefore that of top-k; Laplace saves selection time, not
+  bytes. A dense-masked fallback (send ``X ⊙ M`` dense) was rejected: it
+  saves no bytes at all. The index dtype must hold ``d``, so a width of
+  exactly 256 needs int16 under Laplace but uint8 under top-k.
+* ``sparsity == 0`` in the :class:`Compact` module sends the activation dense
+  (values only, no indices): an index for every entry would cost more than
+  it saves. The functional :func:`compact` always returns (values, indices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from thinwire.comm import Meter
+from thinwire.compress.base import check_fraction, keep_count
+
+THRESHOLDS = ("topk", "laplace")
+VALUE_DTYPES: dict[str, torch.dtype | None] = {"native": None, "fp16": torch.float16}
+_INDEX_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def index_dtype(max_index: int) -> torch.dtype:
+    """The smallest integer dtype that holds every index in ``[0, max_index]``."""
+    for dtype in _INDEX_DTYPES:
+        if max_index <= torch.iinfo(dtype).max:
+            return dtype
+    raise ValueError(f"max_index={max_index!r} does not fit in int64")
+
+
+def check_activation(acts: torch.Tensor, what: str = "activation") -> None:
+    """Raise ``ValueError`` unless ``acts`` is a floating (B, d) or (B, T, d) tensor."""
+    if acts.dim() not in (2, 3):
+        raise ValueError(f"a DCT-MP boundary needs a (B, d) or (B, T, d) {what}, "
+                         f"got shape {tuple(acts.shape)} (rank {acts.dim()})")
+    if not acts.is_floating_point():
+        raise ValueError(f"a DCT-MP boundary needs a floating {what}, got {acts.dtype}")
+    if acts.shape[-1] == 0:
+        raise ValueError(f"a DCT-MP boundary needs a non-empty last dimension, got shape "
+                         f"{tuple(acts.shape)}")
+
+
+def check_sparsity(sparsity: float) -> None:
+    check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+
+
+def check_threshold(threshold: str) -> None:
+    if threshold not in THRESHOLDS:
+        raise ValueError(f"threshold={threshold!r} must be one of {THRESHOLDS}")
+
+
+def value_dtype(values: str) -> torch.dtype | None:
+    """The dtype values cross in (``None``: the activation's own)."""
+    if values not in VALUE_DTYPES:
+        raise ValueError(f"values={values!r} must be one of {sorted(VALUE_DTYPES)}")
+    return VALUE_DTYPES[values]
+
+
+def row_thresholds(acts: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """``tau_i`` of Algorithm 2 line 6 for every row: the k-th largest ``|x_i|``.
+
+    This is the statistic DCT KDD'21 Fig. 5 averages over the batch.
+
+    Returns:
+        A tensor of ``acts.shape[:-1]`` thresholds.
+    """
+    check_activation(acts)
+    check_sparsity(sparsity)
+    k = keep_count(acts.shape[-1], 1.0 - sparsity)
+    top = torch.topk(acts.detach().abs(), k, dim=-1, sorted=False).values
+    return top.amin(dim=-1)
+
+
+def laplace_thresholds(magnitudes: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Per-row Laplace estimate of ``tau_i`` (DCT MLSys §2.2, App. B).
+
+    As the paper says, the Laplace law ``R`` is fitted by its mean and
+    variance -- location ``mu = mean``, scale ``b = sqrt(var / 2)`` -- and
+    ``tau`` is read off its quantile function so that ``P(R >= tau) = 1 - eta``:
+    ``tau = mu - b ln(2 (1 - eta))`` when ``1 - eta <= 1/2``, else
+    ``mu + b ln(2 eta)``. We fit each row's magnitudes (Algorithm 2 thresholds
+    ``|x|`` per sample; for ReLU outputs ``|x| = x``, the paper's setting).
+    Two passes over the row (mean, variance), no selection: O(d).
+
+    Returns:
+        (.., 1) thresholds.
+    """
+    mean = magnitudes.mean(dim=-1, keepdim=True)
+    scale = (magnitudes.var(dim=-1, keepdim=True, correction=0) / 2).sqrt()
+    kept = 1.0 - sparsity
+    if kept <= 0.5:
+        return mean - scale * math.log(2 * kept)
+    return mean + scale * math.log(2 * sparsity) if sparsity > 0 else torch.zeros_like(mean)
+
+
+def _select_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(magnitudes, k, dim=-1, sorted=False).indices
+
+
+def _select_laplace(magnitudes: torch.Tensor, sparsity: float, k: int) -> torch.Tensor:
+    """Indices of the Laplace mask, compacted into k slots; empty slots hold ``d``."""
+    width = magnitudes.shape[-1]
+    tau = laplace_thresholds(magnitudes, sparsity)
+    # Zeros are never kept: a row of zeros (tau = 0) keeps nothing, as in compress/.
+    mask = torch.where(tau > 0, magnitudes >= tau, magnitudes > 0)
+    # Stable compaction by prefix sum: kept entry j goes to slot (#kept before j);
+    # everything else (and any overflow) is dumped into an extra slot k, dropped.
+    slots = torch.where(mask, mask.cumsum(dim=-1) - 1, k).clamp_(max=k)
+    positions = torch.arange(width).expand_as(magnitudes)
+    indices = torch.full((*magnitudes.shape[:-1], k + 1), width, dtype=torch.int64)
+    indices.scatter_(-1, slots, positions)
+    indices = indices[..., :k].contiguous()
+    overflow = mask.sum(dim=-1) > k
+    if bool(overflow.any()):  # the estimate kept too many: exact top-k for those rows
+        indices[overflow] = _select_topk(magnitudes[overflow], k)
+    return indices
+
+
+def select(acts: torch.Tensor, sparsity: float, threshold: str = "topk") -> torch.Tensor:
+    """Which entries of each row survive (Alg. 2 lines 4-9), as int64 indices (.., k).
+
+    Under ``"laplace"`` an index equal to ``d`` marks an empty slot.
+    """
+    check_activation(acts)
+    check_sparsity(sparsity)
+    check_threshold(threshold)
+    k = keep_count(acts.shape[-1], 1.0 - sparsity)
+    magnitudes = acts.detach().abs()
+    if threshold == "laplace":
+        return _select_laplace(magnitudes, sparsity, k)
+    return _select_topk(magnitudes, k)
+
+
+class _Compact(torch.autograd.Function):
+    """(.., d) -> (values (.., k), indices (.., k)); backward scatters X_grad ⊙ M."""
+
+    @staticmethod
+    def forward(ctx: Any, acts: torch.Tensor, rows: torch.Tensor,
+                wire: torch.dtype | None, small: torch.dtype,
+                padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        source = F.pad(acts, (0, 1)) if padded else acts
+        values = source.gather(-1, rows)
+        if wire is not None:
+            values = values.to(wire)
+        indices = rows.to(small)
+        ctx.mark_non_differentiable(indices)
+        ctx.save_for_backward(indices)
+        ctx.shape, ctx.dtype, ctx.padded = acts.shape, acts.dtype, padded
+        return values, indices
+
+    @staticmethod
+    def backward(ctx: Any, grad_values: torch.Tensor | None,
+                 grad_indices: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if grad_values is None:
+            return None, None, None, None, None
+        (indices,) = ctx.saved_tensors
+        width = ctx.shape[-1]
+        grad = torch.zeros((*ctx.shape[:-1], width + int(ctx.padded)), dtype=ctx.dtype)
+        grad.scatter_(-1, indices.long(), grad_values.to(ctx.dtype))
+        return (grad[..., :width].contiguous() if ctx.padded else grad), None, None, None, None
+
+
+class _Expand(torch.autograd.Function):
+    """(values, indices) -> (.., d); backward gathers X_grad ⊙ M as values only."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, indices: torch.Tensor,
+                width: int, dtype: torch.dtype) -> torch.Tensor:
+        rows = indices.long()
+        padded = rows.numel() > 0 and int(rows.max()) == width
+        out = torch.zeros((*values.shape[:-1], width + int(padded)), dtype=dtype)
+        out.scatter_(-1, rows, values.to(dtype))
+        ctx.save_for_backward(indices)
+        ctx.width, ctx.padded, ctx.wire = width, padded, values.dtype
+        return out[..., :width].contiguous() if padded else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (indices,) = ctx.saved_tensors
+        source = F.pad(grad, (0, 1)) if ctx.padded else grad
+        return source.gather(-1, indices.long()).to(ctx.wire), None, None, None
+
+
+def compact(acts: torch.Tensor, sparsity: float, *, threshold: str = "topk",
+            values: str = "native") -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each row's ``ceil(d (1 - sparsity))`` largest ``|x|`` (Algorithm 2, forward).
+
+    Differentiable in ``acts``: the gradient of ``values`` is scattered back
+    through the forward mask (line 13), zero elsewhere.
+
+    Args:
+        acts: a (B, d) or (B, T, d) floating activation.
+        sparsity: eta, the fraction of each row dropped, in [0, 1).
+        threshold: ``"topk"`` (exact) or ``"laplace"`` (estimate, padded; see module doc).
+        values: ``"native"`` (the activation's dtype) or ``"fp16"``.
+
+    Returns:
+        ``values`` (.., k) and ``indices`` (.., k) in the smallest integer dtype
+        holding the largest index.
+
+    Raises:
+        ValueError: wrong rank or dtype, sparsity outside [0, 1), unknown option.
+    """
+    wire = value_dtype(values)
+    rows = select(acts, sparsity, threshold)
+    width = acts.shape[-1]
+    padded = threshold == "laplace"
+    small = index_dtype(width if padded else width - 1)
+    out: tuple[torch.Tensor, torch.Tensor] = _Compact.apply(acts, rows, wire, small, padded)
+    return out
+
+
+def expand(values: torch.Tensor, indices: torch.Tensor, width: int,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Scatter ``values`` back into a zero (.., width) tensor (the receiving stage).
+
+    Differentiable in ``values``: the gradient is ``X_grad`` gathered at
+    ``indices``, the values-only (.., k) tensor that crosses back (line 14).
+    An index equal to ``width`` marks an empty slot and is dropped.
+
+    Args:
+        values: (.., k) kept values.
+        indices: (.., k) integer positions in ``[0, width]``, distinct per row.
+        width: d, the activation's last dimension.
+        dtype: the dtype of the result (default: that of ``values``).
+
+    Raises:
+        ValueError: mismatched shapes, non-integer or out-of-range indices.
+    """
+    if values.shape != indices.shape:
+        raise ValueError(f"values {tuple(values.shape)} and indices {tuple(indices.shape)} "
+                         "must have the same shape")
+    check_activation(values, "values tensor")
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        raise ValueError(f"indices must be an integer tensor, got {indices.dtype}")
+    if not isinstance(width, int) or width < values.shape[-1]:
+        raise ValueError(f"width={width!r} must be an integer >= k={values.shape[-1]}")
+    if indices.numel():
+        low, high = (int(v) for v in torch.aminmax(indices))
+        if low < 0 or high > width:
+            raise ValueError(
+                f"indices span [{low}, {high}], outside [0, {width}]: the payload is corrupt "
+                "(a pipeline stage built without static metadata receives uninitialised "
+                "buffers during shape inference; use thinwire.pipeline.build_stage)")
+    out: torch.Tensor = _Expand.apply(values, indices, width, dtype or values.dtype)
+    return out
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Sender(nn.Module):
+    """End of a stage: the carry (a tensor, or a tuple whose last tensor is the
+    activation of the split module) becomes the tuple of tensors that crosses.
+
+    Tensors before the last one of a tuple (a transformer's residual stream)
+    cross dense and are metered as X_act too. Subclasses implement
+    :meth:`encode`; ``meter`` records every tensor handed over (``X_act``).
+    """
+
+    payload_size = 1  # how many trailing tensors of the crossing encode the activation
+    pipelines = True  # whether a pipeline schedule can carry it between processes
+
+    def __init__(self, name: str = "", meter: Meter | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.meter = meter
+
+    def encode(self, acts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def forward(self, carry: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        *passthrough, acts = carry if isinstance(carry, tuple) else (carry,)
+        crossing = (*passthrough, *self.encode(acts))
+        if self.meter is not None:
+            for tensor in crossing:
+                self.meter.record("X_act", self.name, "send", _nbytes(tensor))
+        return crossing
+
+
+class Receiver(nn.Module):
+    """Start of the next stage: the crossing tuple becomes the carry again.
+
+    Subclasses implement :meth:`decode`; ``meter`` records the gradient of
+    every floating input as it is handed back (``X_grad``).
+    """
+
+    payload_size = 1  # how many trailing tensors of the crossing encode the activation
+    pipelines = True  # whether a pipeline schedule can carry it between processes
+    records_grad = True  # whether the gradients of the inputs are what crosses back
+
+    def __init__(self, name: str = "", meter: Meter | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.meter = meter
+
+    def decode(self, *payload: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, *crossing: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if len(crossing) < self.payload_size:
+            raise ValueError(f"boundary {self.name!r} expects at least {self.payload_size} "
+                             f"tensors, got {len(crossing)}")
+        if self.meter is not None and self.records_grad:
+            for tensor in crossing:
+                if tensor.requires_grad:
+                    tensor.register_hook(self._record_grad)
+        cut = len(crossing) - self.payload_size
+        acts = self.decode(*crossing[cut:])
+        return (*crossing[:cut], acts) if cut else acts
+
+    def _record_grad(self, grad: torch.Tensor) -> None:
+        assert self.meter is not None  # only registered with a meter
+        self.meter.record("X_grad", self.name, "send", _nbytes(grad))
+
+
+class Compact(Sender):
+    """DCT-MP sender (Algorithm 2 forward): crosses as (values, indices), or dense at eta=0.
+
+    Args:
+        sparsity: eta, fraction of each row dropped, in [0, 1).
+        threshold: ``"topk"`` or ``"laplace"`` (see the module docstring).
+        values: ``"native"`` or ``"fp16"``, the dtype values cross in.
+        name: the split's name (the meter's layer).
+        meter: records the bytes handed over.
+
+    Attributes:
+        trace: per training call, (mean row threshold, fraction of slots used);
+            the Laplace estimate's drift from the target shows here (MLSys Fig. 6b).
+    """
+
+    def __init__(self, sparsity: float, threshold: str = "topk", values: str = "native",
+                 name: str = "", meter: Meter | None = None) -> None:
+        check_sparsity(sparsity)
+        check_threshold(threshold)
+        super().__init__(name, meter)
+        self.sparsity = sparsity
+        self.threshold = threshold
+        self.values = values
+        self.wire = value_dtype(values)
+        self.payload_size = 1 if sparsity == 0 else 2
+        self.trace: list[tuple[float, float]] = []
+
+    def encode(self, acts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        check_activation(acts)
+        if self.sparsity == 0:
+            return (acts if self.wire is None else acts.to(self.wire),)
+        values, indices = compact(acts, self.sparsity, threshold=self.threshold,
+                                  values=self.values)
+        if self.training and torch.is_grad_enabled():
+            self._trace(values, indices, acts.shape[-1])
+        return values, indices
+
+    def _trace(self, values: torch.Tensor, indices: torch.Tensor, width: int) -> None:
+        """Record (mean over rows of the smallest kept |x|, fraction of entries kept)."""
+        used = indices.long() < width  # Laplace leaves empty slots (index d)
+        smallest = values.detach().abs().float().masked_fill(~used, math.inf).amin(dim=-1)
+        finite = smallest[smallest.isfinite()]
+        tau = float(finite.mean()) if finite.numel() else 0.0
+        self.trace.append((tau, float(used.sum()) / (used.numel() // values.shape[-1] * width)))
+
+    def extra_repr(self) -> str:
+        return f"sparsity={self.sparsity}, threshold={self.threshold!r}, values={self.values!r}"
+
+
+class Expand(Receiver):
+    """DCT-MP receiver: (values, indices) back to a (.., width) activation.
+
+    Args:
+        width: d of the activation that was compacted.
+        sparsity: must match the sender's (0 means the activation crossed dense).
+        dtype: the activation's dtype before it crossed (values may be fp16).
+        name, meter: as for :class:`Compact`.
+    """
+
+    def __init__(self, width: int, sparsity: float, dtype: torch.dtype = torch.float32,
+                 name: str = "", meter: Meter | None = None) -> None:
+        check_sparsity(sparsity)
+        if not isinstance(width, int) or width < 1:
+            raise ValueError(f"width={width!r} must be an integer >= 1")
+        super().__init__(name, meter)
+        self.width = width
+        self.sparsity = sparsity
+        self.dtype = dtype
+        self.payload_size = 1 if sparsity == 0 else 2
+
+    def decode(self, *payload: torch.Tensor) -> torch.Tensor:
+        if self.sparsity == 0:
+            (acts,) = payload
+            return acts.to(self.dtype)
+        values, indices = payload
+        return expand(values, indices, self.width, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"width={self.width}, sparsity={self.sparsity}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DCTMPConfig:
+    """Options of the ``dct-mp`` boundary (DCT KDD'21 Algorithm 2)."""
+
+    sparsity: float = 0.9  # eta, fraction of each row's activations dropped, in [0, 1)
+    threshold: str = "topk"  # "topk" (exact, Alg. 2) or "laplace" (MLSys §2.2 estimate)
+    values: str = "native"  # dtype values cross in: "native" (the activation's) or "fp16"
+
+    def __post_init__(self) -> None:
+        check_sparsity(self.sparsity)
+        check_threshold(self.threshold)
+        value_dtype(self.values)
+
+
+def dct_mp_pair(config: DCTMPConfig, name: str, width: int, dtype: torch.dtype,
+                meter: Meter | None) -> tuple[Sender, Receiver]:
+    """The :class:`Compact` / :class:`Expand` pair for one split."""
+    return (Compact(config.sparsity, config.threshold, config.values, name, meter),
+            Expand(width, config.sparsity, dtype, name, meter))

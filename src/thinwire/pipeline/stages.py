@@ -1,0 +1,166 @@
+"""Split stages on ``torch.distributed.pipelining``: static metadata, metered sends.
+
+Why static metadata. Without ``input_args``/``output_args`` a
+``PipelineStage`` infers shapes at the first step by running each stage on
+*uninitialised* buffers built from the previous stage's metadata
+(``torch.empty_strided``). For a DCT-MP receiver those buffers hold the
+integer indices, so shape inference scatters at garbage positions and fails
+(GPipe and 1F1B alike, torch 2.13). :func:`build_stage` instead runs the
+split model locally on one example microbatch, without gradients, and hands
+the engine every stage's exact input and output metadata. Floating tensors
+are marked ``requires_grad`` (their gradients cross back: the values of a
+DCT-MP payload, a dense residual stream); integer indices are not, so the
+engine allocates no gradient buffer for them and sends nothing back for
+them -- the values-only backward of Algorithm 2 lines 13-14. The engine then
+runs in its STATIC mode: no inference pass, no uninitialised indices, and the
+same metadata for GPipe and 1F1B.
+
+Metering happens where bytes are handed to torch.distributed: the stage's
+send operations (forward sends are ``X_act``, backward sends ``X_grad``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from thinwire.comm import Meter
+from thinwire.pipeline.split import Stage
+
+# name -> schedule class; each takes (stage, n_microbatches, loss_fn=...).
+SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class MeteredStage(PipelineStage):
+    """A ``PipelineStage`` that records every tensor it hands to torch.distributed.
+
+    Args:
+        meter: records ``X_act`` for forward sends and ``X_grad`` for backward sends.
+        names: the split names, one per boundary; boundary ``i`` lies between
+            stages ``i`` and ``i + 1`` and is the meter's layer.
+        (others): as for ``PipelineStage``.
+    """
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device, input_args: tuple[torch.Tensor, ...],
+                 output_args: tuple[torch.Tensor, ...], *, group: dist.ProcessGroup | None = None,
+                 meter: Meter | None = None, names: Sequence[str] = ()) -> None:
+        super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
+                         output_args=output_args, group=group)
+        self.meter = meter
+        self.names = list(names)
+
+    def _record(self, ops: list[dist.P2POp], entity: str, boundary: int) -> list[dist.P2POp]:
+        if self.meter is not None and ops:
+            layer = self.names[boundary] if 0 <= boundary < len(self.names) else f"split{boundary}"
+            for op in ops:
+                tensor = op.tensor
+                self.meter.record(entity, layer, "send", tensor.numel() * tensor.element_size())
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._record(super().get_fwd_send_ops(fwd_chunk_id), "X_act", self.stage_index)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._record(super().get_bwd_send_ops(bwd_chunk_id), "X_grad",
+                            self.stage_index - 1)
+
+
+def microbatch(value: Any, n_microbatches: int) -> Any:
+    """The first of ``n_microbatches`` equal chunks of a batch (tensor, tuple or dict)."""
+    if isinstance(value, torch.Tensor):
+        if value.shape[0] % n_microbatches:
+            raise ValueError(f"a batch of {value.shape[0]} does not split into "
+                             f"{n_microbatches} equal microbatches")
+        return value[: value.shape[0] // n_microbatches]
+    if isinstance(value, tuple):
+        return tuple(microbatch(v, n_microbatches) for v in value)
+    if isinstance(value, dict):
+        return {k: microbatch(v, n_microbatches) for k, v in value.items()}
+    return value
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _example(tensor: torch.Tensor) -> torch.Tensor:
+    """Metadata carrier: floating tensors carry a gradient back, integer ones do not."""
+    return tensor.detach().clone().requires_grad_(tensor.is_floating_point())
+
+
+def stage_metadata(stages: Sequence[Stage], index: int, example: Any, n_microbatches: int,
+                   side: Mapping[str, Any] | None = None
+                   ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Example input and output tensors of stage ``index`` for one microbatch.
+
+    Runs stages ``0..index`` locally on the first microbatch of ``example``,
+    without gradients and without touching the boundaries' meters or traces.
+    """
+    if not 0 <= index < len(stages):
+        raise ValueError(f"index={index!r} must be in [0, {len(stages)})")
+    inputs = _as_tuple(microbatch(example, n_microbatches))
+    side_mb = microbatch(dict(side or {}), n_microbatches)
+    meters = [(m, m.meter) for s in stages for m in (s.sender, s.receiver) if m is not None]
+    try:
+        for module, _ in meters:
+            module.meter = None
+        with torch.no_grad():
+            for stage in stages[:index]:
+                inputs = _as_tuple(stage(*inputs, **side_mb))
+            outputs = _as_tuple(stages[index](*inputs, **side_mb))
+    finally:
+        for module, meter in meters:
+            module.meter = meter
+    return tuple(_example(t) for t in inputs), tuple(_example(t) for t in outputs)
+
+
+def build_stage(stages: Sequence[Stage], index: int, example: Any, n_microbatches: int, *,
+                side: Mapping[str, Any] | None = None, group: dist.ProcessGroup | None = None,
+                meter: Meter | None = None, names: Sequence[str] = (),
+                wrap: Callable[[nn.Module], nn.Module] | None = None,
+                device: torch.device | None = None) -> MeteredStage:
+    """Stage ``index`` of a split model as a ``PipelineStage`` with static metadata.
+
+    Args:
+        stages: from :func:`thinwire.pipeline.split` (every rank splits the same model).
+        index: this rank's stage (its rank in ``group``).
+        example: a whole batch as the schedule will receive it (first stage's input).
+        n_microbatches: the schedule's microbatch count; the batch must divide by it.
+        side: side inputs of ``example`` (passed to ``schedule.step`` as kwargs).
+        group: the pipeline's process group (default: the world).
+        meter: records the bytes of every send.
+        names: split names, for the meter.
+        wrap: wraps the stage module (e.g. DDP over the stage's replicas).
+
+    Raises:
+        ValueError: a boundary kind the engine cannot carry, or a bad microbatching.
+    """
+    for stage in stages:
+        for module in (stage.sender, stage.receiver):
+            if module is not None and not getattr(module, "pipelines", True):
+                raise ValueError(
+                    f"boundary {module.name!r} ({type(module).__name__}) runs only in one "
+                    "process: its backward payload is not the gradient of a forward tensor, "
+                    "which is all a pipeline schedule can send back")
+    input_args, output_args = stage_metadata(stages, index, example, n_microbatches, side)
+    submodule = stages[index] if wrap is None else wrap(stages[index])
+    return MeteredStage(submodule, index, len(stages), device or torch.device("cpu"),
+                        input_args, output_args, group=group, meter=meter, names=names)
+
+
+def build_schedule(name: str, stage: PipelineStage, n_microbatches: int,
+                   loss_fn: Callable[..., torch.Tensor]) -> Any:
+    """A registered schedule (``"gpipe"`` or ``"1f1b"``) over ``stage``.
+
+    Raises:
+        ValueError: unknown schedule name.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} must be one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name](stage, n_microbatches, loss_fn=loss_fn)

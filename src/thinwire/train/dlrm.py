@@ -1,0 +1,110 @@
+"""A DLRM-style click model as a splittable chain (DCT KDD'21 §3.1, Fig. 6).
+
+Dense features go through a bottom MLP (FC+ReLU with outputs 512, 256, 64,
+16), categorical features through embedding tables of dimension 16; the
+pairwise dot products of the 27 vectors and the bottom output feed a top MLP
+with outputs 512, 256, 128, 1 (the final sigmoid lives in the loss,
+``BCEWithLogitsLoss``, for numerical stability). The DCT paper's splits are
+after two layers of the bottom MLP (``"bottom.3"``, width 256) and after two
+layers of the top MLP (``"top.3"``, width 256).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from thinwire.pipeline.split import Chain
+
+BOTTOM = (512, 256, 64, 16)  # §3.1: output widths of the bottom MLP's FC+ReLU layers
+TOP = (512, 256, 128, 1)  # §3.1: output widths of the top MLP (last one a logit)
+EMBEDDING_DIM = 16  # §3.1: embedding dimension of the sparse features
+SPLITS = {1: (), 2: ("bottom.3",), 3: ("bottom.3", "top.3")}  # §3.1: after two layers of each MLP
+
+
+class Interaction(nn.Module):
+    """Embedding lookups and DLRM's dot-product feature interaction.
+
+    Takes the bottom MLP's output (B, dim) and the side input ``categorical``
+    (B, F) of integer ids; returns the bottom output concatenated with the
+    strictly-lower-triangular dot products of the F + 1 vectors, (B, dim +
+    (F + 1) F / 2). One table holds every feature's rows (offsets select a
+    feature's block), as DLRM's EmbeddingBag layout does.
+    """
+
+    side_inputs = ("categorical",)
+    offsets: torch.Tensor
+    cardinalities: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+    def __init__(self, cardinalities: Sequence[int], dim: int = EMBEDDING_DIM) -> None:
+        super().__init__()
+        if not cardinalities or min(cardinalities) < 1:
+            raise ValueError(f"cardinalities={list(cardinalities)!r} must be positive counts")
+        sizes = torch.tensor([0, *cardinalities[:-1]], dtype=torch.int64)
+        self.register_buffer("offsets", sizes.cumsum(0), persistent=False)
+        self.register_buffer("cardinalities", torch.tensor(list(cardinalities)),
+                             persistent=False)
+        self.table = nn.Embedding(int(sum(cardinalities)), dim)
+        # DLRM's initialisation: U(-sqrt(1/n), sqrt(1/n)) per feature's table.
+        with torch.no_grad():
+            for offset, size in zip(self.offsets.tolist(), cardinalities):
+                bound = (1.0 / size) ** 0.5
+                self.table.weight[offset: offset + size].uniform_(-bound, bound)
+        count = len(cardinalities) + 1
+        rows, cols = torch.tril_indices(count, count, offset=-1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.table.embedding_dim + self.rows.numel()
+
+    def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
+        if categorical.shape[1:] != self.cardinalities.shape:
+            raise ValueError(f"categorical must be (B, {self.cardinalities.numel()}), got "
+                             f"{tuple(categorical.shape)}")
+        vectors = torch.cat([dense.unsqueeze(1), self.table(categorical + self.offsets)], dim=1)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))
+        return torch.cat([dense, dots[:, self.rows, self.cols]], dim=1)
+
+
+def _mlp(widths: Sequence[int], last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(fan_in, fan_out))
+        if last_relu or i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def dlrm(num_dense: int, cardinalities: Sequence[int], *, bottom: Sequence[int] = BOTTOM,
+         top: Sequence[int] = TOP, seed: int = 0) -> Chain:
+    """The DLRM-style chain: ``bottom`` -> ``interact`` -> ``top`` (one logit).
+
+    Args:
+        num_dense: dense features (13 for Criteo).
+        cardinalities: rows of each categorical feature's table (26 for Criteo).
+        bottom, top: MLP output widths; ``bottom[-1]`` is the embedding dimension.
+        seed: initialisation seed (every rank builds the same model).
+
+    Called as ``model(dense, categorical=ids)``.
+    """
+    if top[-1] != 1:
+        raise ValueError(f"top={list(top)!r} must end in a single logit")
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        interaction = Interaction(cardinalities, bottom[-1])
+        model = Chain(OrderedDict(
+            bottom=_mlp([num_dense, *bottom], last_relu=True),
+            interact=interaction,
+            top=_mlp([interaction.out_features, *top], last_relu=False),
+        ))
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model
