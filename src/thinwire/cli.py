@@ -12,6 +12,7 @@ COMMANDS: dict[str, str] = {
     "compare": "thinwire.train.compare",
     "train": "thinwire.train.torchrun",
     "schemes": "thinwire.train.listing",
+    "dad": "thinwire.autodiff.cli",
 }
 
 

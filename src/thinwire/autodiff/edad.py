@@ -16,12 +16,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+
+def _slope(module: nn.Module) -> float:
+    return float(module.negative_slope) if isinstance(module, nn.LeakyReLU) else 0.0
+
+
 # activation type -> φ′ as a function of (module, output A = φ(Z)). Each matches the
 # backward formula autograd itself uses, so recomputed deltas agree to rounding.
 DERIVATIVES: dict[type[nn.Module], Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
     nn.ReLU: lambda module, out: (out > 0).to(out.dtype),
     nn.LeakyReLU: lambda module, out: torch.where(
-        out > 0, torch.ones_like(out), torch.full_like(out, module.negative_slope)),
+        out > 0, torch.ones_like(out), torch.full_like(out, _slope(module))),
     nn.Tanh: lambda module, out: 1 - out * out,
     nn.Sigmoid: lambda module, out: out * (1 - out),
     nn.Identity: lambda module, out: torch.ones_like(out),
@@ -44,7 +49,7 @@ def derivative(module: nn.Module, name: str, out: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"edad cannot recompute deltas through {type(module).__name__} "
                          f"{name!r}: its derivative is not known from its output; supported "
                          f"activations: {supported_names()} (or use mode='dad')")
-    if isinstance(module, nn.LeakyReLU) and module.negative_slope < 0:
+    if isinstance(module, nn.LeakyReLU) and _slope(module) < 0:
         raise ValueError(f"edad needs LeakyReLU {name!r} to have negative_slope >= 0 (got "
                          f"{module.negative_slope}): with a negative slope the sign of the output "
                          "no longer tells the sign of the input")

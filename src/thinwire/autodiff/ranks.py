@@ -47,4 +47,5 @@ class EffectiveRanks:
         return {"records": list(self.records)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.records = [tuple(r) for r in state["records"]]  # type: ignore[misc]
+        self.records = [(int(step), str(layer), int(rank))
+                        for step, layer, rank in state["records"]]
