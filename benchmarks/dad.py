@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nGRU part skipped: {error}")
         else:
             common = {**common, "epochs": args.gru_epochs, "hidden": (512, 256)}
-            runs = _runs(["dsgd", "dad"], args.ranks, 0, **common)
+            runs = _runs(["dsgd", "dad"], args.ranks, args.introspect, **common)
             results = run_all(sequences, runs, 2)
             report[sequences.name] = _report(sequences.name, results, args.out,
                                              args.compare_rank)

@@ -85,6 +85,22 @@ def test_powersgd_keeps_the_error_feedback_invariant() -> None:
     assert torch.equal(grads["0.bias"], local["0.bias"])  # 1-D: dense
 
 
+def test_rank_dad_error_feedback_keeps_what_the_factors_left_out() -> None:
+    model = _mlp(30, 40, 3)
+    engine = DistributedAutodiff(model, "rank-dad", rank=2, error_feedback=True)
+    previous = torch.zeros(40, 31, dtype=torch.float64)
+    for _ in range(3):
+        model.zero_grad()
+        local = _backward(model, torch.randn(8, 30, dtype=torch.float64))
+        grads = engine.synchronize()
+        sent = torch.cat([grads["0.weight"], grads["0.bias"][:, None]], 1)
+        compensated = torch.cat([local["0.weight"], local["0.bias"][:, None]], 1) + previous
+        # orig + e_old == sent + e_new, exactly in float64
+        assert torch.allclose(compensated, sent + engine.errors["0"], atol=1e-14)
+        assert torch.linalg.matrix_rank(sent) == 2
+        previous = engine.errors["0"].clone()
+
+
 def _run(engine: DistributedAutodiff, model: nn.Module, xs: list[torch.Tensor],
          state_at: int | None = None) -> tuple[list[dict[str, torch.Tensor]], object]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -99,15 +115,17 @@ def _run(engine: DistributedAutodiff, model: nn.Module, xs: list[torch.Tensor],
     return used, saved
 
 
-@pytest.mark.parametrize("mode", ["powersgd", "rank-dad"])
-def test_state_dict_resumes_exactly(mode: str) -> None:
+@pytest.mark.parametrize("mode,feedback", [("powersgd", False), ("rank-dad", False),
+                                           ("rank-dad", True)])
+def test_state_dict_resumes_exactly(mode: str, feedback: bool) -> None:
     xs = [torch.randn(6, 30, dtype=torch.float64) for _ in range(4)]
     model = _mlp(30, 40, 3)
-    straight, saved = _run(DistributedAutodiff(model, mode, rank=2), model, xs, state_at=1)
+    options = {"rank": 2, "error_feedback": feedback}
+    straight, saved = _run(DistributedAutodiff(model, mode, **options), model, xs, state_at=1)
     engine_state, model_state = saved  # type: ignore[misc]
     resumed_model = _mlp(30, 40, 3)
     resumed_model.load_state_dict(model_state)
-    resumed = DistributedAutodiff(resumed_model, mode, rank=2)
+    resumed = DistributedAutodiff(resumed_model, mode, **options)
     resumed.load_state_dict(engine_state)
     assert resumed.step == 2
     after, _ = _run(resumed, resumed_model, xs[2:])

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thinwire.autodiff.power import reconstruct, structured_power_iterations
+from thinwire.autodiff.power import (
+    dense_power_iterations,
+    reconstruct,
+    structured_power_iterations,
+)
 from thinwire.autodiff.ranks import EffectiveRanks
 from thinwire.compress.lowrank import seeded_normal
 
@@ -80,6 +84,16 @@ def test_matches_the_unstructured_iteration_on_the_explicit_gradient() -> None:
         gs.append(g)
     assert torch.allclose(factors.acts, torch.stack(us), atol=1e-10)
     assert torch.allclose(factors.deltas, torch.stack(gs), atol=1e-10)
+
+
+def test_dense_peeling_of_the_formed_gradient_matches_the_structured_one() -> None:
+    acts = torch.randn(7, 18, dtype=torch.float64)
+    deltas = torch.randn(7, 11, dtype=torch.float64)
+    structured = structured_power_iterations(acts, deltas, 4, _start(11), iterations=6)
+    dense = dense_power_iterations(deltas.T @ acts, 4, _start(11), iterations=6)
+    assert dense.rank == structured.rank == 4
+    assert torch.allclose(dense.acts, structured.acts, atol=1e-10)
+    assert torch.allclose(dense.deltas, structured.deltas, atol=1e-10)
 
 
 def test_one_iteration_above_the_true_rank_is_never_worse_than_nothing() -> None:

@@ -58,7 +58,13 @@ from torch import nn
 from thinwire.autodiff import edad
 from thinwire.autodiff._wire import Block, Site, all_reduce_sum, gather
 from thinwire.autodiff.capture import Capture, Step
-from thinwire.autodiff.power import Factors, check_power_options, structured_power_iterations
+from thinwire.autodiff.power import (
+    Factors,
+    check_power_options,
+    dense_power_iterations,
+    reconstruct,
+    structured_power_iterations,
+)
 from thinwire.autodiff.powersgd_mode import PowerSGDState
 from thinwire.autodiff.ranks import EffectiveRanks
 from thinwire.comm import Meter, world
@@ -86,6 +92,7 @@ class AutodiffConfig:
     seed: int = 0  # seeds power-iteration starts and PowerSGD's Q, identically on every site
     nonfinite: str = "raise"  # non-finite local statistics: "raise", or "skip" this site's turn
     verify: bool = True  # check captured statistics against autograd (see DistributedAutodiff)
+    error_feedback: bool = False  # rank-dad: carry what the factors left out to the next step
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -97,7 +104,7 @@ class AutodiffConfig:
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction={self.reduction!r} must be one of {REDUCTIONS}")
         check_policy(self.nonfinite)
-        for name in ("private_input", "verify"):
+        for name in ("private_input", "verify", "error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -141,6 +148,7 @@ class DistributedAutodiff:
         self.skipped = 0
         self.ranks = EffectiveRanks()
         self.powersgd = PowerSGDState(self.config.rank, self.config.seed)
+        self.errors: dict[str, torch.Tensor] = {}  # rank-dad error feedback, (out, in + 1)
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.layers = _linear_layers(model, mode) if mode in ROW_MODES else {}
         self._capture = Capture(model, self.layers, record_calls=mode == "edad")
@@ -333,9 +341,17 @@ class DistributedAutodiff:
             return seeded_normal(f"{name}/{self.step}/{j}", (deltas.shape[1],),
                                  self.config.seed, dtype=deltas.dtype)
 
-        factors = structured_power_iterations(acts, deltas, self.config.rank, start,
-                                              theta=self.config.theta,
-                                              iterations=self.config.iterations)
+        theta, iterations = self.config.theta, self.config.iterations
+        if self.config.error_feedback:
+            compensated = deltas.T @ acts
+            if name in self.errors:
+                compensated = compensated + self.errors[name]
+            factors = dense_power_iterations(compensated, self.config.rank, start, theta=theta,
+                                             iterations=iterations)
+            self.errors[name] = compensated - reconstruct(factors.acts, factors.deltas)
+        else:
+            factors = structured_power_iterations(acts, deltas, self.config.rank, start,
+                                                  theta=theta, iterations=iterations)
         self.ranks.record(self.step, name, factors.rank)
         return factors
 
@@ -410,7 +426,8 @@ class DistributedAutodiff:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly: step, records, PowerSGD Q and errors."""
         return {"config": asdict(self.config), "step": self.step, "skipped": self.skipped,
-                "ranks": self.ranks.state_dict(), "powersgd": self.powersgd.state_dict()}
+                "ranks": self.ranks.state_dict(), "powersgd": self.powersgd.state_dict(),
+                "errors": {k: v.clone() for k, v in self.errors.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`.
@@ -426,6 +443,7 @@ class DistributedAutodiff:
         self.skipped = state["skipped"]
         self.ranks.load_state_dict(state["ranks"])
         self.powersgd.load_state_dict(state["powersgd"])
+        self.errors = {k: v.clone() for k, v in state["errors"].items()}
         self._verified = True
 
     def remove(self) -> None:

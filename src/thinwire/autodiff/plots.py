@@ -16,8 +16,12 @@ def effective_rank(results: Sequence[dict[str, Any]], path: str, title: str = ""
     runs = [r for r in results if r["effective_rank_per_epoch"]]
     if not runs:
         return
-    figure, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3.2), squeeze=False)
-    for axis, result in zip(axes[0], runs, strict=True):
+    columns = min(3, len(runs))
+    rows = (len(runs) + columns - 1) // columns
+    figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), squeeze=False)
+    for axis in axes.flat[len(runs):]:
+        axis.set_visible(False)
+    for axis, result in zip(axes.flat, runs, strict=False):
         for layer, series in result["effective_rank_per_epoch"].items():
             axis.plot(range(1, len(series) + 1), series, marker="o", label=layer)
         axis.set_title(result["label"])

@@ -87,38 +87,77 @@ def structured_power_iterations(
     if acts.dim() != 2 or deltas.dim() != 2 or acts.shape[0] != deltas.shape[0]:
         raise ValueError(f"acts {tuple(acts.shape)} and deltas {tuple(deltas.shape)} must be "
                          "(N, h_in) and (N, h_out) with the same N")
-    h_in, h_out = acts.shape[1], deltas.shape[1]
     gram = acts @ acts.T  # C (N, N)
     back = deltas.T @ gram  # B (h_out, N)
     total = torch.sqrt(torch.clamp((gram * (deltas @ deltas.T)).sum(), min=0.0))  # ‖M‖_F
-    us = acts.new_zeros((0, h_in))
-    gs = deltas.new_zeros((0, h_out))
-    cross = deltas.new_zeros((h_out, 0))  # K = Mᵀ·Uᵀ, grows one column per component
+    operator = _Operator(
+        times=lambda g: acts.T @ (deltas @ g),  # M·g
+        times_t=lambda u: deltas.T @ (acts @ u),  # Mᵀ·u
+        gram=lambda g: back @ (deltas @ g),  # MᵀM·g = B·(Δ·g), Eq. 7
+        shape=(acts.shape[1], deltas.shape[1]), norm=total)
+    return _peel(operator, max_rank, start, theta, iterations, deltas.dtype)
+
+
+def dense_power_iterations(matrix: torch.Tensor, max_rank: int,
+                           start: Callable[[int], torch.Tensor], *, theta: float = 1e-3,
+                           iterations: int = 10) -> Factors:
+    """The same peeling on an explicit (h_out, h_in) gradient, ``nn.Linear``'s layout.
+
+    For rank-dAD with error feedback, whose compensated gradient ``Δᵀ·A + e``
+    has lost the outer-product structure: each iteration costs O(h_in·h_out)
+    instead of O(N·h), like PowerSGD's.
+    """
+    check_power_options(max_rank, theta, iterations)
+    m = matrix.T  # paper layout (h_in, h_out)
+    operator = _Operator(times=lambda g: m @ g, times_t=lambda u: m.T @ u,
+                         gram=lambda g: m.T @ (m @ g), shape=(m.shape[0], m.shape[1]),
+                         norm=torch.linalg.matrix_norm(m))
+    return _peel(operator, max_rank, start, theta, iterations, matrix.dtype)
+
+
+@dataclass(frozen=True)
+class _Operator:
+    """The gradient M (h_in, h_out) seen only through products with it."""
+
+    times: Callable[[torch.Tensor], torch.Tensor]
+    times_t: Callable[[torch.Tensor], torch.Tensor]
+    gram: Callable[[torch.Tensor], torch.Tensor]
+    shape: tuple[int, int]
+    norm: torch.Tensor  # ‖M‖_F
+
+
+def _peel(operator: _Operator, max_rank: int, start: Callable[[int], torch.Tensor],
+          theta: float, iterations: int, dtype: torch.dtype) -> Factors:
+    """Eq. 8: power iterations on the deflated Gram operator, one component at a time."""
+    h_in, h_out = operator.shape
+    us = torch.zeros(0, h_in, dtype=dtype)
+    gs = torch.zeros(0, h_out, dtype=dtype)
+    cross = torch.zeros(h_out, 0, dtype=dtype)  # K = Mᵀ·Uᵀ, one column per component
     for j in range(max_rank):
-        g = start(j).to(dtype=deltas.dtype)
+        g = start(j).to(dtype=dtype)
         g = g / torch.linalg.vector_norm(g)
         for _ in range(iterations):
-            w = _deflated_gram(g, deltas, back, us, gs, cross)
+            w = _deflated_gram(g, operator, us, gs, cross)
             norm = torch.linalg.vector_norm(w)
             if norm == 0:  # g lies in the deflated operator's null space: nothing left there
                 break
             g = w / norm
-        u = acts.T @ (deltas @ g) - us.T @ (gs @ g)  # least-squares fit of M − UᵀG along g
+        u = operator.times(g) - us.T @ (gs @ g)  # least-squares fit of M − UᵀG along g
         size = torch.linalg.vector_norm(u)  # ‖g_{j+1} − g_j‖_F, as ‖g‖ = 1
         done = (us @ us.T * (gs @ gs.T)).sum()  # ‖g_j‖_F²
-        reference = total if j == 0 else torch.sqrt(torch.clamp(done, min=0.0))
+        reference = operator.norm if j == 0 else torch.sqrt(torch.clamp(done, min=0.0))
         if not size > theta * reference:
             break
-        cross = torch.cat([cross, (deltas.T @ (acts @ u)).unsqueeze(1)], dim=1)
+        cross = torch.cat([cross, operator.times_t(u).unsqueeze(1)], dim=1)
         us = torch.cat([us, u.unsqueeze(0)])
         gs = torch.cat([gs, g.unsqueeze(0)])
     return Factors(us, gs)
 
 
-def _deflated_gram(g: torch.Tensor, deltas: torch.Tensor, back: torch.Tensor, us: torch.Tensor,
-                   gs: torch.Tensor, cross: torch.Tensor) -> torch.Tensor:
-    """``(M − UᵀG)ᵀ(M − UᵀG)·g`` in O(N·h_out + j·h_out) (Eq. 7 plus the peeling of Eq. 8)."""
-    out = back @ (deltas @ g)  # MᵀM·g
+def _deflated_gram(g: torch.Tensor, operator: _Operator, us: torch.Tensor, gs: torch.Tensor,
+                   cross: torch.Tensor) -> torch.Tensor:
+    """``(M − UᵀG)ᵀ(M − UᵀG)·g`` from MᵀM·g and O(j·h) more (the peeling of Eq. 8)."""
+    out = operator.gram(g)
     if us.shape[0] == 0:
         return out
     gg = gs @ g
