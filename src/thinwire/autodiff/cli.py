@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hidden layer widths (paper: 1024 1024; default 256 256)")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--theta", type=float, default=1e-3, help="rank-dad stopping threshold")
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="rank-dad keeps what its factors left out for the next step "
+                             "(not in the paper; O(h^2) per layer like PowerSGD)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--private-input", action="store_true",
                         help="keep the first layer's inputs (the raw data) on each site")
@@ -50,10 +53,14 @@ def _runs(args: argparse.Namespace) -> list[Run]:
     for mode in args.modes:
         if mode in ("rank-dad", "powersgd"):
             for rank in args.ranks:
-                options = {"rank": rank, **private}
+                options: dict[str, Any] = {"rank": rank, **private}
+                label = f"{mode} r={rank}"
                 if mode == "rank-dad":
                     options["theta"] = args.theta
-                runs.append(Run(f"{mode} r={rank}", mode, options, **common))
+                    if args.error_feedback:
+                        options["error_feedback"] = True
+                        label = f"rank-dad+ef r={rank}"
+                runs.append(Run(label, mode, options, **common))
         else:
             runs.append(Run(mode, mode, dict(private), **common))
     return runs

@@ -34,6 +34,8 @@ Modes (registry :data:`MODES`):
   (:mod:`thinwire.autodiff.power`) and all-gathers those factors; the global
   gradient is the weighted sum of the sites' approximations (rank ≤ S·r).
   The effective rank found per layer per step is kept in :attr:`ranks`.
+  ``error_feedback=True`` (not in the paper) carries each site's residual
+  to its next step, at O(h_in·h_out) cost per iteration.
 * ``dsgd``: all-reduce of the gradients of every parameter (the baseline).
 * ``powersgd``: rank-r PowerSGD with error feedback
   (:mod:`thinwire.autodiff.powersgd_mode`).
