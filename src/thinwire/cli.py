@@ -14,6 +14,7 @@ COMMANDS: dict[str, str] = {
     "schemes": "thinwire.train.listing",
     "async": "thinwire.ps.cli",
     "pipeline": "thinwire.pipeline.cli",
+    "dad": "thinwire.autodiff.cli",
 }
 
 

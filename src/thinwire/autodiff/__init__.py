@@ -1,0 +1,9 @@
+"""Distributed auto-differentiation: dAD, edAD and rank-dAD (Baker et al., ICML 2020)."""
+
+from thinwire.autodiff.engine import MODES, AutodiffConfig, DistributedAutodiff
+from thinwire.autodiff.power import Factors, structured_power_iterations
+from thinwire.autodiff.powersgd_mode import PowerSGDState
+from thinwire.autodiff.ranks import EffectiveRanks
+
+__all__ = ["MODES", "AutodiffConfig", "DistributedAutodiff", "EffectiveRanks", "Factors",
+           "PowerSGDState", "structured_power_iterations"]
