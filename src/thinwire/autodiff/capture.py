@@ -89,7 +89,7 @@ class Capture:
             if output.requires_grad:
                 def keep(grad: torch.Tensor) -> None:
                     calls.deltas[slot] = grad.detach()
-                output.register_hook(keep)  # type: ignore[no-untyped-call]
+                output.register_hook(keep)
         return hook
 
     def _call_hook(self, name: str):  # type: ignore[no-untyped-def]

@@ -119,7 +119,7 @@ def _train(rank: int, sites: int, data: Data, run: Run) -> dict[str, Any]:
             tick = time.perf_counter()
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()
             compute += time.perf_counter() - tick
             tick = time.perf_counter()
             grads = engine.synchronize()
@@ -153,7 +153,7 @@ def _pooled_grads(pooled: nn.Module, model: nn.Module, data: Data, rows: list[np
     index = np.concatenate(rows)
     x = torch.as_tensor(data.train_x[index], dtype=dtype)
     loss = F.cross_entropy(pooled(x), torch.as_tensor(data.train_y[index]))
-    loss.backward()  # type: ignore[no-untyped-call]
+    loss.backward()
     return {name: p.grad.clone() for name, p in pooled.named_parameters() if p.grad is not None}
 
 
