@@ -66,15 +66,16 @@ def all_gather_bytes(payload: torch.Tensor, group: Group = None,
         A future holding the list of each rank's unpadded buffer.
     """
     rank, n = world(group)
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    device = payload.device  # NCCL needs every buffer on the GPU
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     if n == 1:
         return done([payload])
-    lengths = torch.empty(n, dtype=torch.int64)
+    lengths = torch.empty(n, dtype=torch.int64, device=device)
     dist.all_gather_single(lengths, length, group=group)
     longest = int(lengths.max())
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
-    gathered = torch.empty(n * longest, dtype=torch.uint8)
+    gathered = torch.empty(n * longest, dtype=torch.uint8, device=device)
     if meter is not None:
         meter.record("size", "(lengths)", "all_gather", length.numel() * 8, world_size=n)
         for layer, nbytes in segments:

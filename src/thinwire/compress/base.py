@@ -22,6 +22,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32
     role: str = "W_grad"  # one of ROLES
+    device: torch.device = torch.device("cpu")  # where decoded tensors are made
 
     @property
     def numel(self) -> int:
@@ -29,7 +30,7 @@ class TensorInfo:
 
     @staticmethod
     def of(key: str, tensor: torch.Tensor, role: str = "W_grad") -> TensorInfo:
-        return TensorInfo(key, tuple(tensor.shape), tensor.dtype, role)
+        return TensorInfo(key, tuple(tensor.shape), tensor.dtype, role, tensor.device)
 
 
 def check_fraction(name: str, value: float, low: float, high: float, *, closed_low: bool,
@@ -69,7 +70,7 @@ class Compressor(ABC):
 
     def empty(self, info: TensorInfo) -> Payload:
         """The payload of a zero contribution, leaving all state untouched."""
-        return self.compress(torch.zeros(info.shape, dtype=info.dtype), info)
+        return self.compress(torch.zeros(info.shape, dtype=info.dtype, device=info.device), info)
 
     def decompress(self, payload: Payload, info: TensorInfo) -> torch.Tensor:
         """Decode ``payload`` into a tensor of ``info.shape`` and ``info.dtype``."""
@@ -87,7 +88,7 @@ def decode(payload: Payload, info: TensorInfo) -> torch.Tensor:
     if isinstance(payload, DensePayload):
         return payload.values.to(info.dtype).reshape(info.shape)
     if isinstance(payload, SparsePayload):
-        flat = torch.zeros(info.numel, dtype=info.dtype)
+        flat = torch.zeros(info.numel, dtype=info.dtype, device=info.device)
         flat[payload.indices] = payload.values.to(info.dtype)
         return flat.reshape(info.shape)
     raise TypeError(f"cannot decode a {type(payload).__name__} without its transport")

@@ -43,12 +43,12 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a flat bool mask into bytes, least significant bit first."""
     pad = (-mask.numel()) % 8
     bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad))
-    return (bits.view(-1, 8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+    return (bits.view(-1, 8) * _BIT_WEIGHTS.to(mask.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: a flat bool mask of ``numel`` entries."""
-    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS).ne(0)
+    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)).ne(0)
     return bits.reshape(-1)[:numel]
 
 
@@ -94,13 +94,14 @@ class SparsePayload:
     def to_bytes(self) -> torch.Tensor:
         if self.uses_bitmap:
             order = torch.argsort(self.indices)
-            mask = torch.zeros(self.numel, dtype=torch.bool)
+            device = self.values.device
+            mask = torch.zeros(self.numel, dtype=torch.bool, device=device)
             mask[self.indices] = True
-            header = torch.tensor([_BITMAP], dtype=torch.int32)
+            header = torch.tensor([_BITMAP], dtype=torch.int32, device=device)
             index_part = _padded(pack_bits(mask))
             values = self.values[order]
         else:
-            header = torch.tensor([self.count], dtype=torch.int32)
+            header = torch.tensor([self.count], dtype=torch.int32, device=self.values.device)
             index_part = _as_bytes(self.indices.to(torch.int32))
             values = self.values
         return torch.cat([_as_bytes(header), index_part, _padded(_as_bytes(values))])

@@ -56,8 +56,9 @@ class Sparsifier(Compressor):
 
     def empty(self, info: TensorInfo) -> Payload:
         if self.is_dense(info):
-            return DensePayload(torch.zeros(info.numel, dtype=self.value_dtype))
-        nothing = torch.zeros(0, dtype=torch.int64)
+            return DensePayload(torch.zeros(info.numel, dtype=self.value_dtype,
+                                            device=info.device))
+        nothing = torch.zeros(0, dtype=torch.int64, device=info.device)
         return SparsePayload(nothing.to(self.value_dtype), nothing, info.numel)
 
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Payload:

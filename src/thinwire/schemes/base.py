@@ -131,7 +131,8 @@ class CompressedScheme(Scheme):
     def _sum_sparse(self, buffers: list[torch.Tensor], keys: list[str],
                     infos: Mapping[str, TensorInfo], n: int) -> dict[str, torch.Tensor]:
         value_dtype = self.compressor.value_dtype
-        sums = {key: torch.zeros(infos[key].numel, dtype=infos[key].dtype) for key in keys}
+        sums = {key: torch.zeros(infos[key].numel, dtype=infos[key].dtype,
+                                 device=infos[key].device) for key in keys}
         for buffer in buffers:  # rank order: the same summation order everywhere
             offset = 0
             for key in keys:
