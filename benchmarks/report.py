@@ -90,11 +90,22 @@ def netem_section(record: dict[str, Any], source: Path, figures: Path, docs: Pat
         f"{opts['lr']} momentum {opts['momentum']}, seed {opts['seed']}; sparsity "
         f"{record['sparsity']}, DCT life-span {record['life_span']}, low rank {opts['rank']}. "
         f"Target: {opts['target']:.0%} test accuracy, checked every {opts['eval_every']} steps "
-        "(evaluation time is not counted). Each worker runs in its own network namespace "
-        "on a veth port shaped in both directions:", ""]
-    lines += ["| rate | tbf burst (bytes) | tbf queue limit (bytes) |", "|---|---|---|"]
-    lines += [f"| {rate} | {t['burst_bytes']:,d} | {t['limit_bytes']:,d} |"
+        "(evaluation time is not counted). A run stops at the first check past the target "
+        f"(after at least {opts.get('min_steps', '-')} steps) or at its first check after "
+        f"{opts.get('cap_s', '-')} s of training ({opts.get('reference_cap_s', '-')} s at "
+        f"{record['rates'][0]}, whose runs give the steps that slower links project with), "
+        f"and after {opts.get('max_steps', '-')} steps at most. Medians leave out the first "
+        f"{opts.get('warmup', '-')} steps. Each worker runs in its own network namespace on a "
+        "veth port shaped in both directions:", ""]
+    checks = record.get("link_check", {})
+    lines += ["| rate | tbf burst (bytes) | tbf queue limit (bytes) | bulk TCP goodput measured |",
+              "|---|---|---|---|"]
+    lines += [f"| {rate} | {t['burst_bytes']:,d} | {t['limit_bytes']:,d} | "
+              + (f"{checks[rate] / 1e6:.1f} Mbit/s ({checks[rate] / t['rate_bps']:.3f} of the "
+                 "rate)" if rate in checks else "-") + " |"
               for rate, t in record["tbf"].items()]
+    lines += ["", f"A perfect link carries {1 / FRAME_OVERHEAD:.3f} of its rate as TCP payload "
+              "(1448 bytes per 1514-byte frame).", ""]
     lines.append("")
     for note in record.get("notes", []):
         lines.append(f"- Note: {note}")
@@ -183,10 +194,13 @@ def floor_tables(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str
         lines += [f"**{rate}, {w} workers**", "", "| " + " | ".join(header) + " |",
                   "|" + "---|" * len(header)]
         for r in chosen:
+            refreshes = r.get("threshold_refreshes")
+            selected = (f" (thresholds recomputed on {_refresh_share(refreshes, r['steps'])})"
+                        if refreshes else "")
             lines.append(
                 f"| {r['scheme']} | {1000 * r['median_step_s']:.1f} "
                 f"({1000 * r['p10_step_s']:.1f}-{1000 * r['p90_step_s']:.1f}) | "
-                f"{1000 * r['compute_s']:.1f} | {1000 * r['overhead_s_per_step']:.1f} | "
+                f"{1000 * r['compute_s']:.1f} | {1000 * r['overhead_s_per_step']:.1f}{selected} | "
                 f"{r['wire_sent_per_step']:,.0f} / {r['bytes_received_per_step']:,.0f} | "
                 f"{r['measured_tx_per_step']:,.0f} / {r['measured_rx_per_step']:,.0f} | "
                 f"{1000 * r['floor_s']:.1f} | {r['floor_ratio']:.2f} | "
@@ -195,6 +209,11 @@ def floor_tables(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str
     lines += ["*codec ms* is thinwire's own compression and decompression time per step "
               "(inside the step time); PyTorch's hooks do not report theirs.", ""]
     return lines
+
+
+def _refresh_share(refreshes: dict[str, int], steps: int) -> str:
+    """Share of (tensor, step) pairs on which a threshold was selected anew."""
+    return f"{100 * sum(refreshes.values()) / max(1, len(refreshes) * steps):.0f} %"
 
 
 def bytes_table(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:

@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
-
 from benchmarks import overhead, report
 from benchmarks.netem import harness, net
 from benchmarks.netem.anchors import powersgd_bytes
 from benchmarks.netem.summary import derive, floor_s, same_trajectory, speedups
 from benchmarks.netem.worker import WireCounters, train, window_traffic
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
 from thinwire.comm import Meter
 from thinwire.train.launch import spawn
 from thinwire.train.mlp import mlp
@@ -177,7 +176,8 @@ def _runs() -> list[dict[str, Any]]:
         _run("torch-dense", "1gbit", 1e9, 2, 0.16, 17_399_848, 50, 50, losses),
         _run("dct-dp", "1gbit", 1e9, 2, 0.05, 150_000, 200, 200, losses),
         _run("torch-dense", "100mbit", 1e8, 2, 1.5, 17_399_848, None, 20, losses[:4]),
-        _run("dct-dp", "100mbit", 1e8, 2, 0.06, 150_000, 200, 200, losses),
+        {**_run("dct-dp", "100mbit", 1e8, 2, 0.06, 150_000, 200, 200, losses),
+         "threshold_refreshes": {"0.weight": 2, "2.weight": 4}},
         _run("topk", "100mbit", 1e8, 2, 0.07, 348_000, None, 100, [9.0]),
     ]
 
@@ -271,6 +271,7 @@ def _netem_record(load: float) -> dict[str, Any]:
             "sparsity": 0.99, "life_span": 100, "rates": ["1gbit", "100mbit"], "workers": [2],
             "notes": ["skipping 'clt-k': not registered in this build of thinwire"],
             "tbf": {"1gbit": vars(net.tbf_for(1e9)), "100mbit": vars(net.tbf_for(1e8))},
+            "link_check": {"100mbit": 95.6e6},
             "runs": derive(_runs()) + [{"scheme": "torch-powersgd", "status": "failed",
                                         "note": "no result", "rate": "1gbit", "workers": 2}]}
 
@@ -301,6 +302,8 @@ def test_report_renders_tables_and_figures_from_results_files(tmp_path: Path) ->
     assert "| dct-dp | 10.00 m @200 (0.8x / -) | 12.00 m @200 (6.2x / -) |" in page
     assert "| torch-dense | 8.00 m @50 (1.0x / -) | 75.00 p @50 (1.0x / -) |" in page
     assert "not reached (100 steps)" in page
+    assert "thresholds recomputed on 2 %" in page  # 6 of 2 tensors x 200 steps
+    assert "| 100mbit | 12,500 | 1,262,500 | 95.6 Mbit/s (0.956 of the rate) |" in page
     assert "torch-powersgd at 1gbit, 2 workers: failed (no result)" in page
     assert "skipping 'clt-k'" in page
     assert "| scheme clt-k | 12.00 (1.20x) |" in page
@@ -328,4 +331,3 @@ def test_overhead_times_registered_schemes_and_skips_the_rest() -> None:
     assert overhead.scheme_available("topk") is None
     assert "not registered" in (overhead.scheme_available("no-such-scheme") or "")
     assert overhead.measure_scheme("dct-dp", 4096, 0.99, 10, 2, repeats=2) > 0
-    torch.manual_seed(0)

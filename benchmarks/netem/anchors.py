@@ -42,6 +42,7 @@ class Installed:
     net: DistributedDataParallel
     after_step: Callable[[], None]  # metering that has no hook to live in
     overhead_s: Callable[[], float]  # compression seconds measured so far (0 if unknown)
+    details: Callable[[], dict[str, Any]] = dict  # scheme-specific counters for the results
 
 
 def powersgd_bytes(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float,
@@ -78,7 +79,7 @@ def _plain(model: nn.Module, meter: Meter, rank: int) -> Installed:
 def _fp16(model: nn.Module, meter: Meter, rank: int) -> Installed:
     net = DistributedDataParallel(model)
 
-    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
         meter.record("W_grad", f"(bucket {bucket.index()})", "all_reduce",
                      bucket.buffer().numel() * 2)
         return default_hooks.fp16_compress_hook(state, bucket)
@@ -95,7 +96,7 @@ def _powersgd(model: nn.Module, meter: Meter, rank: int) -> Installed:
                                         start_powerSGD_iter=2, random_seed=0)
 
     def hook(state: powerSGD_hook.PowerSGDState,
-             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
         if bucket.index() != 0 or not bucket.is_last():
             raise RuntimeError("torch-powersgd needs exactly one DDP bucket (several deadlock "
                                f"on gloo); got bucket {bucket.index()}")

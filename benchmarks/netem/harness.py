@@ -1,4 +1,18 @@
-"""Orchestrate shaped-link runs: topology, rates, worker launches, results, cleanup."""
+"""Time to accuracy and step time on real shaped links, against PyTorch's own hooks.
+
+    sudo python -m benchmarks.netem            # the full run: 1gbit and 100mbit, 2 and 4 workers
+    sudo python -m benchmarks.netem --quick    # ~2 minutes: 100mbit, 2 workers, short runs
+    sudo python -m benchmarks.netem --cleanup  # remove namespaces left by a killed run
+
+One network namespace per worker, each joined by a veth pair to a bridge
+namespace; both directions of every link shaped by tbf at the chosen rate.
+For each rate and worker count, one worker per namespace (``ip netns exec``,
+gloo bound to the veth, ``tcp://`` rendezvous on the namespace addresses)
+trains the demo MLP under each scheme in turn until the target accuracy or
+the time cap. Writes ``results/netem/<time>/results.json`` (and the workers'
+logs beside it); ``python -m benchmarks.report`` turns it into docs/results.md.
+Everything it creates is removed on exit, Ctrl-C, SIGTERM or failure.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +46,10 @@ REPO = Path(__file__).resolve().parents[2]
 BASE_PORT = 29500
 
 # Defaults of the full run and of --quick (explicit flags win over both).
-FULL = {"rates": "1gbit,100mbit", "workers": "2,4", "cap_s": 30.0, "max_steps": 400}
-QUICK = {"rates": "100mbit", "workers": "2", "cap_s": 8.0, "max_steps": 200}
+FULL = {"rates": "1gbit,100mbit", "workers": "2,4", "cap_s": 30.0, "reference_cap_s": 90.0,
+        "max_steps": 400}
+QUICK = {"rates": "100mbit", "workers": "2", "cap_s": 8.0, "reference_cap_s": 8.0,
+         "max_steps": 200}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cap-s", type=float, default=None,
                         help="training seconds after which a run stops at its next "
                              f"evaluation (default {FULL['cap_s']})")
+    parser.add_argument("--reference-cap-s", type=float, default=None,
+                        help="the cap at the first (fastest) rate, whose runs give the steps "
+                             "to target that slower links project with (default "
+                             f"{FULL['reference_cap_s']})")
     parser.add_argument("--warmup", type=int, default=3,
                         help="first steps left out of medians and bytes per step")
     parser.add_argument("--min-steps", type=int, default=20,
@@ -101,8 +121,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("eval_every", "max_steps", "hidden", "depth", "batch_size", "rank"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name}={getattr(args, name)!r} must be >= 1")
-    if args.cap_s <= 0:
-        raise ValueError(f"cap_s={args.cap_s!r} must be > 0")
+    for name in ("cap_s", "reference_cap_s"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"{name}={getattr(args, name)!r} must be > 0")
     if args.warmup < 0 or args.warmup >= args.max_steps:
         raise ValueError(f"warmup={args.warmup!r} must be in [0, max_steps)")
     return args
@@ -228,6 +249,27 @@ class Launcher:
         self.processes.clear()
 
 
+def link_check(topology: net.Topology, rate_bps: float, seconds: float = 1.0) -> float:
+    """Goodput (bits/s) of a bulk TCP transfer from rank 0's namespace to rank 1's."""
+    nbytes = int(rate_bps / 8 * seconds)
+    env = worker_env()
+    module = [sys.executable, "-m", "benchmarks.netem.linkcheck"]
+    server = subprocess.Popen(["ip", "netns", "exec", topology.namespace(1), *module, "serve",
+                               net.address(1), "5201"], env=env, cwd=REPO,
+                              start_new_session=True)
+    try:
+        sent = subprocess.run(["ip", "netns", "exec", topology.namespace(0), *module, "send",
+                               net.address(1), "5201", str(nbytes)], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=60 + 20 * seconds,
+                              check=True)
+        server.wait(timeout=30)
+        return float(sent.stdout.strip())
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
 def describe(result: dict[str, Any], label: str) -> str:
     if result.get("status") != "ok":
         return f"{label} {result['scheme']}: {result.get('status')} {result.get('note', '')}"
@@ -267,8 +309,8 @@ def cleanup() -> int:
         except RuntimeError as error:
             errors.append(str(error))
     print(f"removed {len(stale)} namespace(s): {' '.join(stale) or '-'}")
-    for error in errors:
-        print(f"warning: {error}", file=sys.stderr)
+    for message in errors:
+        print(f"warning: {message}", file=sys.stderr)
     return 1 if errors else 0
 
 
@@ -309,34 +351,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     options = worker_options(args)
     total = len(args.rate_list) * len(args.worker_list) * len(entries)
+    per_rate = len(args.worker_list) * len(entries)
+    bound = per_rate * (args.reference_cap_s + (len(args.rate_list) - 1) * args.cap_s
+                        + 8 * len(args.rate_list))
     print(f"{total} runs; each stops at {args.target:.0%} test accuracy (after at least "
           f"{options['min_steps']} steps) or at its first evaluation after {args.cap_s:g} s "
-          f"of training; at most ~{total * (args.cap_s + 8) / 60:.0f} min plus start-up")
+          f"of training ({args.reference_cap_s:g} s at {args.rate_list[0]}); at most "
+          f"~{bound / 60:.0f} min plus start-up")
     record: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "benchmarks.netem", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
-        "load_before": list(os.getloadavg()), "quick": args.quick, "options": options,
+        "load_before": list(os.getloadavg()), "quick": args.quick,
+        "options": {**options, "reference_cap_s": args.reference_cap_s},
         "sparsity": args.sparsity, "life_span": args.life_span, "rates": args.rate_list,
         "workers": args.worker_list, "notes": notes,
         "tbf": {rate: vars(net.tbf_for(bps)) for rate, bps in zip(args.rate_list,
                                                                   args.rate_bps)},
     }
     topology = net.Topology(f"{net.PREFIX}{os.getpid()}", max(args.worker_list))
-    launcher = Launcher(topology, folder, deadline_s=3 * args.cap_s + 180)
+    launcher = Launcher(topology, folder,
+                        deadline_s=3 * max(args.cap_s, args.reference_cap_s) + 180)
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     runs: list[dict[str, Any]] = []
     status = 0
     try:
         topology.build()
         with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
-            for rate, rate_bps in zip(args.rate_list, args.rate_bps):
+            for index, (rate, rate_bps) in enumerate(zip(args.rate_list, args.rate_bps)):
+                # The first rate's runs establish the steps to target: give them longer.
+                cap = args.reference_cap_s if index == 0 else args.cap_s
+                rate_options = {**options, "cap_s": cap}
                 topology.shape(rate_bps)
+                goodput = link_check(topology, rate_bps)
+                record.setdefault("link_check", {})[rate] = goodput
+                tqdm.write(f"{rate}: bulk TCP goodput {goodput / 1e6:.1f} Mbit/s "
+                           f"({goodput / rate_bps:.3f} of the rate)")
                 for workers in args.worker_list:
                     label = f"{rate}-{workers}w"
                     before = topology.qdisc_stats()
-                    for result in launcher.run(workers, entries, options, label, progress):
+                    for result in launcher.run(workers, entries, rate_options, label,
+                                               progress):
                         runs.append({**result, "rate": rate, "rate_bps": rate_bps,
-                                     "workers": workers})
+                                     "workers": workers, "cap_s": cap})
                     record.setdefault("qdisc", {})[label] = _delta(before,
                                                                    topology.qdisc_stats())
     except Interrupted as why:
@@ -349,8 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in previous:  # a second Ctrl-C must not cut the cleanup short
             signal.signal(sig, signal.SIG_IGN)
         launcher.stop()
-        for error in topology.teardown():
-            print(f"warning: cleanup: {error}", file=sys.stderr)
+        for message in topology.teardown():
+            print(f"warning: cleanup: {message}", file=sys.stderr)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     record["load_after"] = list(os.getloadavg())

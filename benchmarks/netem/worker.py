@@ -58,7 +58,14 @@ def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int) ->
     net = DistributedDataParallel(model)
     scheme = schemes.build(entry["name"], **entry["config"])
     ddp.register(net, scheme, meter=meter)
-    return Installed(net, lambda: None, lambda: scheme.overhead_s)
+
+    def details() -> dict[str, Any]:
+        # Threshold recomputations (DCT-DP's selections) per tensor, where the codec counts them.
+        refreshes = getattr(getattr(scheme, "compressor", None), "refreshes", None)
+        return {"skipped_steps": scheme.skipped,
+                **({"threshold_refreshes": dict(refreshes)} if refreshes is not None else {})}
+
+    return Installed(net, lambda: None, lambda: scheme.overhead_s, details)
 
 
 def window_traffic(meter: Meter, first_step: int) -> dict[str, float]:
@@ -152,6 +159,7 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         "curve": curve,
         "losses": losses,
         "dense_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        **installed.details(),
     }
 
 
