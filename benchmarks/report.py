@@ -180,13 +180,14 @@ def floor_tables(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str
              "Floor = compute + bytes / rate, with *bytes* the busier direction of the ring "
              "model of the collectives actually used (thinwire: what its Meter records, "
              "length exchanges included; PyTorch's hooks: counted from the bucket as each "
-             "hook's code sends it). *On the wire* is what the kernel counted on the "
-             "worker's interface (all headers and acknowledgements, "
-             f"about {100 * (FRAME_OVERHEAD - 1):.1f} % more than the payload for full TCP "
-             "segments); its floor uses that count instead. Compute is one forward, "
-             "backward and update without communication, timed in the same processes.", ""]
-    header = ["scheme", "step ms (p10-p90)", "compute ms", "codec ms", "sent / recv B per step",
-              "on the wire tx / rx B", "floor ms", "step / floor", "step / wire floor"]
+             "hook's code sends it). *On the wire* is what the link's tbf shapers charged "
+             "over the timed steps, sent and received: every frame with its Ethernet, IP "
+             "and TCP headers, acknowledgements included (full segments carry "
+             f"{100 * (FRAME_OVERHEAD - 1):.1f} % of headers); the wire floor uses it instead. "
+             "Compute is one forward, backward and update without communication, timed in the "
+             "same processes.", ""]
+    header = ["scheme", "step ms (p10-p90)", "compute ms", "codec ms", "ring sent / recv B",
+              "on the wire sent / recv B", "floor ms", "step / floor", "step / wire floor"]
     for rate, w in _cells(record):
         chosen = [r for r in runs if (r["rate"], r["workers"]) == (rate, w)]
         if not chosen:
@@ -202,13 +203,21 @@ def floor_tables(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str
                 f"({1000 * r['p10_step_s']:.1f}-{1000 * r['p90_step_s']:.1f}) | "
                 f"{1000 * r['compute_s']:.1f} | {1000 * r['overhead_s_per_step']:.1f}{selected} | "
                 f"{r['wire_sent_per_step']:,.0f} / {r['bytes_received_per_step']:,.0f} | "
-                f"{r['measured_tx_per_step']:,.0f} / {r['measured_rx_per_step']:,.0f} | "
-                f"{1000 * r['floor_s']:.1f} | {r['floor_ratio']:.2f} | "
-                f"{r['measured_floor_ratio']:.2f} |")
+                f"{_bytes(r.get('shaper_tx_per_step'))} / {_bytes(r.get('shaper_rx_per_step'))} "
+                f"| {1000 * r['floor_s']:.1f} | {r['floor_ratio']:.2f} | "
+                f"{_ratio(r.get('wire_floor_ratio'))} |")
         lines.append("")
     lines += ["*codec ms* is thinwire's own compression and decompression time per step "
               "(inside the step time); PyTorch's hooks do not report theirs.", ""]
     return lines
+
+
+def _bytes(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _refresh_share(refreshes: dict[str, int], steps: int) -> str:
@@ -222,7 +231,8 @@ def bytes_table(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]
     header = ["scheme"] + [f"{w} workers: handed / ring sent / on the wire" for w in workers]
     lines = [f"### Bytes per worker per step (at {rate})", "",
              "*handed*: bytes given to torch.distributed; *ring sent*: what the ring "
-             "algorithm sends out of each worker; *on the wire*: measured on the interface.",
+             "algorithm sends out of each worker; *on the wire*: what the worker's shaper "
+             "charged for the frames it sent.",
              "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     by_key = {(r["workers"], r["scheme"]): r for r in runs if r["rate"] == rate}
     for scheme in _schemes(runs):
@@ -230,7 +240,8 @@ def bytes_table(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]
         for w in workers:
             r = by_key.get((w, scheme))
             row.append("" if r is None else f"{r['bytes_handed_per_step']:,.0f} / "
-                       f"{r['wire_sent_per_step']:,.0f} / {r['measured_tx_per_step']:,.0f}")
+                       f"{r['wire_sent_per_step']:,.0f} / "
+                       f"{_bytes(r.get('shaper_tx_per_step'))}")
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     return lines
@@ -320,11 +331,13 @@ def plot_bytes(record: dict[str, Any], runs: list[dict[str, Any]], path: Path,
             continue
         line, = ax.plot([w for w, _ in chosen], [r["wire_sent_per_step"] for _, r in chosen],
                         marker="o", label=scheme)
-        ax.scatter([w for w, _ in chosen], [r["measured_tx_per_step"] for _, r in chosen],
-                   marker="x", color=line.get_color())
+        charged = [(w, r["shaper_tx_per_step"]) for w, r in chosen
+                   if r.get("shaper_tx_per_step") is not None]
+        ax.scatter([w for w, _ in charged], [b for _, b in charged], marker="x",
+                   color=line.get_color())
     ax.set(xlabel="workers", ylabel="bytes sent per worker per step (log)", yscale="log",
            xticks=record["workers"],
-           title="Bytes per worker: ring model (line) and measured on the wire (x)")
+           title="Bytes per worker: ring model (line), charged on the wire (x)")
     ax.legend(fontsize=7, ncol=2)
     _save(fig, path, footer)
 

@@ -17,7 +17,7 @@ from benchmarks import overhead, report
 from benchmarks.netem import harness, net
 from benchmarks.netem.anchors import powersgd_bytes
 from benchmarks.netem.summary import derive, floor_s, same_trajectory, speedups
-from benchmarks.netem.worker import WireCounters, train, window_traffic
+from benchmarks.netem.worker import WireMeter, shaper_bytes, train, window_traffic
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
 from thinwire.comm import Meter
@@ -163,7 +163,7 @@ def _run(scheme: str, rate: str, rate_bps: float, workers: int, step_s: float,
             "p90_step_s": step_s * 1.2, "train_s": steps * step_s, "compute_s": 0.02,
             "overhead_s_per_step": 0.001, "bytes_handed_per_step": sent,
             "wire_sent_per_step": sent, "bytes_received_per_step": sent,
-            "measured_tx_per_step": sent * 1.05, "measured_rx_per_step": sent * 1.05,
+            "shaper_tx_per_step": sent * 1.05, "shaper_rx_per_step": sent * 1.04,
             "dense_bytes": 17_399_848, "reached_step": reached,
             "reached_train_s": None if reached is None else reached * step_s,
             "final_accuracy": 0.9, "curve": [[steps, steps * step_s, 0.9]], "losses": losses,
@@ -195,7 +195,10 @@ def test_time_to_target_is_measured_or_projected_from_the_same_schemes_steps() -
     floor = 0.02 + 8 * 150_000 / 1e8
     assert dct_slow["floor_s"] == pytest.approx(floor)
     assert dct_slow["floor_ratio"] == pytest.approx(0.06 / floor)
-    assert dct_slow["measured_floor_s"] == pytest.approx(0.02 + 8 * 157_500 / 1e8)
+    assert dct_slow["wire_floor_s"] == pytest.approx(0.02 + 8 * 157_500 / 1e8)
+    assert dct_slow["wire_floor_ratio"] == pytest.approx(0.06 / dct_slow["wire_floor_s"])
+    assert derive([{**_runs()[0], "shaper_tx_per_step": None,
+                    "shaper_rx_per_step": None}])[0]["wire_floor_s"] is None
     ratios = speedups(runs, "torch-dense")
     assert ratios[("100mbit", 2, "dct-dp")] == pytest.approx(75.0 / 12.0)
     assert ("100mbit", 2, "topk") not in ratios
@@ -211,8 +214,11 @@ def test_window_traffic_leaves_the_warm_up_steps_out() -> None:
     traffic = window_traffic(meter, first_step=2)
     assert traffic["bytes_handed_per_step"] == 100
     assert traffic["wire_sent_per_step"] == 100  # 2 (n - 1) / n = 1 for two workers
-    counters = WireCounters("no-such-interface0")
-    assert not counters.available and counters.read() == (0, 0)
+    assert shaper_bytes("no-such-interface0") is None
+    wire = WireMeter("no-such-interface0", None, rank=1)
+    assert wire.port == "w1"
+    wire.begin()
+    assert wire.per_step(10) == (None, None)
 
 
 # PyTorch's hooks ----------------------------------------------------------------------------

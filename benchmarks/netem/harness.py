@@ -369,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                   args.rate_bps)},
     }
     topology = net.Topology(f"{net.PREFIX}{os.getpid()}", max(args.worker_list))
+    options["bridge_namespace"] = net.names(topology.prefix, topology.workers)[0]
     launcher = Launcher(topology, folder,
                         deadline_s=3 * max(args.cap_s, args.reference_cap_s) + 180)
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -411,7 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(sig, handler)
     record["load_after"] = list(os.getloadavg())
     record["runs"] = derive(runs)
-    path = folder / "results.json"
+    # An interrupted run is kept for inspection but never taken for the results page.
+    path = folder / ("results.json" if status == 0 else "results-incomplete.json")
     path.write_text(json.dumps(record, indent=2))
     print_table(record["runs"])
     print(f"wrote {path}; regenerate the page with: python -m benchmarks.report")

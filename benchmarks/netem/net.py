@@ -77,6 +77,11 @@ def names(prefix: str, workers: int) -> tuple[str, list[str]]:
     return f"{prefix}-br", [f"{prefix}-w{rank}" for rank in range(workers)]
 
 
+def port(rank: int) -> str:
+    """The bridge's end of worker ``rank``'s veth, inside the bridge namespace."""
+    return f"w{rank}"
+
+
 def address(rank: int) -> str:
     """Worker ``rank``'s address inside its namespace."""
     return f"{SUBNET}.{rank + 1}"
@@ -90,15 +95,14 @@ def setup_commands(prefix: str, workers: int) -> list[list[str]]:
                 ["ip", "-n", bridge_ns, "link", "set", BRIDGE, "up"],
                 ["ip", "-n", bridge_ns, "link", "set", "lo", "up"]]
     for rank, ns in enumerate(worker_ns):
-        port = f"w{rank}"
         commands += [
             ["ip", "netns", "add", ns],
             # Created inside the worker's namespace with its peer placed straight into
             # the bridge's: no interface ever appears in the caller's namespace.
-            ["ip", "-n", ns, "link", "add", WORKER_IF, "type", "veth", "peer", "name", port,
-             "netns", bridge_ns],
-            ["ip", "-n", bridge_ns, "link", "set", port, "master", BRIDGE],
-            ["ip", "-n", bridge_ns, "link", "set", port, "up"],
+            ["ip", "-n", ns, "link", "add", WORKER_IF, "type", "veth", "peer", "name",
+             port(rank), "netns", bridge_ns],
+            ["ip", "-n", bridge_ns, "link", "set", port(rank), "master", BRIDGE],
+            ["ip", "-n", bridge_ns, "link", "set", port(rank), "up"],
             ["ip", "-n", ns, "addr", "add", f"{address(rank)}/24", "dev", WORKER_IF],
             ["ip", "-n", ns, "link", "set", WORKER_IF, "up"],
             ["ip", "-n", ns, "link", "set", "lo", "up"],
@@ -114,7 +118,7 @@ def shape_commands(prefix: str, workers: int, rate_bps: float) -> list[list[str]
     for rank, ns in enumerate(worker_ns):
         commands.append(["tc", "-n", ns, "qdisc", "replace", "dev", WORKER_IF, "root", "tbf",
                          *tbf])
-        commands.append(["tc", "-n", bridge_ns, "qdisc", "replace", "dev", f"w{rank}", "root",
+        commands.append(["tc", "-n", bridge_ns, "qdisc", "replace", "dev", port(rank), "root",
                          "tbf", *tbf])
     return commands
 
@@ -194,7 +198,7 @@ class Topology:
         bridge_ns, worker_ns = names(self.prefix, self.workers)
         stats = {}
         for rank, ns in enumerate(worker_ns):
-            for where, dev in ((ns, WORKER_IF), (bridge_ns, f"w{rank}")):
+            for where, dev in ((ns, WORKER_IF), (bridge_ns, port(rank))):
                 entry = json.loads(run(["tc", "-n", where, "-s", "-j", "qdisc", "show", "dev",
                                         dev]))[0]
                 stats[f"{where}:{dev}"] = {key: int(entry.get(key, 0))

@@ -55,9 +55,12 @@ def derive(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         run["floor_s"] = floor_s(run["compute_s"], run["wire_sent_per_step"],
                                  run["bytes_received_per_step"], rate)
         run["floor_ratio"] = run["median_step_s"] / run["floor_s"]
-        measured = max(run["measured_tx_per_step"], run["measured_rx_per_step"])
-        run["measured_floor_s"] = floor_s(run["compute_s"], measured, 0.0, rate)
-        run["measured_floor_ratio"] = run["median_step_s"] / run["measured_floor_s"]
+        charged = [b for b in (run.get("shaper_tx_per_step"), run.get("shaper_rx_per_step"))
+                   if b is not None]
+        run["wire_floor_s"] = floor_s(run["compute_s"], max(charged), 0.0, rate) if (
+            charged) else None
+        run["wire_floor_ratio"] = (run["median_step_s"] / run["wire_floor_s"]
+                                   if run["wire_floor_s"] else None)
         run["compression_ratio"] = run["dense_bytes"] / max(run["bytes_handed_per_step"], 1e-9)
     for run in runs:
         if run.get("status") != "ok":

@@ -5,7 +5,7 @@
         --init-method tcp://10.77.0.1:29500 --spec spec.json --out run/
 
 Trains the demo MLP (scaled up) on digits under each scheme of the spec in
-turn, timing every step and reading the interface's byte counters around it.
+turn, timing every step and reading what the shapers charged over the timed window.
 Rank 0 appends one JSON line per scheme to ``out/results.jsonl`` as soon as
 the scheme ends, so the harness keeps what finished even if a later one hangs.
 A scheme that raises ends the process: the group may be out of step after it.
@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -29,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.netem.anchors import ANCHORS, Installed
+from benchmarks.netem.net import port
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.train.dataparallel import accuracy, compute_seconds
@@ -36,19 +38,50 @@ from thinwire.train.digits import batches, load_digits, shard
 from thinwire.train.mlp import mlp
 
 
-class WireCounters:
-    """Bytes the network interface has sent and received (kernel counters, all protocols)."""
+def shaper_bytes(interface: str, namespace: str | None = None) -> int | None:
+    """Bytes the root qdisc of ``interface`` has passed, or None if it cannot be read.
 
-    def __init__(self, interface: str) -> None:
-        base = Path("/sys/class/net") / interface / "statistics"
-        self.paths = (base / "tx_bytes", base / "rx_bytes")
-        self.available = all(path.exists() for path in self.paths)
+    This is what tbf charged against the rate: every frame's full length with
+    its Ethernet, IP and TCP headers, also for segmentation-offloaded batches
+    (the interface's own counters charge their headers once per batch).
+    """
+    where = ["-n", namespace] if namespace else []
+    try:
+        done = subprocess.run(["tc", *where, "-s", "-j", "qdisc", "show", "dev", interface],
+                              capture_output=True, text=True, timeout=10, check=True)
+        return int(json.loads(done.stdout)[0]["bytes"])
+    except (OSError, subprocess.SubprocessError, ValueError, LookupError):
+        return None
 
-    def read(self) -> tuple[int, int]:
-        if not self.available:
-            return 0, 0
-        tx, rx = (int(path.read_text()) for path in self.paths)
-        return tx, rx
+
+class WireMeter:
+    """What the shaper charged in each direction of this rank's link, between two reads.
+
+    Sent: the tbf on the worker's own interface. Received: the tbf on the
+    bridge port towards it, in the bridge's namespace (None outside the harness).
+    """
+
+    def __init__(self, interface: str, bridge_namespace: str | None, rank: int) -> None:
+        self.interface = interface
+        self.bridge = bridge_namespace
+        self.port = port(rank)
+        self.start: tuple[int | None, int | None] = (None, None)
+
+    def read(self) -> tuple[int | None, int | None]:
+        return (shaper_bytes(self.interface),
+                shaper_bytes(self.port, self.bridge) if self.bridge else None)
+
+    def begin(self) -> None:
+        self.start = self.read()
+
+    def per_step(self, steps: int) -> tuple[float | None, float | None]:
+        """Mean (sent, received) bytes per step since :meth:`begin` over ``steps`` steps."""
+        end = self.read()
+
+        def mean(first: int | None, last: int | None) -> float | None:
+            return None if first is None or last is None or steps < 1 else (last - first) / steps
+
+        return mean(self.start[0], end[0]), mean(self.start[1], end[1])
 
 
 def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int) -> Installed:
@@ -90,11 +123,9 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.SGD(installed.net.parameters(), lr=options["lr"],
                                 momentum=options["momentum"])
     stream = batches(local, options["batch_size"], seed=options["seed"] * 1000 + rank)
-    counters = WireCounters(options["interface"])
+    wire = WireMeter(options["interface"], options.get("bridge_namespace"), rank)
     warmup, target = options["warmup"], options["target"]
     step_s: list[float] = []
-    tx: list[int] = []
-    rx: list[int] = []
     losses: list[float] = []
     curve: list[tuple[int, float, float]] = []  # (step, training seconds so far, accuracy)
     reached: tuple[int, float] | None = None
@@ -102,16 +133,14 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     for step in range(1, options["max_steps"] + 1):
         index = next(stream)
-        tx0, rx0 = counters.read()
+        if step == warmup + 1:  # outside the timed steps; the checks' tiny all-reduces
+            wire.begin()        # between later steps are counted too (~100 bytes each)
         start = time.perf_counter()
         loss = nn.functional.cross_entropy(installed.net(local.x[index]), local.y[index])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         step_s.append(time.perf_counter() - start)
-        tx1, rx1 = counters.read()
-        tx.append(tx1 - tx0)
-        rx.append(rx1 - rx0)
         installed.after_step()
         meter.next_step()
         losses.append(float(loss.detach()))
@@ -134,6 +163,7 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     steps = len(step_s)
     window = slice(min(warmup, max(0, steps - 1)), steps)
     first = window.start
+    wire_tx, wire_rx = wire.per_step(steps - warmup) if steps > warmup else (None, None)
     return {
         "scheme": entry["name"],
         "kind": "torch" if entry["name"] in ANCHORS else "thinwire",
@@ -149,9 +179,8 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         "compute_s": compute_s,
         "overhead_s_per_step": installed.overhead_s() / max(1, steps),
         **window_traffic(meter, first),
-        "measured_tx_per_step": statistics.fmean(tx[window]),
-        "measured_rx_per_step": statistics.fmean(rx[window]),
-        "counters_available": counters.available,
+        "shaper_tx_per_step": wire_tx,
+        "shaper_rx_per_step": wire_rx,
         "bytes_per_entity": meter.bytes_per_step("entity"),
         "reached_step": None if reached is None else reached[0],
         "reached_train_s": None if reached is None else reached[1],
