@@ -124,6 +124,13 @@ def test_workers_start_in_their_namespace_bound_to_the_veth() -> None:
     assert str(harness.REPO) in env["PYTHONPATH"].split(":")
 
 
+def test_only_complete_result_lines_are_read(tmp_path: Path) -> None:
+    lines = tmp_path / "results.jsonl"
+    assert harness.finished(lines) == []
+    lines.write_text('{"scheme": "a"}\n{"scheme": "b"}\n{"sche')  # rank 0 mid-write
+    assert [r["scheme"] for r in harness.finished(lines)] == ["a", "b"]
+
+
 def test_without_root_it_explains_and_exits_non_zero(monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(net.os, "geteuid", lambda: 1000)

@@ -221,19 +221,18 @@ class Launcher:
         seen, last_change = 0, time.monotonic()
         while any(p.poll() is None for p in self.processes):
             time.sleep(0.5)
-            count = len(lines.read_text().splitlines()) if lines.exists() else 0
-            if count > seen:
-                for line in lines.read_text().splitlines()[seen:count]:
-                    tqdm.write(describe(json.loads(line), label))
-                progress.update(count - seen)
-                seen, last_change = count, time.monotonic()
+            done = finished(lines)
+            if len(done) > seen:
+                for result in done[seen:]:
+                    tqdm.write(describe(result, label))
+                progress.update(len(done) - seen)
+                seen, last_change = len(done), time.monotonic()
             failed = any(p.poll() not in (None, 0) for p in self.processes)
             if time.monotonic() - last_change > (30.0 if failed else self.deadline_s):
                 tqdm.write(f"{label}: stopping the workers (no progress; see {folder})")
                 self.stop()
         self.stop()
-        done = [json.loads(line) for line in lines.read_text().splitlines()] if (
-            lines.exists()) else []
+        done = finished(lines)
         for result in done[seen:]:
             tqdm.write(describe(result, label))
         progress.update(len(done) - seen)
@@ -247,6 +246,13 @@ class Launcher:
         for process in self.processes:
             process.wait()
         self.processes.clear()
+
+
+def finished(lines: Path) -> list[dict[str, Any]]:
+    """The complete result lines rank 0 has written so far (a line being written is not)."""
+    if not lines.exists():
+        return []
+    return [json.loads(line) for line in lines.read_text().split("\n")[:-1] if line]
 
 
 def link_check(topology: net.Topology, rate_bps: float, seconds: float = 1.0) -> float:
