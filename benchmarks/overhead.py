@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import textwrap
 import time
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from benchmarks.machine import CpuWatch, cpu_model
 from thinwire.compress import DCTThreshold, Dense, LaplaceThreshold, TensorInfo, TopK
 
 # Whole-scheme rows: the references first, then the schemes of the ScaleCom/PowerSGD work.
@@ -126,6 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = list(os.getloadavg())
+    watch = CpuWatch()
     timed = [name for name in SCHEME_ROWS if scheme_available(name) is None]
     for name in SCHEME_ROWS:
         if name not in timed:
@@ -153,10 +154,11 @@ def main() -> None:
                   f"--{k.replace('_', '-')} "
                   + (" ".join(map(str, v)) if isinstance(v, list) else str(v))
                   for k, v in vars(args).items() if k != "out"),
-              "machine": f"{_cpu_model()}, {os.cpu_count()} cores, "
+              "machine": f"{cpu_model()}, {os.cpu_count()} cores, "
                          f"{torch.get_num_threads()} threads, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
               "cores": os.cpu_count(), "load_before": load_before,
+              "others_cpu_share": watch.others_share(),
               "matrix_shapes": {str(n): matrix_shape(n) for n in args.sizes},
               "seconds": {str(n): r for n, r in rows.items()},
               "ratio_vs_topk": {str(n): {k: v / r["topk"] for k, v in r.items()}
@@ -164,16 +166,6 @@ def main() -> None:
     (args.out / "overhead.json").write_text(json.dumps(record, indent=2))
     plot(record, args.out / "overhead.png")
     print(f"wrote {args.out}/overhead.json and overhead.png")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}".strip()
 
 
 def plot(record: dict[str, Any], path: Path) -> None:

@@ -9,7 +9,8 @@ under ``docs/figures/`` and a copy of both files under ``docs/data/``; every
 table and figure states the command, machine and date that produced its
 numbers, and every number comes from those files.
 Numbers taken on a loaded machine (1-minute load average above half the
-cores before the run) or by ``--quick`` are marked provisional.
+cores before the run, or other processes using more than a tenth of all
+cores during it) or by ``--quick`` are marked provisional.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 from benchmarks.netem.summary import FRAME_OVERHEAD, fmt_seconds, speedups
 
 BASELINES = ("torch-dense", "torch-powersgd")  # time-to-target ratios are taken against these
-LOADED = 0.5  # load average per core above which timings are called provisional
+LOADED = 0.5  # load average per core before a run above which its timings are provisional
+SHARED = 0.1  # share of all cores other processes used during a run, above which likewise
 
 
 def newest_netem(results: Path) -> Path | None:
@@ -48,6 +50,10 @@ def provisional(record: dict[str, Any]) -> str | None:
     if load and load[0] > LOADED * cores:
         reasons.append(f"the machine was loaded (1-minute load average {load[0]:.1f} on "
                        f"{cores} cores before the run)")
+    others = record.get("others_cpu_share")
+    if others is not None and others > SHARED:
+        reasons.append(f"other processes used {100 * others:.0f} % of the machine's CPU "
+                       "during the run")
     if record.get("quick"):
         reasons.append("it was a --quick run")
     return " and ".join(reasons) or None

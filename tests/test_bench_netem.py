@@ -9,17 +9,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from benchmarks import overhead, report
+from benchmarks.machine import CpuWatch, busy_seconds
 from benchmarks.netem import harness, net
-from benchmarks.netem.anchors import powersgd_bytes
+from benchmarks.netem.anchors import ANCHORS, powersgd_bytes
 from benchmarks.netem.summary import derive, floor_s, same_trajectory, speedups
 from benchmarks.netem.worker import WireMeter, shaper_bytes, train, window_traffic
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
+from thinwire import schemes
 from thinwire.comm import Meter
 from thinwire.train.launch import spawn
 from thinwire.train.mlp import mlp
@@ -147,6 +150,8 @@ def test_unregistered_schemes_are_skipped_with_a_note() -> None:
     assert [e["name"] for e in entries] == ["torch-dense", "dct-dp"]
     assert entries[1]["config"] == {"sparsity": 0.9, "life_span": 100}
     assert len(notes) == 1 and "no-such-scheme" in notes[0]
+    every, _ = harness.plan(_args("--schemes", "all"))
+    assert [e["name"] for e in every] == [*ANCHORS, *schemes.names()]  # new ones join as is
     with pytest.raises(ValueError, match="sparsity="):  # bad options fail before any namespace
         harness.plan(_args("--schemes", "dct-dp", "--sparsity", "1.5"))
 
@@ -327,12 +332,24 @@ def test_report_renders_tables_and_figures_from_results_files(tmp_path: Path) ->
                                                                              "100mbit"]
 
 
+def test_cpu_used_by_others_is_busy_time_less_our_own() -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+    stat = f"cpu  {3 * ticks} {ticks} {2 * ticks} {50 * ticks} 7 {ticks} {ticks} 0 0 0\ncpu0 1\n"
+    assert busy_seconds(stat) == pytest.approx(6.0)  # user + nice + system (+ steal 0)
+    assert busy_seconds("intr 1 2\n") is None
+    share = CpuWatch().others_share()
+    assert share is None or 0.0 <= share
+
+
 def test_report_without_results_says_how_to_make_them(tmp_path: Path) -> None:
     page = report.render(None, None, tmp_path)
     assert "sudo python -m benchmarks.netem" in page and "python -m benchmarks.overhead" in page
     quiet = _netem_record(load=0.2)
     assert report.provisional(quiet) is None
     assert "--quick" in (report.provisional({**quiet, "quick": True}) or "")
+    assert "other processes used 30 %" in (report.provisional(
+        {**quiet, "others_cpu_share": 0.3}) or "")
+    assert report.provisional({**quiet, "others_cpu_share": 0.05}) is None
 
 
 # The overhead benchmark's scheme rows -------------------------------------------------------

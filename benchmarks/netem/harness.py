@@ -33,6 +33,7 @@ from typing import Any
 from tqdm import tqdm
 
 import thinwire
+from benchmarks.machine import CpuWatch, cpu_model
 from benchmarks.netem import net
 from benchmarks.netem.anchors import ANCHORS
 from benchmarks.netem.summary import derive, fmt_seconds
@@ -288,19 +289,10 @@ def describe(result: dict[str, Any], label: str) -> str:
 
 
 def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
 
-    return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__}
 
 
 def cleanup() -> int:
@@ -374,6 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tbf": {rate: vars(net.tbf_for(bps)) for rate, bps in zip(args.rate_list,
                                                                   args.rate_bps)},
     }
+    watch = CpuWatch()
     topology = net.Topology(f"{net.PREFIX}{os.getpid()}", max(args.worker_list))
     options["bridge_namespace"] = net.names(topology.prefix, topology.workers)[0]
     launcher = Launcher(topology, folder,
@@ -417,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     record["load_after"] = list(os.getloadavg())
+    record["others_cpu_share"] = watch.others_share()
     record["runs"] = derive(runs)
     # An interrupted run is kept for inspection but never taken for the results page.
     path = folder / ("results.json" if status == 0 else "results-incomplete.json")
