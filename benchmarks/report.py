@@ -8,9 +8,9 @@ benchmarks.netem``, needs root) and ``results/overhead/overhead.json`` (from
 under ``docs/figures/`` and a copy of both files under ``docs/data/``; every
 table and figure states the command, machine and date that produced its
 numbers, and every number comes from those files.
-Numbers taken on a loaded machine (1-minute load average above half the
-cores before the run, or other processes using more than a tenth of all
-cores during it) or by ``--quick`` are marked provisional.
+Numbers taken while other processes used more than a tenth of all cores
+(records from before that was measured: a 1-minute load average above half
+the cores just before the run) or by ``--quick`` are marked provisional.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 from benchmarks.netem.summary import FRAME_OVERHEAD, fmt_seconds, speedups
 
 BASELINES = ("torch-dense", "torch-powersgd")  # time-to-target ratios are taken against these
-LOADED = 0.5  # load average per core before a run above which its timings are provisional
-SHARED = 0.1  # share of all cores other processes used during a run, above which likewise
+SHARED = 0.1  # share of all cores other processes used during a run: above, it is provisional
+LOADED = 0.5  # the same from the load average per core just before (records without the share)
 
 
 def newest_netem(results: Path) -> Path | None:
@@ -47,16 +47,28 @@ def provisional(record: dict[str, Any]) -> str | None:
     machine = record.get("machine")
     cores = (machine.get("cores") if isinstance(machine, dict) else record.get("cores")) or 1
     load = record.get("load_before")
-    if load and load[0] > LOADED * cores:
+    others = record.get("others_cpu_share")
+    if others is not None:  # measured over the run itself: it decides
+        if others > SHARED:
+            reasons.append(f"other processes used {100 * others:.0f} % of the machine's CPU "
+                           "during the run")
+    elif load and load[0] > LOADED * cores:  # older records: the load just before
         reasons.append(f"the machine was loaded (1-minute load average {load[0]:.1f} on "
                        f"{cores} cores before the run)")
-    others = record.get("others_cpu_share")
-    if others is not None and others > SHARED:
-        reasons.append(f"other processes used {100 * others:.0f} % of the machine's CPU "
-                       "during the run")
     if record.get("quick"):
         reasons.append("it was a --quick run")
     return " and ".join(reasons) or None
+
+
+def activity(record: dict[str, Any]) -> str:
+    """What else the machine was doing, as far as the record says."""
+    parts = []
+    if record.get("load_before"):
+        parts.append(f"1-minute load average {record['load_before'][0]:.1f} before the run")
+    if record.get("others_cpu_share") is not None:
+        parts.append(f"other processes used {100 * record['others_cpu_share']:.0f} % of the "
+                     "machine's CPU during it")
+    return ("Machine activity: " + "; ".join(parts) + ".") if parts else ""
 
 
 def stamp(record: dict[str, Any], machine: str) -> str:
@@ -84,7 +96,7 @@ def netem_section(record: dict[str, Any], source: Path, figures: Path, docs: Pat
     opts = record["options"]
     footer = stamp(record, machine_line(record))
     lines = ["## Shaped links: time to accuracy, step time and its physical limit", "",
-             f"Source: `{source}`. Produced by {footer}.", ""]
+             f"Source: `{source}`. Produced by {footer}. {activity(record)}", ""]
     why = provisional(record)
     if why:
         lines += [f"> **Provisional:** {why}; re-run on a quiet machine before quoting.", ""]
@@ -111,7 +123,7 @@ def netem_section(record: dict[str, Any], source: Path, figures: Path, docs: Pat
                  "rate)" if rate in checks else "-") + " |"
               for rate, t in record["tbf"].items()]
     lines += ["", f"A perfect link carries {1 / FRAME_OVERHEAD:.3f} of its rate as TCP payload "
-              "(1448 bytes per 1514-byte frame).", ""]
+              "(1448 bytes per 1514-byte frame)." + drops_sentence(record), ""]
     lines.append("")
     for note in record.get("notes", []):
         lines.append(f"- Note: {note}")
@@ -139,6 +151,19 @@ def netem_section(record: dict[str, Any], source: Path, figures: Path, docs: Pat
               f"*Figure: bytes each worker sends per step against the number of workers. "
               f"{footer}.*", ""]
     return "\n".join(lines)
+
+
+def drops_sentence(record: dict[str, Any]) -> str:
+    """How many packets the shapers dropped, per rate and worker count."""
+    qdisc = record.get("qdisc")
+    if not qdisc:
+        return ""
+    drops = {label: sum(link.get("drops", 0) for link in links.values())
+             for label, links in qdisc.items()}
+    if not any(drops.values()):
+        return " The shapers dropped no packet during the runs."
+    return " Packets the shapers dropped: " + ", ".join(
+        f"{label} {count:,d}" for label, count in drops.items()) + "."
 
 
 def time_to_target_table(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
@@ -356,7 +381,7 @@ def overhead_section(record: dict[str, Any], source: Path, figures: Path, docs: 
     sizes = list(record["seconds"])
     codecs = list(record["seconds"][sizes[0]])
     lines = ["## Compression overhead per step", "",
-             f"Source: `{source}`. Produced by {footer}.", ""]
+             f"Source: `{source}`. Produced by {footer}. {activity(record)}", ""]
     why = provisional(record)
     if why:
         lines += [f"> **Provisional:** {why}; re-run on a quiet machine before quoting.", ""]

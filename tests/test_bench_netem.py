@@ -290,6 +290,8 @@ def _netem_record(load: float) -> dict[str, Any]:
             "notes": ["skipping 'clt-k': not registered in this build of thinwire"],
             "tbf": {"1gbit": vars(net.tbf_for(1e9)), "100mbit": vars(net.tbf_for(1e8))},
             "link_check": {"100mbit": 95.6e6},
+            "qdisc": {"1gbit-2w": {"a:eth0": {"bytes": 10, "drops": 0, "overlimits": 1}},
+                      "100mbit-2w": {"a:eth0": {"bytes": 10, "drops": 3, "overlimits": 1}}},
             "runs": derive(_runs()) + [{"scheme": "torch-powersgd", "status": "failed",
                                         "note": "no result", "rate": "1gbit", "workers": 2}]}
 
@@ -316,12 +318,14 @@ def test_report_renders_tables_and_figures_from_results_files(tmp_path: Path) ->
     page = (docs / "results.md").read_text()
     assert "python -m benchmarks.netem --rates 1gbit,100mbit --workers 2" in page
     assert "Test CPU, 2 cores" in page and "2026-01-02 03:04 UTC" in page
+    assert "Machine activity: 1-minute load average 3.5 before the run." in page
     assert "**Provisional:** the machine was loaded (1-minute load average 3.5" in page
     assert "| dct-dp | 10.00 m @200 (0.8x / -) | 12.00 m @200 (6.2x / -) |" in page
     assert "| torch-dense | 8.00 m @50 (1.0x / -) | 75.00 p @50 (1.0x / -) |" in page
     assert "not reached (100 steps)" in page
     assert "thresholds recomputed on 2 %" in page  # 6 of 2 tensors x 200 steps
     assert "| 100mbit | 12,500 | 1,262,500 | 95.6 Mbit/s (0.956 of the rate) |" in page
+    assert "Packets the shapers dropped: 1gbit-2w 0, 100mbit-2w 3." in page
     assert "torch-powersgd at 1gbit, 2 workers: failed (no result)" in page
     assert "skipping 'clt-k'" in page
     assert "| scheme clt-k | 12.00 (1.20x) |" in page
@@ -350,6 +354,8 @@ def test_report_without_results_says_how_to_make_them(tmp_path: Path) -> None:
     assert "other processes used 30 %" in (report.provisional(
         {**quiet, "others_cpu_share": 0.3}) or "")
     assert report.provisional({**quiet, "others_cpu_share": 0.05}) is None
+    # Measured over the run, the share decides; a load left by the run before does not.
+    assert report.provisional({**_netem_record(load=3.5), "others_cpu_share": 0.05}) is None
 
 
 # The overhead benchmark's scheme rows -------------------------------------------------------
