@@ -150,6 +150,8 @@ def test_unregistered_schemes_are_skipped_with_a_note() -> None:
     assert [e["name"] for e in entries] == ["torch-dense", "dct-dp"]
     assert entries[1]["config"] == {"sparsity": 0.9, "life_span": 100}
     assert len(notes) == 1 and "no-such-scheme" in notes[0]
+    tuned, _ = harness.plan(_args("--schemes", "dct-dp", "--option", "life_span=7"))
+    assert tuned[0]["config"]["life_span"] == 7
     every, _ = harness.plan(_args("--schemes", "all"))
     assert [e["name"] for e in every] == [*ANCHORS, *schemes.names()]  # new ones join as is
     with pytest.raises(ValueError, match="sparsity="):  # bad options fail before any namespace

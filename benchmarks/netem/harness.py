@@ -135,7 +135,7 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     requested = ([*ANCHORS, *schemes.names()] if args.schemes == "all"
                  else [s.strip() for s in args.schemes.split(",") if s.strip()])
     entries, notes = [], []
-    options = [*args.option, f"rank={args.rank}"]
+    options = [f"rank={args.rank}", *args.option]  # an explicit --option KEY=VALUE wins
     for name in requested:
         if name in ANCHORS:
             entries.append({"name": name, "config": {}})
