@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-run clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,20 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy src/thinwire
 
+# `make bench` regenerates docs/results.md from the newest results/ files; `make bench-run`
+# measures first. The shaped-link benchmark needs root (network namespaces, tc).
+SUDO ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 bench: $(STAMP)
+	@echo "Regenerating docs/results.md from results/. To measure first: make bench-run"
+	@echo "  (runs $(BIN)/python -m benchmarks.overhead, then, as root,"
+	@echo "   $(BIN)/python -m benchmarks.netem: needs ip and tc (iproute2), ~10 min on 2 cores)"
+	$(BIN)/python -m benchmarks.report
+
+bench-run: $(STAMP)
 	$(BIN)/python -m benchmarks.overhead
+	$(SUDO) $(BIN)/python -m benchmarks.netem
+	$(BIN)/python -m benchmarks.report
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

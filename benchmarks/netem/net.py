@@ -1,0 +1,234 @@
+"""Network namespaces joined by shaped veth links: build, shape, check, tear down.
+
+Topology (``P`` is the run's prefix, ``tw-<pid>``)::
+
+    P-w0 [eth0 10.77.0.1] --veth-- [w0] \
+    P-w1 [eth0 10.77.0.2] --veth-- [w1]  br0   (bridge in namespace P-br)
+    ...                                 /
+
+Every link is shaped in both directions with a ``tbf`` qdisc at the same rate:
+a worker's ``eth0`` egress (what it sends) and the bridge port's egress
+towards it (what it receives). Each worker thus has a full-duplex port of
+``rate``, like a host on a switch. Nothing is created in the caller's own
+namespace, and only addresses inside these namespaces are used.
+
+Commands are built by pure functions (tested without root) and run by
+:class:`Topology`, which records what it created so teardown removes exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PREFIX = "tw-"  # every namespace this harness creates starts with it
+SUBNET = "10.77.0"  # /24 inside the namespaces only
+WORKER_IF = "eth0"  # the worker's end of its veth, inside its namespace
+BRIDGE = "br0"
+TBF_BURST_S = 0.001  # tokens saved up while idle: 1 ms of traffic at the link rate
+TBF_MIN_BURST = 3028  # ...but at least two full Ethernet frames (1514 bytes each)
+TBF_LATENCY_S = 0.1  # the queue holds 100 ms of traffic beyond the burst, then drops
+
+
+@dataclass(frozen=True)
+class Tbf:
+    """The token-bucket settings of one link direction (see :func:`tbf_for`)."""
+
+    rate_bps: float  # bits per second
+    burst_bytes: int  # bucket size: bytes that may leave back to back at line speed
+    limit_bytes: int  # queue length: bytes waiting for tokens before packets are dropped
+
+    def args(self) -> list[str]:
+        """The ``tc qdisc ... tbf`` arguments."""
+        return ["rate", f"{int(self.rate_bps)}bit", "burst", str(self.burst_bytes),
+                "limit", str(self.limit_bytes)]
+
+
+def tbf_for(rate_bps: float) -> Tbf:
+    """Token bucket for ``rate_bps``: 1 ms burst (>= two frames), 100 ms queue.
+
+    The burst is the error a shaper adds: after an idle pause (the compute
+    part of a step) up to ``burst`` bytes leave at veth speed, so a step can
+    beat ``bytes / rate`` by at most ~1 ms per direction. Much smaller than
+    1 ms and the kernel's timer slack keeps the link below its rate. The
+    queue is long enough that the senders' TCP never sees tail drops on the
+    ring collectives (each port receives from one peer at a time), and it is
+    what ``tbf``'s ``latency`` would set: ``rate x 100 ms + burst``.
+
+    Raises:
+        ValueError: ``rate_bps`` is not positive.
+    """
+    if not rate_bps > 0:
+        raise ValueError(f"rate_bps={rate_bps!r} must be > 0")
+    burst = max(TBF_MIN_BURST, int(rate_bps / 8 * TBF_BURST_S))
+    return Tbf(rate_bps, burst, int(rate_bps / 8 * TBF_LATENCY_S) + burst)
+
+
+def names(prefix: str, workers: int) -> tuple[str, list[str]]:
+    """(bridge namespace, worker namespaces) for a run with ``prefix``."""
+    if not prefix.startswith(PREFIX):
+        raise ValueError(f"prefix={prefix!r} must start with {PREFIX!r}")
+    if not 1 <= workers <= 250:
+        raise ValueError(f"workers={workers!r} must be in [1, 250]")
+    return f"{prefix}-br", [f"{prefix}-w{rank}" for rank in range(workers)]
+
+
+def port(rank: int) -> str:
+    """The bridge's end of worker ``rank``'s veth, inside the bridge namespace."""
+    return f"w{rank}"
+
+
+def address(rank: int) -> str:
+    """Worker ``rank``'s address inside its namespace."""
+    return f"{SUBNET}.{rank + 1}"
+
+
+def setup_commands(prefix: str, workers: int) -> list[list[str]]:
+    """The ``ip`` commands that build the topology, in order."""
+    bridge_ns, worker_ns = names(prefix, workers)
+    commands = [["ip", "netns", "add", bridge_ns],
+                ["ip", "-n", bridge_ns, "link", "add", BRIDGE, "type", "bridge"],
+                ["ip", "-n", bridge_ns, "link", "set", BRIDGE, "up"],
+                ["ip", "-n", bridge_ns, "link", "set", "lo", "up"]]
+    for rank, ns in enumerate(worker_ns):
+        commands += [
+            ["ip", "netns", "add", ns],
+            # Created inside the worker's namespace with its peer placed straight into
+            # the bridge's: no interface ever appears in the caller's namespace.
+            ["ip", "-n", ns, "link", "add", WORKER_IF, "type", "veth", "peer", "name",
+             port(rank), "netns", bridge_ns],
+            ["ip", "-n", bridge_ns, "link", "set", port(rank), "master", BRIDGE],
+            ["ip", "-n", bridge_ns, "link", "set", port(rank), "up"],
+            ["ip", "-n", ns, "addr", "add", f"{address(rank)}/24", "dev", WORKER_IF],
+            ["ip", "-n", ns, "link", "set", WORKER_IF, "up"],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
+        ]
+    return commands
+
+
+def shape_commands(prefix: str, workers: int, rate_bps: float) -> list[list[str]]:
+    """``tc`` commands that shape both directions of every link at ``rate_bps``."""
+    bridge_ns, worker_ns = names(prefix, workers)
+    tbf = tbf_for(rate_bps).args()
+    commands = []
+    for rank, ns in enumerate(worker_ns):
+        commands.append(["tc", "-n", ns, "qdisc", "replace", "dev", WORKER_IF, "root", "tbf",
+                         *tbf])
+        commands.append(["tc", "-n", bridge_ns, "qdisc", "replace", "dev", port(rank), "root",
+                         "tbf", *tbf])
+    return commands
+
+
+def teardown_commands(namespaces: Sequence[str]) -> list[list[str]]:
+    """Delete ``namespaces`` (workers first; their veths go with them)."""
+    return [["ip", "netns", "del", ns] for ns in sorted(namespaces, key=lambda n: n.endswith(
+        "-br"))]
+
+
+def leftovers(listing: str, alive: set[int] | None = None) -> list[str]:
+    """Namespaces in ``ip netns list`` output that this harness created.
+
+    With ``alive`` (pids still running), namespaces whose creating process is
+    among them are kept: another run is using them.
+    """
+    found = []
+    for line in listing.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not name.startswith(PREFIX):
+            continue
+        owner = name[len(PREFIX):].split("-")[0]
+        if alive is not None and owner.isdigit() and int(owner) in alive:
+            continue
+        found.append(name)
+    return found
+
+
+def missing_requirements() -> str | None:
+    """Why this machine cannot run the harness, or None."""
+    if os.geteuid() != 0:
+        return ("benchmarks.netem needs root: it creates network namespaces and shapes them "
+                "with tc. Run it as root, e.g. sudo .venv/bin/python -m benchmarks.netem")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"benchmarks.netem needs the '{tool}' command (Debian/Ubuntu: iproute2)"
+    return None
+
+
+def run(command: Sequence[str]) -> str:
+    """Run one command; raise with its stderr if it fails."""
+    done = subprocess.run(list(command), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): "
+                           f"{done.stderr.strip()}")
+    return done.stdout
+
+
+@dataclass
+class Topology:
+    """One bridge and ``workers`` shaped veth links; remove with :meth:`teardown`."""
+
+    prefix: str
+    workers: int
+    created: list[str] = field(default_factory=list)  # namespaces, in creation order
+
+    def build(self) -> None:
+        """Create the namespaces and links; check each namespace's loopback is up."""
+        for command in setup_commands(self.prefix, self.workers):
+            if command[1:3] == ["netns", "add"]:
+                self.created.append(command[3])
+            run(command)
+        for ns in self.created:
+            flags = json.loads(run(["ip", "-n", ns, "-j", "link", "show", "lo"]))[0]["flags"]
+            if "UP" not in flags:
+                raise RuntimeError(f"loopback in {ns} is not up: {flags}")
+
+    def shape(self, rate_bps: float) -> None:
+        for command in shape_commands(self.prefix, self.workers, rate_bps):
+            run(command)
+
+    def namespace(self, rank: int) -> str:
+        return names(self.prefix, self.workers)[1][rank]
+
+    def qdisc_stats(self) -> dict[str, dict[str, int]]:
+        """Sent bytes, drops and overlimits of every shaped link direction."""
+        bridge_ns, worker_ns = names(self.prefix, self.workers)
+        stats = {}
+        for rank, ns in enumerate(worker_ns):
+            for where, dev in ((ns, WORKER_IF), (bridge_ns, port(rank))):
+                entry = json.loads(run(["tc", "-n", where, "-s", "-j", "qdisc", "show", "dev",
+                                        dev]))[0]
+                stats[f"{where}:{dev}"] = {key: int(entry.get(key, 0))
+                                           for key in ("bytes", "drops", "overlimits")}
+        return stats
+
+    def teardown(self) -> list[str]:
+        """Stop anything left inside, delete what was created; return error messages."""
+        errors = kill_inside(self.created)
+        for command in teardown_commands(self.created):
+            try:
+                run(command)
+            except RuntimeError as error:
+                errors.append(str(error))
+        self.created.clear()
+        return errors
+
+
+def kill_inside(namespaces: Sequence[str]) -> list[str]:
+    """SIGKILL the processes still running inside ``namespaces`` (our workers)."""
+    errors = []
+    for ns in namespaces:
+        try:
+            pids = [int(p) for p in run(["ip", "netns", "pids", ns]).split()]
+        except RuntimeError as error:
+            errors.append(str(error))
+            continue
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    return errors

@@ -1,0 +1,236 @@
+"""One rank of a shaped-link benchmark, started inside its network namespace.
+
+    ip netns exec tw-<pid>-w0 env GLOO_SOCKET_IFNAME=eth0 \\
+        python -m benchmarks.netem.worker --rank 0 --world-size 2 \\
+        --init-method tcp://10.77.0.1:29500 --spec spec.json --out run/
+
+Trains the demo MLP (scaled up) on digits under each scheme of the spec in
+turn, timing every step and reading what the shapers charged over the timed window.
+Rank 0 appends one JSON line per scheme to ``out/results.jsonl`` as soon as
+the scheme ends, so the harness keeps what finished even if a later one hangs.
+A scheme that raises ends the process: the group may be out of step after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks.netem.anchors import ANCHORS, Installed
+from benchmarks.netem.net import port
+from thinwire import ddp, schemes
+from thinwire.comm import Meter
+from thinwire.train.dataparallel import accuracy, compute_seconds
+from thinwire.train.digits import batches, load_digits, shard
+from thinwire.train.mlp import mlp
+
+
+def shaper_bytes(interface: str, namespace: str | None = None) -> int | None:
+    """Bytes the root qdisc of ``interface`` has passed, or None if it cannot be read.
+
+    This is what tbf charged against the rate: every frame's full length with
+    its Ethernet, IP and TCP headers, also for segmentation-offloaded batches
+    (the interface's own counters charge their headers once per batch).
+    """
+    where = ["-n", namespace] if namespace else []
+    try:
+        done = subprocess.run(["tc", *where, "-s", "-j", "qdisc", "show", "dev", interface],
+                              capture_output=True, text=True, timeout=10, check=True)
+        return int(json.loads(done.stdout)[0]["bytes"])
+    except (OSError, subprocess.SubprocessError, ValueError, LookupError):
+        return None
+
+
+class WireMeter:
+    """What the shaper charged in each direction of this rank's link, between two reads.
+
+    Sent: the tbf on the worker's own interface. Received: the tbf on the
+    bridge port towards it, in the bridge's namespace (None outside the harness).
+    """
+
+    def __init__(self, interface: str, bridge_namespace: str | None, rank: int) -> None:
+        self.interface = interface
+        self.bridge = bridge_namespace
+        self.port = port(rank)
+        self.start: tuple[int | None, int | None] = (None, None)
+
+    def read(self) -> tuple[int | None, int | None]:
+        return (shaper_bytes(self.interface),
+                shaper_bytes(self.port, self.bridge) if self.bridge else None)
+
+    def begin(self) -> None:
+        self.start = self.read()
+
+    def per_step(self, steps: int) -> tuple[float | None, float | None]:
+        """Mean (sent, received) bytes per step since :meth:`begin` over ``steps`` steps."""
+        end = self.read()
+
+        def mean(first: int | None, last: int | None) -> float | None:
+            return None if first is None or last is None or steps < 1 else (last - first) / steps
+
+        return mean(self.start[0], end[0]), mean(self.start[1], end[1])
+
+
+def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int) -> Installed:
+    """PyTorch's own anchor, or DDP with a thinwire scheme's hook."""
+    if entry["name"] in ANCHORS:
+        return ANCHORS[entry["name"]](model, meter, rank)
+    net = DistributedDataParallel(model)
+    scheme = schemes.build(entry["name"], **entry["config"])
+    ddp.register(net, scheme, meter=meter)
+
+    def details() -> dict[str, Any]:
+        # Threshold recomputations (DCT-DP's selections) per tensor, where the codec counts them.
+        refreshes = getattr(getattr(scheme, "compressor", None), "refreshes", None)
+        return {"skipped_steps": scheme.skipped,
+                **({"threshold_refreshes": dict(refreshes)} if refreshes is not None else {})}
+
+    return Installed(net, lambda: None, lambda: scheme.overhead_s, details)
+
+
+def window_traffic(meter: Meter, first_step: int) -> dict[str, float]:
+    """Mean bytes per step from step index ``first_step`` on: handed, ring sent, received."""
+    steps = max(1, meter.step - first_step)
+    chosen = [r for r in meter.records if r.step >= first_step]
+    return {"bytes_handed_per_step": sum(r.nbytes for r in chosen) / steps,
+            "wire_sent_per_step": sum(r.sent for r in chosen) / steps,
+            "bytes_received_per_step": sum(r.received for r in chosen) / steps}
+
+
+def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """Train under one scheme until the target accuracy or the time cap; time every step."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    train_split, test = load_digits(seed=options["seed"])
+    local = shard(train_split, rank, world_size)
+    torch.manual_seed(options["seed"])
+    model = mlp(train_split.x.shape[1], options["hidden"], options["depth"], classes=10)
+    compute_s = compute_seconds(model, local, options["batch_size"])
+    meter = Meter(rank, world_size)
+    installed = install(entry, model, meter, options["rank"])
+    optimizer = torch.optim.SGD(installed.net.parameters(), lr=options["lr"],
+                                momentum=options["momentum"])
+    stream = batches(local, options["batch_size"], seed=options["seed"] * 1000 + rank)
+    wire = WireMeter(options["interface"], options.get("bridge_namespace"), rank)
+    warmup, target = options["warmup"], options["target"]
+    step_s: list[float] = []
+    losses: list[float] = []
+    curve: list[tuple[int, float, float]] = []  # (step, training seconds so far, accuracy)
+    reached: tuple[int, float] | None = None
+    status, note = "ok", ""
+    dist.barrier()
+    for step in range(1, options["max_steps"] + 1):
+        index = next(stream)
+        if step == warmup + 1:  # outside the timed steps; the checks' tiny all-reduces
+            wire.begin()        # between later steps are counted too (~100 bytes each)
+        start = time.perf_counter()
+        loss = nn.functional.cross_entropy(installed.net(local.x[index]), local.y[index])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step_s.append(time.perf_counter() - start)
+        installed.after_step()
+        meter.next_step()
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            status, note = "failed", f"loss became {losses[-1]} at step {step}"
+            break
+        if step % options["eval_every"] and step != options["max_steps"]:
+            continue
+        elapsed = sum(step_s)
+        acc = accuracy(model, test)
+        curve.append((step, elapsed, acc))
+        # Every rank must stop at the same step: agree on (reached, elapsed) first.
+        flags = torch.tensor([float(acc >= target), elapsed], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if reached is None and flags[0] > 0:
+            reached = (step, elapsed)
+        if (reached is not None and step >= options["min_steps"]) or flags[1] >= options[
+                "cap_s"]:
+            break
+    steps = len(step_s)
+    window = slice(min(warmup, max(0, steps - 1)), steps)
+    first = window.start
+    wire_tx, wire_rx = wire.per_step(steps - warmup) if steps > warmup else (None, None)
+    return {
+        "scheme": entry["name"],
+        "kind": "torch" if entry["name"] in ANCHORS else "thinwire",
+        "config": entry["config"],
+        "status": status,
+        "note": note,
+        "steps": steps,
+        "window_first_step": first + 1,
+        "median_step_s": statistics.median(step_s[window]),
+        "p10_step_s": _quantile(step_s[window], 0.1),
+        "p90_step_s": _quantile(step_s[window], 0.9),
+        "train_s": sum(step_s),
+        "compute_s": compute_s,
+        "overhead_s_per_step": installed.overhead_s() / max(1, steps),
+        **window_traffic(meter, first),
+        "shaper_tx_per_step": wire_tx,
+        "shaper_rx_per_step": wire_rx,
+        "bytes_per_entity": meter.bytes_per_step("entity"),
+        "reached_step": None if reached is None else reached[0],
+        "reached_train_s": None if reached is None else reached[1],
+        "final_accuracy": curve[-1][2] if curve else float("nan"),
+        "curve": curve,
+        "losses": losses,
+        "dense_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        **installed.details(),
+    }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True, help="tcp://<address>:<port>")
+    parser.add_argument("--spec", type=Path, required=True, help="schemes and options (JSON)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    spec = json.loads(args.spec.read_text())
+    options = spec["options"]
+    torch.set_num_threads(options["threads"])
+    dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank,
+                            world_size=args.world_size,
+                            timeout=timedelta(seconds=options["timeout_s"]))
+    lines = args.out / "results.jsonl"
+    try:
+        for entry in spec["schemes"]:
+            print(f"rank {args.rank}: {entry['name']}", flush=True)
+            try:
+                result = train(entry, options)
+            except Exception as error:  # noqa: BLE001  (reported, then this launch ends)
+                result = {"scheme": entry["name"], "status": "failed",
+                          "note": f"{type(error).__name__}: {error}"}
+                print(result["note"], file=sys.stderr, flush=True)
+            if args.rank == 0:
+                with lines.open("a") as handle:
+                    handle.write(json.dumps(result) + "\n")
+            if result["status"] == "failed":
+                return 1
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,458 @@
+"""Generate docs/results.md and its figures from whatever results files exist.
+
+    python -m benchmarks.report [--results results] [--netem FILE] [--docs docs]
+
+Reads the newest ``results/netem/*/results.json`` (from ``python -m
+benchmarks.netem``, needs root) and ``results/overhead/overhead.json`` (from
+``python -m benchmarks.overhead``). Writes ``docs/results.md``, PNG figures
+under ``docs/figures/`` and a copy of both files under ``docs/data/``; every
+table and figure states the command, machine and date that produced its
+numbers, and every number comes from those files.
+Numbers taken while other processes used more than a tenth of all cores
+(records from before that was measured: a 1-minute load average above half
+the cores just before the run) or by ``--quick`` are marked provisional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.netem.summary import FRAME_OVERHEAD, fmt_seconds, speedups
+
+BASELINES = ("torch-dense", "torch-powersgd")  # time-to-target ratios are taken against these
+SHARED = 0.1  # share of all cores other processes used during a run: above, it is provisional
+LOADED = 0.5  # the same from the load average per core just before (records without the share)
+
+
+def newest_netem(results: Path) -> Path | None:
+    found = sorted(results.glob("netem/*/results.json"))
+    return found[-1] if found else None
+
+
+def machine_line(record: dict[str, Any]) -> str:
+    m = record["machine"]
+    return (f"{m['cpu']}, {m['cores']} cores, Linux {m['kernel']}, Python {m['python']}, "
+            f"torch {m['torch']}")
+
+
+def provisional(record: dict[str, Any]) -> str | None:
+    """Why these timings are provisional, or None."""
+    reasons = []
+    machine = record.get("machine")
+    cores = (machine.get("cores") if isinstance(machine, dict) else record.get("cores")) or 1
+    load = record.get("load_before")
+    others = record.get("others_cpu_share")
+    if others is not None:  # measured over the run itself: it decides
+        if others > SHARED:
+            reasons.append(f"other processes used {100 * others:.0f} % of the machine's CPU "
+                           "during the run")
+    elif load and load[0] > LOADED * cores:  # older records: the load just before
+        reasons.append(f"the machine was loaded (1-minute load average {load[0]:.1f} on "
+                       f"{cores} cores before the run)")
+    if record.get("quick"):
+        reasons.append("it was a --quick run")
+    return " and ".join(reasons) or None
+
+
+def activity(record: dict[str, Any]) -> str:
+    """What else the machine was doing, as far as the record says."""
+    parts = []
+    if record.get("load_before"):
+        parts.append(f"1-minute load average {record['load_before'][0]:.1f} before the run")
+    if record.get("others_cpu_share") is not None:
+        parts.append(f"other processes used {100 * record['others_cpu_share']:.0f} % of the "
+                     "machine's CPU during it")
+    return ("Machine activity: " + "; ".join(parts) + ".") if parts else ""
+
+
+def stamp(record: dict[str, Any], machine: str) -> str:
+    return f"`{record['command']}` · {machine} · {record['date']}"
+
+
+def _ok(record: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in record["runs"] if r.get("status") == "ok"]
+
+
+def _schemes(runs: list[dict[str, Any]]) -> list[str]:
+    order: list[str] = []
+    for r in runs:
+        if r["scheme"] not in order:
+            order.append(r["scheme"])
+    return order
+
+
+def _cells(record: dict[str, Any]) -> list[tuple[str, int]]:
+    return [(rate, workers) for rate in record["rates"] for workers in record["workers"]]
+
+
+def netem_section(record: dict[str, Any], source: Path, figures: Path, docs: Path) -> str:
+    runs = _ok(record)
+    opts = record["options"]
+    footer = stamp(record, machine_line(record))
+    lines = ["## Shaped links: time to accuracy, step time and its physical limit", "",
+             f"Source: `{source}`. Produced by {footer}. {activity(record)}", ""]
+    why = provisional(record)
+    if why:
+        lines += [f"> **Provisional:** {why}; re-run on a quiet machine before quoting.", ""]
+    dense_bytes = runs[0]["dense_bytes"] if runs else 0
+    lines += [
+        f"Model: MLP 64-{'-'.join([str(opts['hidden'])] * opts['depth'])}-10 "
+        f"({dense_bytes // 4:,d} parameters, {dense_bytes / 1e6:.1f} MB in fp32) on "
+        f"scikit-learn's digits, {opts['batch_size']} samples per worker per step, SGD lr "
+        f"{opts['lr']} momentum {opts['momentum']}, seed {opts['seed']}; sparsity "
+        f"{record['sparsity']}, DCT life-span {record['life_span']}, low rank {opts['rank']}. "
+        f"Target: {opts['target']:.0%} test accuracy, checked every {opts['eval_every']} steps "
+        "(evaluation time is not counted). A run stops at the first check past the target "
+        f"(after at least {opts.get('min_steps', '-')} steps) or at its first check after "
+        f"{opts.get('cap_s', '-')} s of training ({opts.get('reference_cap_s', '-')} s at "
+        f"{record['rates'][0]}, whose runs give the steps that slower links project with), "
+        f"and after {opts.get('max_steps', '-')} steps at most. Medians leave out the first "
+        f"{opts.get('warmup', '-')} steps. Each worker runs in its own network namespace on a "
+        "veth port shaped in both directions:", ""]
+    checks = record.get("link_check", {})
+    lines += ["| rate | tbf burst (bytes) | tbf queue limit (bytes) | bulk TCP goodput measured |",
+              "|---|---|---|---|"]
+    lines += [f"| {rate} | {t['burst_bytes']:,d} | {t['limit_bytes']:,d} | "
+              + (f"{checks[rate] / 1e6:.1f} Mbit/s ({checks[rate] / t['rate_bps']:.3f} of the "
+                 "rate)" if rate in checks else "-") + " |"
+              for rate, t in record["tbf"].items()]
+    lines += ["", f"A perfect link carries {1 / FRAME_OVERHEAD:.3f} of its rate as TCP payload "
+              "(1448 bytes per 1514-byte frame)." + drops_sentence(record), ""]
+    lines.append("")
+    for note in record.get("notes", []):
+        lines.append(f"- Note: {note}")
+    for r in record["runs"]:
+        if r.get("status") != "ok":
+            lines.append(f"- {r['scheme']} at {r['rate']}, {r['workers']} workers: "
+                         f"{r.get('status')} ({r.get('note', '')})")
+    lines.append("")
+    lines += time_to_target_table(record, runs)
+    figure = figures / "time_to_accuracy.png"
+    plot_time_to_target(record, runs, figure, footer)
+    lines += [f"![time to accuracy]({figure.relative_to(docs)})", "",
+              f"*Figure: time to {opts['target']:.0%} test accuracy per scheme and link. "
+              f"{footer}.*", ""]
+    lines += floor_tables(record, runs)
+    figure = figures / "step_vs_floor.png"
+    plot_floor(record, runs, figure, footer)
+    lines += [f"![step time against floor]({figure.relative_to(docs)})", "",
+              f"*Figure: median step time against its floor compute + bytes/rate. {footer}.*",
+              ""]
+    lines += bytes_table(record, runs)
+    figure = figures / "bytes_vs_workers.png"
+    plot_bytes(record, runs, figure, footer)
+    lines += [f"![bytes per worker]({figure.relative_to(docs)})", "",
+              f"*Figure: bytes each worker sends per step against the number of workers. "
+              f"{footer}.*", ""]
+    return "\n".join(lines)
+
+
+def drops_sentence(record: dict[str, Any]) -> str:
+    """How many packets the shapers dropped, per rate and worker count."""
+    qdisc = record.get("qdisc")
+    if not qdisc:
+        return ""
+    drops = {label: sum(link.get("drops", 0) for link in links.values())
+             for label, links in qdisc.items()}
+    if not any(drops.values()):
+        return " The shapers dropped no packet during the runs."
+    return " Packets the shapers dropped: " + ", ".join(
+        f"{label} {count:,d}" for label, count in drops.items()) + "."
+
+
+def time_to_target_table(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
+    target = record["options"]["target"]
+    cells = _cells(record)
+    ratios = {base: speedups(runs, base) for base in BASELINES}
+    header = ["scheme"] + [f"{rate}, {w} workers" for rate, w in cells]
+    lines = [f"### Time to {target:.0%} test accuracy (seconds of training)", "",
+             "`m` measured in that run; `p` projected: the run hit its time cap first, so it "
+             "is the run's own training time plus its median step time for each step a run "
+             "of the same scheme needed at another rate (same seed, same trajectory). In "
+             "brackets: how many times sooner than torch-dense / torch-powersgd.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    by_key = {(r["rate"], r["workers"], r["scheme"]): r for r in runs}
+    for scheme in _schemes(runs):
+        row = [scheme]
+        for rate, w in cells:
+            r = by_key.get((rate, w, scheme))
+            if r is None:
+                row.append("")
+                continue
+            if r["time_to_target_s"] is None:
+                row.append(f"not reached ({r['steps']} steps)")
+                continue
+            kind = "m" if r["time_to_target_kind"] == "measured" else "p"
+            vs = " / ".join(f"{ratios[b][(rate, w, scheme)]:.1f}x"
+                            if (rate, w, scheme) in ratios[b] else "-" for b in BASELINES)
+            row.append(f"{fmt_seconds(r['time_to_target_s'])} {kind} "
+                       f"@{r['steps_to_target']} ({vs})")
+        lines.append("| " + " | ".join(row) + " |")
+    mismatched = [f"{r['scheme']} at {r['rate']}, {r['workers']} workers" for r in runs
+                  if r.get("trajectory_matches") is False]
+    lines.append("")
+    if mismatched:
+        lines += [f"Projected rows whose losses differ from the reference run: "
+                  f"{', '.join(mismatched)}.", ""]
+    elif any(r.get("trajectory_matches") for r in runs):
+        lines += ["Every projected run followed its reference run's losses bit for bit over "
+                  "the steps both ran.", ""]
+    return lines
+
+
+def floor_tables(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
+    lines = ["### Step time against the physical limit", "",
+             "Floor = compute + bytes / rate, with *bytes* the busier direction of the ring "
+             "model of the collectives actually used (thinwire: what its Meter records, "
+             "length exchanges included; PyTorch's hooks: counted from the bucket as each "
+             "hook's code sends it). *On the wire* is what the link's tbf shapers charged "
+             "over the timed steps, sent and received: every frame with its Ethernet, IP "
+             "and TCP headers, acknowledgements included (full segments carry "
+             f"{100 * (FRAME_OVERHEAD - 1):.1f} % of headers); the wire floor uses it instead. "
+             "Compute is one forward, backward and update without communication, timed in the "
+             "same processes.", ""]
+    header = ["scheme", "step ms (p10-p90)", "compute ms", "codec ms", "ring sent / recv B",
+              "on the wire sent / recv B", "floor ms", "step / floor", "step / wire floor"]
+    for rate, w in _cells(record):
+        chosen = [r for r in runs if (r["rate"], r["workers"]) == (rate, w)]
+        if not chosen:
+            continue
+        lines += [f"**{rate}, {w} workers**", "", "| " + " | ".join(header) + " |",
+                  "|" + "---|" * len(header)]
+        for r in chosen:
+            refreshes = r.get("threshold_refreshes")
+            selected = (f" (thresholds recomputed on {_refresh_share(refreshes, r['steps'])})"
+                        if refreshes else "")
+            lines.append(
+                f"| {r['scheme']} | {1000 * r['median_step_s']:.1f} "
+                f"({1000 * r['p10_step_s']:.1f}-{1000 * r['p90_step_s']:.1f}) | "
+                f"{1000 * r['compute_s']:.1f} | {1000 * r['overhead_s_per_step']:.1f}{selected} | "
+                f"{r['wire_sent_per_step']:,.0f} / {r['bytes_received_per_step']:,.0f} | "
+                f"{_bytes(r.get('shaper_tx_per_step'))} / {_bytes(r.get('shaper_rx_per_step'))} "
+                f"| {1000 * r['floor_s']:.1f} | {r['floor_ratio']:.2f} | "
+                f"{_ratio(r.get('wire_floor_ratio'))} |")
+        lines.append("")
+    lines += ["*codec ms* is thinwire's own compression and decompression time per step "
+              "(inside the step time); PyTorch's hooks do not report theirs.", ""]
+    return lines
+
+
+def _bytes(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _refresh_share(refreshes: dict[str, int], steps: int) -> str:
+    """Share of (tensor, step) pairs on which a threshold was selected anew."""
+    return f"{100 * sum(refreshes.values()) / max(1, len(refreshes) * steps):.0f} %"
+
+
+def bytes_table(record: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
+    rate = record["rates"][0]
+    workers = record["workers"]
+    header = ["scheme"] + [f"{w} workers: handed / ring sent / on the wire" for w in workers]
+    lines = [f"### Bytes per worker per step (at {rate})", "",
+             "*handed*: bytes given to torch.distributed; *ring sent*: what the ring "
+             "algorithm sends out of each worker; *on the wire*: what the worker's shaper "
+             "charged for the frames it sent.",
+             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    by_key = {(r["workers"], r["scheme"]): r for r in runs if r["rate"] == rate}
+    for scheme in _schemes(runs):
+        row = [scheme]
+        for w in workers:
+            r = by_key.get((w, scheme))
+            row.append("" if r is None else f"{r['bytes_handed_per_step']:,.0f} / "
+                       f"{r['wire_sent_per_step']:,.0f} / "
+                       f"{_bytes(r.get('shaper_tx_per_step'))}")
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    return lines
+
+
+def _figure(width: float = 8.0, height: float = 4.4) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height))
+
+
+def _save(fig: Any, path: Path, footer: str) -> None:
+    import matplotlib.pyplot as plt
+
+    wrapped = textwrap.wrap(footer.replace("`", ""), 150)
+    fig.text(0.01, 0.01, "\n".join(wrapped), fontsize=6)
+    fig.tight_layout(rect=(0, 0.025 + 0.025 * len(wrapped), 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_time_to_target(record: dict[str, Any], runs: list[dict[str, Any]], path: Path,
+                        footer: str) -> None:
+    cells = _cells(record)
+    names = _schemes(runs)
+    by_key = {(r["rate"], r["workers"], r["scheme"]): r for r in runs}
+    fig, ax = _figure()
+    width = 0.8 / max(1, len(names))
+    for i, scheme in enumerate(names):
+        xs, heights, hatches = [], [], []
+        for c, (rate, w) in enumerate(cells):
+            r = by_key.get((rate, w, scheme))
+            if r is not None and r["time_to_target_s"] is not None:
+                xs.append(c + i * width)
+                heights.append(r["time_to_target_s"])
+                hatches.append("//" if r["time_to_target_kind"] == "projected" else "")
+        bars = ax.bar(xs, heights, width, label=scheme)
+        for bar, hatch in zip(bars, hatches):
+            bar.set_hatch(hatch)
+    ax.set_xticks([c + width * (len(names) - 1) / 2 for c in range(len(cells))],
+                  [f"{rate}\n{w} workers" for rate, w in cells])
+    ax.set(ylabel="seconds of training", title=f"Time to {record['options']['target']:.0%} "
+                                                "test accuracy (hatched: projected)")
+    if any(r["time_to_target_s"] for r in runs):
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no run reached the target", transform=ax.transAxes, ha="center")
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, path, footer)
+
+
+def plot_floor(record: dict[str, Any], runs: list[dict[str, Any]], path: Path,
+               footer: str) -> None:
+    cells = _cells(record)
+    names = _schemes(runs)
+    by_key = {(r["rate"], r["workers"], r["scheme"]): r for r in runs}
+    fig, ax = _figure()
+    width = 0.8 / max(1, len(names))
+    for i, scheme in enumerate(names):
+        chosen = [(c, by_key[(rate, w, scheme)]) for c, (rate, w) in enumerate(cells)
+                  if (rate, w, scheme) in by_key]
+        ax.bar([c + i * width for c, _ in chosen],
+               [1000 * r["median_step_s"] for _, r in chosen], width, label=scheme)
+        ax.scatter([c + i * width for c, _ in chosen], [1000 * r["floor_s"] for _, r in chosen],
+                   marker="_", s=200, color="black", zorder=3,
+                   label="floor: compute + bytes/rate" if i == 0 else None)
+    ax.set_xticks([c + width * (len(names) - 1) / 2 for c in range(len(cells))],
+                  [f"{rate}\n{w} workers" for rate, w in cells])
+    ax.set(ylabel="ms per step (median, log)", yscale="log",
+           title="Measured step time (bars) and its floor (black)")
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, path, footer)
+
+
+def plot_bytes(record: dict[str, Any], runs: list[dict[str, Any]], path: Path,
+               footer: str) -> None:
+    rate = record["rates"][0]
+    fig, ax = _figure(7.0, 4.4)
+    for scheme in _schemes(runs):
+        chosen = sorted((r["workers"], r) for r in runs
+                        if r["rate"] == rate and r["scheme"] == scheme)
+        if not chosen:
+            continue
+        line, = ax.plot([w for w, _ in chosen], [r["wire_sent_per_step"] for _, r in chosen],
+                        marker="o", label=scheme)
+        charged = [(w, r["shaper_tx_per_step"]) for w, r in chosen
+                   if r.get("shaper_tx_per_step") is not None]
+        ax.scatter([w for w, _ in charged], [b for _, b in charged], marker="x",
+                   color=line.get_color())
+    ax.set(xlabel="workers", ylabel="bytes sent per worker per step (log)", yscale="log",
+           xticks=record["workers"],
+           title="Bytes per worker: ring model (line), charged on the wire (x)")
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, path, footer)
+
+
+def overhead_section(record: dict[str, Any], source: Path, figures: Path, docs: Path) -> str:
+    from benchmarks.overhead import plot
+
+    machine = record["machine"]
+    footer = stamp(record, machine)
+    sizes = list(record["seconds"])
+    codecs = list(record["seconds"][sizes[0]])
+    lines = ["## Compression overhead per step", "",
+             f"Source: `{source}`. Produced by {footer}. {activity(record)}", ""]
+    why = provisional(record)
+    if why:
+        lines += [f"> **Provisional:** {why}; re-run on a quiet machine before quoting.", ""]
+    lines += ["Median ms per step, one process; codec rows time compress + decompress of a "
+              "flat tensor, `scheme` rows a whole step of the scheme (error feedback "
+              "included) on a near-square matrix of the same size. In brackets: against "
+              "exact top-k (`topk`).", "",
+              "| codec | " + " | ".join(f"{int(n):,d} entries" for n in sizes) + " |",
+              "|" + "---|" * (len(sizes) + 1)]
+    for codec in codecs:
+        cells = [f"{1000 * record['seconds'][n][codec]:.2f} "
+                 f"({record['ratio_vs_topk'][n][codec]:.2f}x)" for n in sizes]
+        lines.append(f"| {codec} | " + " | ".join(cells) + " |")
+    figure = figures / "overhead.png"
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    plot(record, figure)
+    lines += ["", f"![overhead]({figure.relative_to(docs)})", "",
+              f"*Figure: compression overhead per step. {footer}.*", ""]
+    return "\n".join(lines)
+
+
+def render(netem: tuple[dict[str, Any], Path] | None,
+           overhead: tuple[dict[str, Any], Path] | None, docs: Path) -> str:
+    """The whole page; writes the figures under ``docs/figures``."""
+    figures = docs / "figures"
+    parts = ["# Measured results", "",
+             "<!-- Generated by `python -m benchmarks.report`; do not edit by hand. -->", "",
+             f"Generated {time.strftime('%Y-%m-%d %H:%M %Z')} by `python -m benchmarks.report` "
+             "from the results files named in each section. How the numbers are taken: "
+             "[bench.md](bench.md); what they mean for choosing a scheme: "
+             "[choosing.md](choosing.md).", ""]
+    if netem is None:
+        parts += ["## Shaped links", "", "No results yet. Run `sudo python -m benchmarks.netem` "
+                  "(root: network namespaces and tc), then this command again.", ""]
+    else:
+        parts.append(netem_section(netem[0], netem[1], figures, docs))
+    if overhead is None:
+        parts += ["## Compression overhead per step", "",
+                  "No results yet. Run `python -m benchmarks.overhead`, then this command "
+                  "again.", ""]
+    else:
+        parts.append(overhead_section(overhead[0], overhead[1], figures, docs))
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--netem", type=Path, default=None,
+                        help="a results.json of benchmarks.netem (default: the newest)")
+    parser.add_argument("--overhead", type=Path, default=None,
+                        help="an overhead.json (default: results/overhead/overhead.json)")
+    parser.add_argument("--docs", type=Path, default=Path("docs"))
+    args = parser.parse_args(argv)
+    netem_path = args.netem or newest_netem(args.results)
+    overhead_path = args.overhead or args.results / "overhead" / "overhead.json"
+    netem = (json.loads(netem_path.read_text()), netem_path) if netem_path else None
+    overhead = ((json.loads(overhead_path.read_text()), overhead_path)
+                if overhead_path.exists() else None)
+    page = render(netem, overhead, args.docs)
+    (args.docs / "results.md").write_text(page)
+    data = args.docs / "data"  # the page's numbers travel with it
+    data.mkdir(parents=True, exist_ok=True)
+    for loaded, name in ((netem, "netem.json"), (overhead, "overhead.json")):
+        if loaded is not None:
+            (data / name).write_text(json.dumps(loaded[0], indent=1))
+    print(f"wrote {args.docs / 'results.md'} from {netem_path or 'no netem results'} and "
+          f"{overhead_path if overhead else 'no overhead results'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
