@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-run clean
+.PHONY: demo test lint bench bench-run bench-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ bench-run: $(STAMP)
 	$(BIN)/python -m benchmarks.overhead
 	$(SUDO) $(BIN)/python -m benchmarks.netem
 	$(BIN)/python -m benchmarks.report
+
+# The benchmarks' own tests (pure parts of the harness; no root, no namespaces). Kept out of
+# `make test` because tests/ never imports benchmarks/.
+bench-check: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --rootdir . -o pythonpath="src ." benchmarks/tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
