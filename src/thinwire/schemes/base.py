@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -111,12 +111,10 @@ class CompressedScheme(Scheme):
             results = [f.value() for f in fut.value()]
             out: dict[str, torch.Tensor] = {}
             if dense:
-                flat_mean = results.pop(0)
-                numels = [infos[key].numel for key in dense]
-                for key, part in zip(dense, torch.split(flat_mean, numels)):
-                    out[key] = part.to(infos[key].dtype).reshape(infos[key].shape)
+                out.update(unflatten(results.pop(0), [infos[key] for key in dense]))
             if sparse:
-                out.update(self._sum_sparse(results.pop(0), sparse, infos, n))
+                out.update(sum_sparse(results.pop(0), [infos[key] for key in sparse],
+                                      n, self.compressor.value_dtype))
             self._charge(time.perf_counter() - begin)
             return {key: out[key] for key in grads}
 
@@ -128,20 +126,6 @@ class CompressedScheme(Scheme):
             for key in keys:
                 self.meter.record("W_grad", key, collective, payloads[key].nbytes, world_size=n)
 
-    def _sum_sparse(self, buffers: list[torch.Tensor], keys: list[str],
-                    infos: Mapping[str, TensorInfo], n: int) -> dict[str, torch.Tensor]:
-        value_dtype = self.compressor.value_dtype
-        sums = {key: torch.zeros(infos[key].numel, dtype=infos[key].dtype,
-                                 device=infos[key].device) for key in keys}
-        for buffer in buffers:  # rank order: the same summation order everywhere
-            offset = 0
-            for key in keys:
-                payload, used = SparsePayload.from_bytes(buffer[offset:], infos[key].numel,
-                                                         value_dtype)
-                sums[key].index_add_(0, payload.indices, payload.values.to(infos[key].dtype))
-                offset += used
-        return {key: (total / n).reshape(infos[key].shape) for key, total in sums.items()}
-
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict(),
                 "memory": None if self.memory is None else self.memory.state_dict()}
@@ -151,3 +135,33 @@ class CompressedScheme(Scheme):
         self.compressor.load_state_dict(state["compressor"])
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
+
+
+def unflatten(flat: torch.Tensor, infos: Sequence[TensorInfo]) -> dict[str, torch.Tensor]:
+    """Split a flat (averaged) buffer back into the tensors it was concatenated from."""
+    if not infos:
+        return {}
+    parts = torch.split(flat, [info.numel for info in infos])
+    return {info.key: part.to(info.dtype).reshape(info.shape) for info, part in zip(infos, parts)}
+
+
+def sum_sparse(buffers: Sequence[torch.Tensor], infos: Sequence[TensorInfo], n: int,
+               value_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Mean over ranks of all-gathered sparse payloads, one buffer per rank.
+
+    Each buffer holds one :class:`SparsePayload` per tensor of ``infos``, in
+    that order. Buffers are summed in rank order, so every rank gets the same
+    result bit for bit.
+
+    Args:
+        value_dtype: dtype the values travel in; None: each tensor's own dtype.
+    """
+    sums = [torch.zeros(info.numel, dtype=info.dtype, device=info.device) for info in infos]
+    for buffer in buffers:
+        offset = 0
+        for info, total in zip(infos, sums):
+            payload, used = SparsePayload.from_bytes(buffer[offset:], info.numel,
+                                                     value_dtype or info.dtype)
+            total.index_add_(0, payload.indices, payload.values.to(info.dtype))
+            offset += used
+    return {info.key: (total / n).reshape(info.shape) for info, total in zip(infos, sums)}

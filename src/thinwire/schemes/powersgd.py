@@ -27,9 +27,10 @@ import torch
 from thinwire.comm import done, world
 from thinwire.comm.collectives import Future, Group
 from thinwire.comm.lowrank_rounds import two_round_all_reduce
+from thinwire.compress import TensorInfo
 from thinwire.compress.powersgd import PowerSGD, as_matrix, orthonormalize, right
 from thinwire.feedback import Residual, all_finite
-from thinwire.schemes.base import Scheme
+from thinwire.schemes.base import Scheme, unflatten
 from thinwire.schemes.registry import register, validate_common
 
 
@@ -145,10 +146,8 @@ class PowerSGDScheme(Scheme):
                 if self.memory is not None and finite:
                     self.memory.update(key, compensated[key], approx)  # e <- M - G_hat
                 out[key] = approx.to(grad.dtype)
-            for key in dense:
-                grad = grads[key]
-                out[key] = mean[offset: offset + grad.numel()].to(grad.dtype).reshape(grad.shape)
-                offset += grad.numel()
+            out.update(unflatten(mean[offset:], [TensorInfo.of(key, grads[key])
+                                                 for key in dense]))
             self._charge(time.perf_counter() - begin)
             return {key: out[key] for key in grads}
 

@@ -38,7 +38,7 @@ from thinwire.comm import all_gather_bytes, all_reduce_mean, done, world
 from thinwire.comm._metered import record_segments
 from thinwire.comm.collectives import Future, Group
 from thinwire.comm.shared_index import shared_index_all_reduce
-from thinwire.compress import SparsePayload
+from thinwire.compress import SparsePayload, TensorInfo
 from thinwire.compress.base import check_fraction
 from thinwire.compress.cltk import (
     SELECTIONS,
@@ -50,7 +50,7 @@ from thinwire.compress.cltk import (
     sparsify,
 )
 from thinwire.feedback import LowPass, all_finite
-from thinwire.schemes.base import Scheme
+from thinwire.schemes.base import Scheme, sum_sparse, unflatten
 from thinwire.schemes.registry import register, validate_common, validate_ratio
 
 
@@ -231,10 +231,8 @@ class CyclicLocalTopK(_SelectedTopK):
                 flat[chosen_by_key[key]] = mean[offset: offset + ks[key]].to(grad.dtype)
                 offset += ks[key]
                 out[key] = flat.reshape(grad.shape)
-            for key in dense:
-                grad = grads[key]
-                out[key] = mean[offset: offset + grad.numel()].to(grad.dtype).reshape(grad.shape)
-                offset += grad.numel()
+            out.update(unflatten(mean[offset:], [TensorInfo.of(key, grads[key])
+                                                 for key in dense]))
             return {key: out[key] for key in grads}
 
         return future.then(scatter)
@@ -264,6 +262,7 @@ class LocalTopK(_SelectedTopK):
         finite = self._finite(grads)
         step = self._begin(grads)
         sparse, dense = self._split(grads, step)
+        infos = {key: TensorInfo.of(key, grad) for key, grad in grads.items()}
         payloads: dict[str, SparsePayload] = {}
         for key in sparse:
             p = self._compensated(key, grads[key], finite)
@@ -295,25 +294,9 @@ class LocalTopK(_SelectedTopK):
             results = [f.value() for f in fut.value()]
             out: dict[str, torch.Tensor] = {}
             if dense:
-                mean = results.pop(0)
-                offset = 0
-                for key in dense:
-                    grad = grads[key]
-                    out[key] = (mean[offset: offset + grad.numel()].to(grad.dtype)
-                                .reshape(grad.shape))
-                    offset += grad.numel()
-            if sparse:
-                sums = {key: torch.zeros(grads[key].numel(), dtype=grads[key].dtype)
-                        for key in sparse}
-                for buffer in results.pop(0):  # rank order: the same sum on every rank
-                    offset = 0
-                    for key in sparse:
-                        payload, used = SparsePayload.from_bytes(
-                            buffer[offset:], grads[key].numel(), grads[key].dtype)
-                        sums[key].index_add_(0, payload.indices, payload.values)
-                        offset += used
-                for key in sparse:
-                    out[key] = (sums[key] / n).reshape(grads[key].shape)
+                out.update(unflatten(results.pop(0), [infos[key] for key in dense]))
+            if sparse:  # values travel in each gradient's own dtype
+                out.update(sum_sparse(results.pop(0), [infos[key] for key in sparse], n))
             self._charge(time.perf_counter() - begin)
             return {key: out[key] for key in grads}
 
