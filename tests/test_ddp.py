@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import ddp
 from thinwire.comm import Meter
+from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.schemes import build
 from thinwire.train.launch import spawn
 
@@ -103,6 +104,25 @@ def _resume_run(rank: int, world_size: int, split: int) -> list[torch.Tensor]:
 
 
 DCT = {"sparsity": 0.9, "life_span": 3}
+# Per pair, what each of two ranks registers: (name, config) for rank 0 and rank 1.
+MISMATCHES: dict[str, tuple[tuple[str, dict[str, Any]], tuple[str, dict[str, Any]]]] = {
+    "sparsity": (("dct-dp", {"sparsity": 0.9}), ("dct-dp", {"sparsity": 0.99})),
+    "scheme": (("dct-dp", {}), ("topk", {})),
+    "dense-vs-sparse": (("dense", {}), ("dct-dp", {})),
+    "values": (("dct-dp", {}), ("dct-dp", {"values": "fp16"})),
+    "agree": (("dct-dp", DCT), ("dct-dp", DCT)),
+}
+
+
+def _mismatch_run(rank: int, pair: str) -> str:
+    """Register rank's half of ``pair``; the error message, or "" when the peers agree."""
+    name, config = MISMATCHES[pair][rank]
+    net = DistributedDataParallel(_model())
+    try:
+        ddp.register(net, build(name, **config))
+    except PeerMismatchError as error:
+        return str(error)
+    return ""
 
 
 def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
@@ -117,6 +137,7 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "resumed": _resume_run(rank, world_size, 3),
         "nan": _ddp_run(rank, world_size, "dct-dp", {**DCT, "nonfinite": "skip"}, 0.001,
                         (1, 2)),
+        "mismatch": {pair: _mismatch_run(rank, pair) for pair in MISMATCHES},
     }
 
 
@@ -159,3 +180,18 @@ def test_nan_on_one_rank_is_skipped_and_replicas_stay_identical(
 def test_register_rejects_a_plain_module() -> None:
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         ddp.register(_model(), build("dense"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("pair", "field"), [("sparsity", "'config.sparsity'"),
+                                             ("scheme", "'scheme'"),
+                                             ("dense-vs-sparse", "'scheme'"),
+                                             ("values", "'config.values'")])
+def test_mismatched_peers_raise_the_same_error_on_every_rank_naming_the_field(
+        runs: list[dict[str, Any]], pair: str, field: str) -> None:
+    messages = [r["mismatch"][pair] for r in runs]
+    assert messages[0] == messages[1]
+    assert field in messages[0] and "rank 0" in messages[0] and "rank 1" in messages[0]
+
+
+def test_agreeing_peers_register_without_error(runs: list[dict[str, Any]]) -> None:
+    assert [r["mismatch"]["agree"] for r in runs] == ["", ""]

@@ -9,9 +9,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from thinwire._version import __version__
 from thinwire.comm import Meter
 from thinwire.comm.collectives import Future, Group
+from thinwire.comm.fingerprint import check_peers
 from thinwire.schemes.base import Scheme
+from thinwire.schemes.registry import fingerprint
 
 
 @dataclass(slots=True)
@@ -51,12 +54,19 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
 
     Raises:
         TypeError: ``ddp_model`` is not DistributedDataParallel.
+        PeerMismatchError: another rank registered a different scheme, config, value
+            format, parameter set or thinwire version (raised on every rank alike;
+            ``register`` is a collective over the hook's group).
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"expected DistributedDataParallel, got {type(ddp_model).__name__}")
     if meter is not None:
         scheme.meter = meter
-    names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    named = list(ddp_model.module.named_parameters())
+    names = {id(p): name for name, p in named}
     state = HookState(scheme, names, group if group is not None else ddp_model.process_group)
+    parameters = {name: f"{tuple(p.shape)} {p.dtype}" for name, p in named if p.requires_grad}
+    check_peers({**fingerprint(scheme), "parameters": parameters, "thinwire": __version__},
+                "the DDP hook", state.group, named[0][1].device if named else None)
     ddp_model.register_comm_hook(state, comm_hook)
     return state

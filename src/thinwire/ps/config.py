@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from thinwire._version import __version__
 from thinwire.ps.rules import make_config
 
 # method -> (update rule, synchronous barrier). "sequential" runs one stream in-process.
@@ -120,4 +121,4 @@ def updates_per_pass(config: AsyncConfig, task: _Steps) -> int:
 
 def run_fingerprint(config: AsyncConfig, task: _Steps) -> dict[str, Any]:
     """What a worker must share with the server to join: the task, the model, the pushes."""
-    return {**task.fingerprint(), **config.fingerprint()}
+    return {**task.fingerprint(), **config.fingerprint(), "thinwire": __version__}

@@ -4,6 +4,7 @@ from thinwire.schemes import builtin as _builtin  # noqa: F401  (registers the s
 from thinwire.schemes import powersgd as _powersgd  # noqa: F401
 from thinwire.schemes import scalecom as _scalecom  # noqa: F401
 from thinwire.schemes.base import CompressedScheme, Scheme
-from thinwire.schemes.registry import build, config_class, names, register
+from thinwire.schemes.registry import build, config_class, fingerprint, names, register
 
-__all__ = ["CompressedScheme", "Scheme", "build", "config_class", "names", "register"]
+__all__ = ["CompressedScheme", "Scheme", "build", "config_class", "fingerprint", "names",
+           "register"]

@@ -27,7 +27,10 @@ class Scheme(ABC):
         meter: records the bytes handed to torch.distributed (set by the caller).
         overhead_s: seconds spent compressing, decompressing and in memory.
         skipped: rounds whose gradients were non-finite and dropped (``skip``).
+        origin: (registered name, config) when built by ``schemes.build``.
     """
+
+    origin: tuple[str, Any] | None = None
 
     def __init__(self) -> None:
         self.meter: Meter | None = None

@@ -51,7 +51,23 @@ def build(name: str, **config: Any) -> Scheme:
     unknown = sorted(set(config) - fields)
     if unknown:
         raise ValueError(f"scheme {name!r} has no option(s) {unknown}; it takes {sorted(fields)}")
-    return factory(config_type(**config))
+    config_instance = config_type(**config)
+    scheme = factory(config_instance)
+    scheme.origin = (name, config_instance)
+    return scheme
+
+
+def fingerprint(scheme: Scheme) -> dict[str, Any]:
+    """What every rank's scheme must share: registered name, full config, codec, value format.
+
+    A scheme built without :func:`build` is described by its class and codec only.
+    """
+    name, config = scheme.origin or (type(scheme).__name__, None)
+    compressor = getattr(scheme, "compressor", None)
+    return {"scheme": name,
+            "config": dataclasses.asdict(config) if config is not None else {},
+            "codec": type(compressor).__name__ if compressor is not None else None,
+            "value_dtype": str(getattr(compressor, "value_dtype", None))}
 
 
 def _known(name: str) -> None:
