@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from thinwire.cli import main
+from thinwire.train import compare
 from thinwire.train.compare import parse_bandwidth, scheme_config
 
 
@@ -61,3 +63,51 @@ def test_train_outside_torchrun_explains_how_to_launch(capsys: pytest.CaptureFix
     monkeypatch.delenv("RANK", raising=False)
     assert main(["train", "--scheme", "dense"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+def _no_spawn(*args: object, **kwargs: object) -> None:
+    raise AssertionError("bad input must be rejected before any process starts")
+
+
+@pytest.mark.parametrize(("option", "expected"), [
+    ("bogus=3", "'bogus' is not an option of dense, dct-dp; valid keys: "),
+    ("rank", "'rank' must look like KEY=VALUE"),
+])
+def test_compare_rejects_unknown_or_malformed_options_before_spawning(
+        option: str, expected: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compare, "spawn", _no_spawn)
+    assert main(["compare", "--schemes", "dense,dct-dp", "--option", option]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    if "valid keys" in expected:
+        assert "life_span" in err and "sparsity" in err
+
+
+def test_option_for_one_of_several_schemes_is_accepted() -> None:
+    assert compare.parse_options(["rank=2"], ["dense", "powersgd"]) == {"rank": 2}
+
+
+@pytest.mark.parametrize("seconds", ["0", "-5", "nan", "soon"])
+def test_timeout_must_be_positive_seconds(seconds: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["compare", "--timeout", seconds])
+    assert caught.value.code == 2
+    assert "must be a finite number of seconds > 0" in capsys.readouterr().err
+
+
+def test_diverged_replicas_fail_the_compare_job(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    rank0 = {"scheme": "dense", "test_accuracy": 0.5, "final_loss": 1.0,
+             "bytes_sent_per_step": 8.0, "wire_sent_per_step": 8.0,
+             "bytes_received_per_step": 8.0, "compute_ms_per_step": 1.0,
+             "overhead_ms_per_step": 0.1, "wall_s": 1.0, "curve": [(1, 8.0, 0.5)],
+             "threshold_trace": {}, "weights": [torch.zeros(2)]}
+
+    def diverging(*args: object, **kwargs: object) -> list[list[dict[str, object]]]:
+        return [[rank0], [{"weights": [torch.ones(2)]}]]
+
+    monkeypatch.setattr(compare, "spawn", diverging)
+    code = main(["compare", "--schemes", "dense", "--workers", "2", "--out", str(tmp_path)])
+    assert code == 1
+    assert "replicas diverged under dense" in capsys.readouterr().err

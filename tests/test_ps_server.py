@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 
+from thinwire.cli import main
 from thinwire.comm import Meter
-from thinwire.ps import AsyncConfig, ClassifierTask, TaskSpec, load_checkpoint, run
+from thinwire.ps import AsyncConfig, ClassifierTask, TaskSpec, launch, load_checkpoint, run
 from thinwire.ps.server import build_server
 from thinwire.ps.wire import PushCodec
 from thinwire.ps.worker import LocalTransport, run_worker
@@ -128,6 +129,28 @@ def test_run_configuration_errors_name_the_value() -> None:
         AsyncConfig(method="asgd", rule={"lam": 0.04})
     with pytest.raises(ValueError, match="milestones"):
         AsyncConfig(milestones=(3.0, 1.0))
+    with pytest.raises(ValueError, match="sparsity=1.5"):
+        AsyncConfig(push="dct-dp", push_options={"sparsity": 1.5})
+    with pytest.raises(ValueError, match="does not compress tensor by tensor"):
+        AsyncConfig(push="powersgd")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--push", "dct", "--push-opt", "sparsity=1.5"], "unknown scheme 'dct'"),
+    (["--push", "dct-dp", "--push-opt", "sparsity=1.5"], "sparsity=1.5"),
+    (["--workers", "2", "--kill-after", "9:5"], "worker 9 is outside the run; workers: 0..1"),
+    (["--rule", "sequential", "--kill-after", "0:5"], "worker 0 is outside the run; workers: none"),
+    (["--rule", "asgd", "--lambda", "1"], "--lambda apply to --rule dc-asgd only"),
+])
+def test_async_bad_input_is_rejected_before_any_process_starts(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_processes(*args: object, **kwargs: object) -> None:
+        raise AssertionError("bad input must be rejected before any process starts")
+
+    monkeypatch.setattr(launch, "_run", no_processes)
+    assert main(["async", "--no-progress", *argv]) == 2
+    assert expected in capsys.readouterr().err
 
 
 def test_nonfinite_and_malformed_pushes_are_counted_never_applied() -> None:

@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from thinwire.train.launch import RankFailed
+
 # subcommand -> module with add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, str] = {
     "compare": "thinwire.train.compare",
@@ -37,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # bad input: a clear message, not a traceback
         print(f"thinwire {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except RankFailed as error:  # a peer failed or stalled: the message names ranks and steps
+        print(f"thinwire {args.command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     files.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+# Rule option -> the flag that sets it, for messages.
+_FLAGS = {"lam": "--lambda", "variant": "--variant", "lam_growth": "--lam-growth",
+          "adaptive": "--adaptive"}
+
+
 def _rule_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"lr": args.lr, "momentum": args.momentum,
                                "weight_decay": args.weight_decay, "lr_decay": args.lr_decay}
@@ -97,7 +102,7 @@ def _rule_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.rule == "dc-asgd":
         options.update(given)
     elif given:
-        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+        flags = ", ".join(_FLAGS[k] for k in given)
         raise ValueError(f"{flags} apply to --rule dc-asgd only, not {args.rule!r}")
     return options
 

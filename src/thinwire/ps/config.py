@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from thinwire._version import __version__
 from thinwire.ps.rules import make_config
+from thinwire.ps.wire import build_push
 
 # method -> (update rule, synchronous barrier). "sequential" runs one stream in-process.
 METHODS: dict[str, tuple[str, bool]] = {
@@ -71,6 +72,7 @@ class AsyncConfig:
             raise ValueError("give milestones in passes as AsyncConfig.milestones, not as a "
                              "rule option")
         make_config(self.rule_name, **self.rule)  # validates the options now
+        build_push(self.push, **self.push_options)  # here, not first in the server process
 
     @property
     def rule_name(self) -> str:
@@ -94,7 +96,7 @@ class AsyncConfig:
         """The part of the configuration a worker must share with the server."""
         return {"push": self.push, "push_options": dict(sorted(self.push_options.items())),
                 "threads_per_worker": self.threads_per_worker, "workers": self.workers,
-                "synchronous": self.synchronous}
+                "synchronous": self.synchronous, "thinwire": __version__}
 
 
 class _Steps(Protocol):
@@ -121,4 +123,4 @@ def updates_per_pass(config: AsyncConfig, task: _Steps) -> int:
 
 def run_fingerprint(config: AsyncConfig, task: _Steps) -> dict[str, Any]:
     """What a worker must share with the server to join: the task, the model, the pushes."""
-    return {**task.fingerprint(), **config.fingerprint(), "thinwire": __version__}
+    return {**task.fingerprint(), **config.fingerprint()}

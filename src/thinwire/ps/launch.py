@@ -85,8 +85,9 @@ def run(config: AsyncConfig, spec: TaskSpec | None = None, *,
     Raises:
         TimeoutError: the run passed ``config.timeout_s`` (all processes are killed).
         RuntimeError: the server process failed.
-        ValueError: a bad configuration.
+        ValueError: a bad configuration or ``kill_after`` (before any process starts).
     """
+    check_kill_after(config, kill_after or {})
     spec = spec if spec is not None else TaskSpec()
     task = ClassifierTask(spec)
     per_pass = pushes_per_pass(config, task)
@@ -97,6 +98,23 @@ def run(config: AsyncConfig, spec: TaskSpec | None = None, *,
     with _one_thread():
         return _run(config, spec, task, per_pass, first_pass, kill_after or {},
                     worker_specs or {}, progress)
+
+
+def check_kill_after(config: AsyncConfig, kill_after: Mapping[int, int]) -> None:
+    """Fault injection must name worker processes of this run.
+
+    Raises:
+        ValueError: a worker outside ``0 .. workers - 1``, any worker in the
+            sequential method (it has no worker processes), or a negative count.
+    """
+    workers = 0 if config.method == "sequential" else config.workers
+    for worker, pushes in sorted(kill_after.items()):
+        if not 0 <= worker < workers:
+            allowed = f"0..{workers - 1}" if workers else "none (sequential runs in-process)"
+            raise ValueError(f"--kill-after worker {worker} is outside the run; workers: "
+                             f"{allowed}")
+        if pushes < 0:
+            raise ValueError(f"--kill-after pushes {pushes} for worker {worker} must be >= 0")
 
 
 @contextlib.contextmanager

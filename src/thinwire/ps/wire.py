@@ -62,6 +62,24 @@ def _pad4(nbytes: int) -> int:
     return (-nbytes) % 4
 
 
+def build_push(scheme: str, **options: Any) -> CompressedScheme:
+    """Build push scheme ``scheme``: one the parameter server can decode.
+
+    Raises:
+        ValueError: unknown scheme or option, an option out of range, or a scheme
+            whose payloads are neither dense nor sparse.
+    """
+    built = schemes.build(scheme, **options)
+    if not isinstance(built, CompressedScheme):
+        raise ValueError(f"push scheme {scheme!r} does not compress tensor by tensor; "
+                         "use one of the sparsifying or dense schemes")
+    compressor = built.compressor
+    if not isinstance(compressor, Sparsifier) and type(compressor) not in _DENSE_VALUE_DTYPES:
+        raise ValueError(f"push scheme {scheme!r} uses {type(compressor).__name__}, whose "
+                         "payloads the parameter server cannot decode")
+    return built
+
+
 class PushCodec:
     """Encodes a worker's gradient for the wire, and decodes it on the server.
 
@@ -78,14 +96,8 @@ class PushCodec:
     """
 
     def __init__(self, layout: Layout, scheme: str = "dense", **options: Any) -> None:
-        built = schemes.build(scheme, **options)
-        if not isinstance(built, CompressedScheme):
-            raise ValueError(f"push scheme {scheme!r} does not compress tensor by tensor; "
-                             "use one of the sparsifying or dense schemes")
+        built = build_push(scheme, **options)
         compressor = built.compressor
-        if not isinstance(compressor, Sparsifier) and type(compressor) not in _DENSE_VALUE_DTYPES:
-            raise ValueError(f"push scheme {scheme!r} uses {type(compressor).__name__}, whose "
-                             "payloads the parameter server cannot decode")
         self.layout = layout
         self.scheme = scheme
         self.options = dict(options)

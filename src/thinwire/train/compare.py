@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from tqdm import tqdm
 
 from thinwire import schemes
 from thinwire.train.dataparallel import RunOptions, run_scheme
-from thinwire.train.launch import spawn
+from thinwire.train.launch import DEFAULT_TIMEOUT_S, add_timeout, spawn
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3, "mbps": 1e6,
           "gbps": 1e9}
@@ -41,14 +42,40 @@ def parse_bandwidth(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
+def parse_options(options: list[str], names: list[str]) -> dict[str, Any]:
+    """``--option KEY=VALUE`` texts to a dict, each KEY an option of at least one of ``names``.
+
+    Raises:
+        ValueError: a text without ``=``, or a key no scheme in ``names`` has (the
+            message lists the valid keys).
+    """
+    valid = sorted({f.name for name in names
+                    for f in dataclasses.fields(schemes.config_class(name))})
+    parsed = dict(_split(option) for option in options)
+    unknown = [key for key in parsed if key not in valid]
+    if unknown:
+        raise ValueError(f"--option {unknown[0]!r} is not an option of {', '.join(names)}; "
+                         f"valid keys: {', '.join(valid)}")
+    return parsed
+
+
+def _split(option: str) -> tuple[str, Any]:
+    key, sep, value = option.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise ValueError(f"--option {option!r} must look like KEY=VALUE, e.g. rank=2")
+    return key, _parse_value(value)
+
+
 def scheme_config(name: str, sparsity: float | None, life_span: int | None,
                   options: list[str]) -> dict[str, Any]:
     """Map the shared command-line knobs onto the options scheme ``name`` has.
 
     ``--sparsity`` sets ``sparsity``, or ``ratio = 1 - sparsity`` for schemes
-    that keep a ratio; ``--option KEY=VALUE`` applies to every scheme with KEY.
+    that keep a ratio; ``--option KEY=VALUE`` applies to every scheme with KEY
+    (a key no scheme has is rejected by :func:`parse_options`).
     """
-    fields = {f.name: f for f in dataclasses.fields(schemes.config_class(name))}
+    fields = {f.name for f in dataclasses.fields(schemes.config_class(name))}
     config: dict[str, Any] = {}
     if sparsity is not None and "sparsity" in fields:
         config["sparsity"] = sparsity
@@ -56,11 +83,7 @@ def scheme_config(name: str, sparsity: float | None, life_span: int | None,
         config["ratio"] = 1.0 - sparsity
     if life_span is not None and "life_span" in fields:
         config["life_span"] = life_span
-    for option in options:
-        key, _, value = option.partition("=")
-        key = key.replace("-", "_")
-        if key in fields:
-            config[key] = _parse_value(value)
+    config.update({key: value for key, value in map(_split, options) if key in fields})
     return config
 
 
@@ -95,15 +118,25 @@ def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
 
 def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: float,
             sparsity: float | None = None, life_span: int | None = None,
-            extra: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run every scheme in ``names`` on ``workers`` local ranks; rank 0's results."""
+            extra: list[str] | None = None,
+            timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """Run every scheme in ``names`` on ``workers`` local ranks; rank 0's results.
+
+    Args:
+        timeout_s: the process group's timeout: a rank waiting longer on a peer
+            fails the run with a message naming the ranks and their steps.
+
+    Raises:
+        ValueError: a bad scheme, option or count (before anything is spawned).
+        RuntimeError: a rank failed or a peer stalled past ``timeout_s``.
+    """
     if workers < 1:
         raise ValueError(f"workers={workers!r} must be >= 1")
+    parse_options(extra or [], names)  # validate before spawning anything
     runs = [(name, scheme_config(name, sparsity, life_span, extra or [])) for name in names]
-    for name, config in runs:  # validate before spawning anything
+    for name, config in runs:
         schemes.build(name, **config)
-    per_rank = spawn(_worker, workers, runs, options, timeout_s=max(600.0, 2.0 * len(runs)
-                                                                     * options.steps))
+    per_rank = spawn(_worker, workers, runs, options, timeout_s=timeout_s)
     results: list[dict[str, Any]] = per_rank[0]
     for index, result in enumerate(results):
         weights = [rank_results[index].pop("weights") for rank_results in per_rank]
@@ -193,6 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="link rate for the modelled time (compute + bytes / rate)")
     parser.add_argument("--out", type=Path, default=None, help="run folder (default runs/<time>)")
     parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    add_timeout(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                          hidden=args.hidden, seed=args.seed)
     bandwidth_bps = parse_bandwidth(args.bandwidth)
     results = compare(names, args.workers, options, bandwidth_bps, args.sparsity,
-                      args.life_span, args.option)
+                      args.life_span, args.option, args.timeout)
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results, args.bandwidth)
@@ -216,9 +250,13 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
     figures = plot(results, out)
-    bad = [r["scheme"] for r in results if not r["replicas_identical"]]
-    if bad:
-        print(f"warning: replicas diverged under {bad}")
     print(f"wrote {out}/results.json, results.md, " + ", ".join(f.name for f in figures))
-    assert all(math.isfinite(r["test_accuracy"]) for r in results)
-    return 0
+    diverged = [r["scheme"] for r in results if not r["replicas_identical"]]
+    broken = [r["scheme"] for r in results if not math.isfinite(r["test_accuracy"])]
+    if diverged:  # the ranks no longer train one model: the run's numbers mean nothing
+        print(f"thinwire compare: error: replicas diverged under {', '.join(diverged)}: the "
+              "ranks' final weights differ", file=sys.stderr)
+    if broken:
+        print(f"thinwire compare: error: non-finite test accuracy under {', '.join(broken)}",
+              file=sys.stderr)
+    return 1 if diverged or broken else 0

@@ -22,6 +22,7 @@ from thinwire.comm import Meter
 from thinwire.compress import Sparsifier
 from thinwire.schemes import CompressedScheme
 from thinwire.train.digits import Split, batches, load_digits, shard
+from thinwire.train.launch import phase
 from thinwire.train.mlp import mlp
 
 
@@ -90,6 +91,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     losses = []
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
+        phase(f"{name} step {step}")
         index = next(stream)
         loss = nn.functional.cross_entropy(net(local.x[index]), local.y[index])
         optimizer.zero_grad()

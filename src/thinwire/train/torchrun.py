@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from thinwire.train.compare import scheme_config
+from thinwire import schemes
+from thinwire.train.compare import parse_options, scheme_config
 from thinwire.train.dataparallel import RunOptions, run_scheme
+from thinwire.train.launch import RankFailed, add_timeout, current_phase
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,18 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl on GPU)")
     parser.add_argument("--json", type=Path, default=None, help="rank 0 writes results here")
+    add_timeout(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ:
         raise ValueError("thinwire train expects torchrun's environment (RANK, WORLD_SIZE, "
                          "MASTER_ADDR); launch it with torchrun, or use thinwire compare")
+    options = RunOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+    parse_options(args.option, [args.scheme])
+    config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
+    schemes.build(args.scheme, **config)  # validate before joining the job
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
-        options = RunOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr)
-        config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
-        result = run_scheme(args.scheme, config, options)
+        try:
+            result = run_scheme(args.scheme, config, options)
+        except RuntimeError as error:  # a collective's timeout names neither rank nor step
+            raise RankFailed(f"rank {dist.get_rank()} failed during {current_phase()!r} "
+                             f"(--timeout {args.timeout:g} s): {error}") from error
         result.pop("weights")
         if dist.get_rank() == 0:
             print(json.dumps({k: result[k] for k in ("scheme", "test_accuracy",

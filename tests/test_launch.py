@@ -1,0 +1,52 @@
+"""The local launcher: a stalled peer fails the run in bounded time, naming ranks and phases."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from thinwire.train.launch import phase, spawn
+
+TIMEOUT_S = 10.0  # the process group's timeout under test: short, so the test stays quick
+
+
+def _stall(rank: int, world_size: int) -> None:
+    for step in range(3):
+        phase(f"step {step}")
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)  # a stopped peer: never answers again
+        dist.all_reduce(torch.ones(4))
+
+
+def test_a_stopped_peer_fails_the_run_within_the_timeout_naming_rank_and_phase() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as caught:
+        spawn(_stall, 2, timeout_s=TIMEOUT_S, deadline_s=600.0)  # the deadline: a hang guard
+    elapsed = time.monotonic() - start
+    message = str(caught.value)
+    first = message.splitlines()[0]
+    assert first.startswith("RuntimeError: rank 0 failed during 'step 2'") and "Timed out" in first
+    assert "rank 1 last during 'step 2' (stopped)" in message.splitlines()[1]
+    # Bounded by the timeout, not by the deadline (which only guards against a hang).
+    assert elapsed < 600.0
+
+
+def _echo(rank: int, world_size: int, value: int) -> tuple[int, int, int]:
+    total = torch.tensor([value])
+    dist.all_reduce(total)
+    return rank, world_size, int(total)
+
+
+def test_spawn_returns_each_ranks_result_in_rank_order() -> None:
+    assert spawn(_echo, 2, 5) == [(0, 2, 10), (1, 2, 10)]
+
+
+@pytest.mark.parametrize("bad", [{"timeout_s": 0.0}, {"deadline_s": -1.0}])
+def test_spawn_rejects_non_positive_limits(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be > 0"):
+        spawn(_echo, 2, 5, **bad)
