@@ -63,7 +63,7 @@ def main() -> None:
     for variant in ("thinwire", "torch", "torch-batched"):
         start = time.perf_counter()
         try:
-            spawn(run, 2, variant, args.steps, timeout_s=args.deadline)
+            spawn(run, 2, variant, args.steps, timeout_s=args.deadline, deadline_s=args.deadline)
             outcome = "completed"
         except TimeoutError:
             outcome = f"hung (killed after {args.deadline:.0f} s)"

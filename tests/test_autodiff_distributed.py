@@ -123,7 +123,7 @@ def two_sites() -> list[dict[str, Any]]:
         {"label": "dad-equal", "kind": "mlp", "mode": "dad", "data": equal},
         {"label": "edad-equal", "kind": "mlp", "mode": "edad", "data": equal},
     ]
-    results = spawn(_sites, 2, scenarios, timeout_s=90)
+    results = spawn(_sites, 2, scenarios)
     return [{"scenarios": {s["label"]: s for s in scenarios}, **r} for r in results]
 
 
@@ -268,7 +268,7 @@ def test_exact_modes_equal_pooled_training_on_three_sites() -> None:
     data = _batches("mlp", SIZES_3)
     scenarios = [{"label": m, "kind": "mlp", "mode": m, "data": data}
                  for m in ("dad", "edad", "dsgd")]
-    results = spawn(_sites, 3, scenarios, timeout_s=90)
+    results = spawn(_sites, 3, scenarios)
     pooled = _pooled("mlp", data)
     for result in results:
         for mode in ("dad", "edad", "dsgd"):

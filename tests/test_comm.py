@@ -55,7 +55,7 @@ def _gather_payloads(rank: int, world_size: int) -> tuple[list[bytes], list[int]
 
 
 def test_sparse_all_gather_reconstructs_the_exact_sum() -> None:
-    results = spawn(_gather_payloads, 3, timeout_s=60)
+    results = spawn(_gather_payloads, 3)
     sizes = [r[1][0] for r in results]
     for buffers, _, handed in results:
         assert [len(b) for b in buffers] == sizes  # each rank's bytes, unpadded
@@ -94,7 +94,7 @@ def _reduce_with_scheme(rank: int, world_size: int, name: str) -> tuple[dict[str
 
 @pytest.mark.parametrize("name", ["dense", "dct-dp"])
 def test_scheme_reduce_averages_what_each_rank_sent(name: str) -> None:
-    results = spawn(_reduce_with_scheme, 2, name, timeout_s=60)
+    results = spawn(_reduce_with_scheme, 2, name)
     grads = [r[0] for r in results]
     for key in ("w", "b"):
         if name == "dense":

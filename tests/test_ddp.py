@@ -143,7 +143,7 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    return spawn(_all_scenarios, 2, timeout_s=120)
+    return spawn(_all_scenarios, 2)
 
 
 def test_dense_hook_is_bit_identical_to_ddp_without_hook(runs: list[dict[str, Any]]) -> None:

@@ -88,7 +88,7 @@ def _pipeline_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def pipeline_runs() -> list[list[dict[str, Any]]]:
-    return spawn(_pipeline_worker, 2, timeout_s=60)
+    return spawn(_pipeline_worker, 2)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -134,7 +134,7 @@ def test_hybrid_two_stages_by_two_replicas_runs_from_the_cli(
     code = main(["pipeline", "--task", "breast-cancer", "--stages", "2", "--replicas", "2",
                  "--schedule", "1f1b", "--microbatches", "2", "--batch-size", "32",
                  "--steps", "3", "--sparsity", "0.9", "--dp-scheme", "dct-dp",
-                 "--dp-opt", "sparsity=0.9", "--dp-opt", "life_span=2", "--timeout", "90",
+                 "--dp-opt", "sparsity=0.9", "--dp-opt", "life_span=2",
                  "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out

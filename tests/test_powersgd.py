@@ -276,7 +276,7 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def ddp_runs() -> list[dict[str, object]]:
-    return spawn(_ddp_worker, 2, timeout_s=30)
+    return spawn(_ddp_worker, 2)
 
 
 def test_ddp_with_several_buckets_on_gloo_completes(ddp_runs: list[dict[str, object]]) -> None:

@@ -1,9 +1,9 @@
 """The parameter server over torch RPC (TensorPipe) with workers in their own processes.
 
 Each test runs a whole job: a server process and worker processes on loopback, with a
-deadline after which every process is killed (``AsyncConfig.timeout_s``), and a pytest
-timeout on top. Rendezvous uses a file in a fresh temporary folder, so no ports are chosen
-and runs never collide.
+generous deadline after which every process is killed (``AsyncConfig.timeout_s``), a
+hang guard that a busy machine never trips. Rendezvous uses a file in a fresh temporary
+folder, so no ports are chosen and runs never collide.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import torch
 from thinwire.ps import AsyncConfig, ClassifierTask, TaskSpec, build_rule, load_checkpoint, run
 from thinwire.ps import cli as ps_cli
 from thinwire.ps.config import updates_per_pass
-
-pytestmark = pytest.mark.timeout(150)
 
 SPEC = TaskSpec(model="linear", batch_size=16, train_limit=160)
 
@@ -50,7 +48,7 @@ def test_cli_one_worker_over_rpc_is_sequential_sgd_exactly(tmp_path: object) -> 
     out = os.path.join(str(tmp_path), "out")
     args = parser.parse_args([
         "--rule", "asgd", "--workers", "1", "--passes", "2", "--lr", "0.2", "--model", "linear",
-        "--batch-size", "16", "--train-limit", "160", "--out", out, "--timeout", "90",
+        "--batch-size", "16", "--train-limit", "160", "--out", out, "--timeout", "600",
         "--no-progress"])
     assert ps_cli.run(args) == 0
     weights = torch.load(os.path.join(out, "asgd-w1.pt"))
@@ -70,7 +68,7 @@ def test_killed_and_refused_workers_cost_only_their_own_updates(tmp_path: object
     journal = os.path.join(str(tmp_path), "journal")
     os.makedirs(journal)
     config = AsyncConfig(method="dc-asgd", workers=4, passes=3, rule={"lr": 0.1, "lam": 0.5},
-                         audit=True, journal_dir=journal, timeout_s=100)
+                         audit=True, journal_dir=journal, timeout_s=600)
     other = dataclasses.replace(SPEC, model="convnet")
     result = run(config, SPEC, kill_after={2: 3}, worker_specs={3: other})
 
@@ -102,7 +100,7 @@ def test_ssgd_sparse_hogwild_pushes_then_restart_from_checkpoint(tmp_path: objec
     config = AsyncConfig(method="ssgd", workers=2, threads_per_worker=2, passes=1,
                          rule={"lr": 0.1}, push="dct-dp",
                          push_options={"sparsity": 0.9, "life_span": 4, "drain_every": 3},
-                         checkpoint=path, timeout_s=100)
+                         checkpoint=path, timeout_s=600)
     task = ClassifierTask(SPEC)
     rounds = max(task.steps(s, 4, 1) for s in range(4))
     pushes = sum(task.steps(s, 4, 1) for s in range(4))

@@ -324,7 +324,7 @@ def _reference(label: str, world_size: int) -> list[dict[str, object]]:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict[str, object]]]:
-    return {n: spawn(_cltk_worker, n, timeout_s=60) for n in (2, 3)}
+    return {n: spawn(_cltk_worker, n) for n in (2, 3)}
 
 
 @pytest.mark.parametrize("label", ["chunk", "exact"])

@@ -17,6 +17,7 @@ from typing import Any
 from thinwire.autodiff import plots, sitedata
 from thinwire.autodiff.engine import MODES
 from thinwire.autodiff.experiment import Run, run_all
+from thinwire.train.launch import add_timeout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the first layer's inputs (the raw data) on each site")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/dad", help="output folder")
+    add_timeout(parser)
 
 
 def _runs(args: argparse.Namespace) -> list[Run]:
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         data = sitedata.load(args.dataset, args.seed)
     except sitedata.Unavailable as error:
         raise ValueError(str(error)) from error
-    results = run_all(data, _runs(args), args.sites)
+    results = run_all(data, _runs(args), args.sites, args.timeout)
     os.makedirs(args.out, exist_ok=True)
     print(f"{data.name}: {args.sites} sites, labels split, batch {args.batch} per site, "
           f"{results[0]['steps_per_epoch']} steps per epoch")

@@ -26,7 +26,7 @@ from thinwire.autodiff.engine import DistributedAutodiff
 from thinwire.autodiff.sitedata import Data, split_by_label
 from thinwire.comm import Meter
 from thinwire.train.gru import GRUClassifier
-from thinwire.train.launch import spawn
+from thinwire.train.launch import DEFAULT_TIMEOUT_S, phase, spawn
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -113,6 +113,7 @@ def _train(rank: int, sites: int, data: Data, run: Run) -> dict[str, Any]:
         orders = [_order(part, run.seed, epoch, s) for s, part in enumerate(parts)]
         losses = []
         for step in range(steps):
+            phase(f"{run.label} step {step}")
             rows = [order[step * run.batch: (step + 1) * run.batch] for order in orders]
             x = torch.as_tensor(data.train_x[rows[rank]], dtype=dtype)
             y = torch.as_tensor(data.train_y[rows[rank]])
@@ -158,8 +159,10 @@ def _pooled_grads(pooled: nn.Module, model: nn.Module, data: Data, rows: list[np
 
 
 def run_all(data: Data, runs: list[Run], sites: int = 2,
-            timeout_s: float = 3600.0) -> list[dict[str, Any]]:
+            timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """Every run on ``sites`` gloo processes; per run, rank 0's result with each site's bytes.
+
+    ``timeout_s`` is the process group's: the longest a site waits on a stalled peer.
 
     Raises:
         ValueError: fewer classes than sites.

@@ -25,6 +25,7 @@ from thinwire.train.dct_mp import (
     train_engine,
     train_local,
 )
+from thinwire.train.launch import add_timeout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,8 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-size", type=int, default=100_000,
                         help="synthetic criteo training rows (default: 100000)")
     parser.add_argument("--test-size", type=int, default=10_000)
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds before a multi-process run is abandoned")
+    add_timeout(parser)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 

@@ -47,6 +47,7 @@ from thinwire.pipeline import (
 )
 from thinwire.pipeline.split import split_positions, steps
 from thinwire.train import criteo, dlrm, transformer
+from thinwire.train.launch import DEFAULT_TIMEOUT_S, phase, spawn
 
 
 @dataclass(frozen=True)
@@ -465,7 +466,8 @@ def engine_worker(rank: int, world_size: int, config: RunConfig,
     order = batch_order(config, len(task.train))
     scheduler = lr_schedule(config, optimizer, len(order))
     start = time.perf_counter()
-    for rows in order:
+    for step, rows in enumerate(order, 1):
+        phase(f"stage {index} replica {replica} step {step}")
         batch = task.train.rows(rows[replica * shard: (replica + 1) * shard])
         optimizer.zero_grad(set_to_none=True)
         first, last = index == 0, index == config.stages - 1
@@ -506,10 +508,12 @@ def merge_meters(results: list[Mapping[str, Any]]) -> dict[str, float]:
     return total
 
 
-def train_engine(config: RunConfig, *, timeout_s: float = 600.0,
+def train_engine(config: RunConfig, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  return_state: bool = False) -> dict[str, Any]:
-    """Run ``config`` on ``stages × replicas`` gloo processes; merge what they report."""
-    from thinwire.train.launch import spawn
+    """Run ``config`` on ``stages × replicas`` gloo processes; merge what they report.
+
+    ``timeout_s`` is the process group's: the longest a rank waits on a stalled peer.
+    """
 
     layout = Layout(config.stages, config.replicas)
     results = spawn(engine_worker, layout.world_size, config, return_state,
