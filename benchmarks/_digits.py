@@ -68,7 +68,7 @@ def train(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]], st
     for name, options in runs:
         model = mlp()
         wrapped = DistributedDataParallel(model)
-        meter = Meter(rank, world_size)
+        meter = Meter(rank, world_size, window=None)  # result_bytes reads every record
         scheme = schemes.build(name, **options)
         ddp.register(wrapped, scheme, meter=meter)
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=momentum)

@@ -36,6 +36,33 @@ def test_meter_groups_by_entity_and_layer_and_rejects_unknown_names() -> None:
         meter.record("W_grad", "a", "scatter", 1)
 
 
+def test_meter_memory_is_bounded_over_a_long_run_and_its_sums_stay_exact() -> None:
+    bounded, full = Meter(rank=1, world_size=3, window=64), Meter(rank=1, world_size=3,
+                                                                   window=None)
+    for step in range(10_000):
+        for meter in (bounded, full):
+            for layer in range(6):
+                meter.record("W_grad", f"layer{layer}", "all_gather", 4 * (layer + step % 7))
+                meter.record("index", f"layer{layer}", "broadcast", 8, root=step % 3)
+            meter.next_step()
+    assert len(bounded.records) == 64 and len(full.records) == 120_000
+    assert list(bounded.records) == list(full.records)[-64:]
+    assert bounded.summary() == full.summary()
+    assert bounded.totals("received", by="collective") == full.totals("received",
+                                                                       by="collective")
+    expected = sum(r.nbytes for r in full.records)
+    assert bounded.totals() == {"total": float(expected)}
+
+
+def test_meter_rejects_bad_window_and_fields() -> None:
+    with pytest.raises(ValueError, match="window=-1"):
+        Meter(window=-1)
+    with pytest.raises(ValueError, match="field='bytes'"):
+        Meter().totals("bytes")
+    with pytest.raises(ValueError, match="by='step'"):
+        Meter().totals(by="step")
+
+
 def _gather_payloads(rank: int, world_size: int) -> tuple[list[bytes], list[int], float]:
     numel = 64
     count = [1, 40, 5][rank]  # different sizes per rank; rank 1 uses a bitmap

@@ -13,7 +13,7 @@ Two numbers per record:
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +53,11 @@ TRAFFIC: dict[str, Callable[[int, int, int, int], tuple[float, float]]] = {
 }
 
 
+# Positions in the totals' keys and sums.
+_GROUPS = {"entity": 0, "layer": 1, "collective": 2}
+_FIELDS = {"nbytes": 0, "sent": 1, "received": 2}
+
+
 @dataclass(frozen=True)
 class Record:
     step: int
@@ -65,18 +70,31 @@ class Record:
 
 
 class Meter:
-    """Records bytes per rank, step, entity and layer. Thread-safe.
+    """Records bytes per rank, step, entity and layer, in bounded memory. Thread-safe.
+
+    Totals are kept per (entity, layer, collective), so a run of any length
+    holds a fixed number of sums; :attr:`records` keeps only the latest
+    ``window`` records, for inspection.
 
     Args:
         rank: this process's rank in the group being metered.
         world_size: that group's size (for the traffic model).
+        window: how many of the latest records :attr:`records` keeps; None keeps
+            every record (memory grows with the run: for short runs only).
+
+    Raises:
+        ValueError: ``window`` < 0.
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, window: int | None = 1024) -> None:
+        if window is not None and window < 0:
+            raise ValueError(f"window={window!r} must be None or >= 0")
         self.rank = rank
         self.world_size = world_size
         self.step = 0
-        self.records: list[Record] = []
+        self.records: deque[Record] = deque(maxlen=window)
+        # (entity, layer, collective) -> [nbytes, sent, received] summed over the run
+        self._totals: dict[tuple[str, str, str], list[float]] = {}
         self._lock = threading.Lock()
 
     def record(self, entity: str, layer: str, collective: str, nbytes: int, *,
@@ -91,18 +109,32 @@ class Meter:
         with self._lock:
             self.records.append(Record(self.step, entity, layer, collective, nbytes, sent,
                                        received))
+            sums = self._totals.setdefault((entity, layer, collective), [0.0, 0.0, 0.0])
+            sums[0] += nbytes
+            sums[1] += sent
+            sums[2] += received
 
     def next_step(self) -> None:
         """Close the current training step."""
         with self._lock:
             self.step += 1
 
+    def totals(self, field: str = "nbytes", by: str | None = None) -> dict[str, float]:
+        """``field`` (nbytes, sent or received) summed over the run, in total or grouped
+        ``by`` entity, layer or collective."""
+        if field not in _FIELDS:
+            raise ValueError(f"field={field!r} must be one of {sorted(_FIELDS)}")
+        if by is not None and by not in _GROUPS:
+            raise ValueError(f"by={by!r} must be None or one of {sorted(_GROUPS)}")
+        summed: dict[str, float] = defaultdict(float)
+        with self._lock:
+            for key, sums in self._totals.items():
+                summed["total" if by is None else key[_GROUPS[by]]] += sums[_FIELDS[field]]
+        return dict(summed)
+
     def _per_step(self, field: str, by: str | None = None) -> dict[str, float]:
         steps = max(1, self.step)
-        totals: dict[str, float] = defaultdict(float)
-        for record in self.records:
-            totals["total" if by is None else getattr(record, by)] += getattr(record, field)
-        return {key: value / steps for key, value in totals.items()}
+        return {key: value / steps for key, value in self.totals(field, by).items()}
 
     def bytes_per_step(self, by: str | None = None) -> dict[str, float]:
         """Mean bytes handed per closed step, in total or grouped ``by`` a Record field."""

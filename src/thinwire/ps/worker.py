@@ -216,11 +216,9 @@ def run_worker(worker: int, config: AsyncConfig, task: ClassifierTask, codec: Pu
 
 
 def _bytes_by_entity(meter: Meter | None) -> dict[str, int]:
-    totals: Counter[str] = Counter()
-    if meter is not None:
-        for record in meter.records:
-            totals[record.entity] += record.nbytes
-    return dict(totals)
+    if meter is None:
+        return {}
+    return {entity: int(nbytes) for entity, nbytes in meter.totals(by="entity").items()}
 
 
 def work(worker: int, config: AsyncConfig, spec: TaskSpec, workdir: str, init_method: str,
