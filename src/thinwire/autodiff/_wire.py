@@ -56,7 +56,8 @@ def gather(batch: int, blocks: Sequence[Block], widths: Sequence[int],
         Each site's batch and blocks, in rank order.
     """
     _, n = world(group)
-    header = torch.tensor([batch, *(b.rows.shape[0] for b in blocks)], dtype=_INDEX)
+    header = torch.tensor([batch, *(b.rows.shape[0] for b in blocks)], dtype=_INDEX,
+                          device=blocks[0].rows.device if blocks else None)
     payload = torch.cat([_bytes(header), *(_bytes(b.rows) for b in blocks)])
     buffers = all_gather_bytes(payload, group).wait()
     if meter is not None:
@@ -78,7 +79,7 @@ def _decode(buffer: torch.Tensor, count: int, widths: Sequence[int],
     header = buffer[:offset].clone().view(_INDEX).tolist()
     blocks = []
     for rows, width, dtype in zip(header[1:], widths, dtypes, strict=True):
-        size = rows * width * torch.empty((), dtype=dtype).element_size()
+        size = rows * width * dtype.itemsize
         # clone: a view into the shared buffer may be misaligned for ``dtype``
         blocks.append(buffer[offset: offset + size].clone().view(dtype).reshape(rows, width))
         offset += size

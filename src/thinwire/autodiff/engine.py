@@ -266,8 +266,8 @@ class DistributedAutodiff:
         blocks: list[Block] = []
         reduce_parts: list[tuple[str, str, torch.Tensor]] = []
         for name, layer in self.layers.items():
-            acts = step.acts.get(name, _empty(layer.in_features, layer.weight.dtype))
-            deltas = step.deltas.get(name, _empty(layer.out_features, layer.weight.dtype))
+            acts = step.acts.get(name, layer.weight.new_zeros(0, layer.in_features))
+            deltas = step.deltas.get(name, layer.weight.new_zeros(0, layer.out_features))
             if plan[name] == "factor":
                 factors = self._factors(name, _aug(acts, _has_bias(layer)), deltas, contribute)
                 blocks += [Block("factor", name, factors.acts), Block("factor", name,
@@ -341,7 +341,7 @@ class DistributedAutodiff:
 
         def start(j: int) -> torch.Tensor:
             return seeded_normal(f"{name}/{self.step}/{j}", (deltas.shape[1],),
-                                 self.config.seed, dtype=deltas.dtype)
+                                 self.config.seed, dtype=deltas.dtype, device=deltas.device)
 
         theta, iterations = self.config.theta, self.config.iterations
         if self.config.error_feedback:
@@ -379,8 +379,7 @@ class DistributedAutodiff:
         scale = self._scale(batch)
         parts = [("W_grad", name, grad * scale if batch else torch.zeros_like(grad))
                  for name, grad in local.items()]
-        dtype = next(iter(local.values())).dtype
-        parts.append(("size", "(batch)", torch.tensor([float(batch)], dtype=dtype)))
+        parts.append(("size", "(batch)", next(iter(local.values())).new_tensor([float(batch)])))
         sums = all_reduce_sum(parts, self.group, self.meter)
         divisor = self._divisor(float(sums[-1]))
         return {name: s / divisor for (_, name, _), s in zip(parts[:-1], sums, strict=False)}
@@ -399,8 +398,7 @@ class DistributedAutodiff:
             else:
                 parts.append(("W_grad", name, grad * scale if contribute
                               else torch.zeros_like(grad)))
-        dtype = next(iter(local.values())).dtype
-        parts.append(("size", "(batch)", torch.tensor([float(batch)], dtype=dtype)))
+        parts.append(("size", "(batch)", next(iter(local.values())).new_tensor([float(batch)])))
         sums = dict(zip([name for _, name, _ in parts], all_reduce_sum(parts, self.group,
                                                                          self.meter), strict=True))
         divisor = self._divisor(float(sums["(batch)"]))
@@ -490,10 +488,6 @@ def _aug(acts: torch.Tensor, bias: bool) -> torch.Tensor:
     if not bias:
         return acts
     return torch.cat([acts, acts.new_ones(acts.shape[0], 1)], dim=1)
-
-
-def _empty(width: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(0, width, dtype=dtype)
 
 
 def _augmented_grad(layer: nn.Linear) -> torch.Tensor:

@@ -130,9 +130,10 @@ def _peel(operator: _Operator, max_rank: int, start: Callable[[int], torch.Tenso
           theta: float, iterations: int, dtype: torch.dtype) -> Factors:
     """Eq. 8: power iterations on the deflated Gram operator, one component at a time."""
     h_in, h_out = operator.shape
-    us = torch.zeros(0, h_in, dtype=dtype)
-    gs = torch.zeros(0, h_out, dtype=dtype)
-    cross = torch.zeros(h_out, 0, dtype=dtype)  # K = Mᵀ·Uᵀ, one column per component
+    device = operator.norm.device
+    us = torch.zeros(0, h_in, dtype=dtype, device=device)
+    gs = torch.zeros(0, h_out, dtype=dtype, device=device)
+    cross = torch.zeros(h_out, 0, dtype=dtype, device=device)  # K = Mᵀ·Uᵀ, a column each
     for j in range(max_rank):
         g = start(j).to(dtype=dtype)
         g = g / torch.linalg.vector_norm(g)

@@ -42,7 +42,7 @@ class PowerSGDState:
     def _q(self, key: str, matrix: torch.Tensor) -> torch.Tensor:
         if key not in self.q:
             self.q[key] = seeded_normal(key, (matrix.shape[1], self.rank), self.seed,
-                                        dtype=matrix.dtype)
+                                        dtype=matrix.dtype, device=matrix.device)
         return self.q[key]
 
     def project(self, key: str, grad: torch.Tensor, contribute: bool = True) -> torch.Tensor:

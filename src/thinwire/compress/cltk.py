@@ -49,15 +49,15 @@ def chunk_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     numel = magnitudes.numel()
     _check_k(k, numel)
     if k == 0:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
     size, extra = divmod(numel, k)  # `extra` chunks of size + 1, then k - extra of size
     head = extra * (size + 1)
     parts = []
     if extra:
-        starts = torch.arange(extra, dtype=torch.int64) * (size + 1)
+        starts = torch.arange(extra, dtype=torch.int64, device=magnitudes.device) * (size + 1)
         parts.append(magnitudes[:head].reshape(extra, size + 1).argmax(dim=1) + starts)
     if k > extra:
-        starts = head + torch.arange(k - extra, dtype=torch.int64) * size
+        starts = head + torch.arange(k - extra, dtype=torch.int64, device=magnitudes.device) * size
         parts.append(magnitudes[head:].reshape(k - extra, size).argmax(dim=1) + starts)
     return torch.cat(parts)
 
@@ -66,7 +66,7 @@ def exact_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries (``torch.topk``), ascending."""
     _check_k(k, magnitudes.numel())
     if k == 0:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
     indices = torch.topk(magnitudes, k, sorted=False).indices
     return torch.sort(indices).values
 
@@ -121,7 +121,7 @@ def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
     """``indices`` (distinct, ascending) as ``index_nbytes(k, numel)`` uint8."""
     k = indices.numel()
     if _uses_bitmap(k, numel):
-        mask = torch.zeros(numel, dtype=torch.bool)
+        mask = torch.zeros(numel, dtype=torch.bool, device=indices.device)
         mask[indices] = True
         packed = pack_bits(mask)
         return torch.nn.functional.pad(packed, (0, index_nbytes(k, numel) - packed.numel()))

@@ -38,8 +38,18 @@ def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_normal(key: str, shape: tuple[int, ...], seed: int = 0,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32,
+                  device: torch.device | str | None = None) -> torch.Tensor:
     """A standard normal tensor that depends only on (``key``, ``seed``), identical on
-    every rank and in every process (``hash()`` is salted per process; crc32 is not)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-    return torch.randn(shape, generator=generator, dtype=dtype)
+    every rank and in every process (``hash()`` is salted per process; crc32 is not).
+
+    Drawn on ``device`` (default CPU) by that device's generator, so ranks agree when
+    they draw on the same kind of device (CPU and CUDA generators give different
+    numbers). On ``meta`` only the shape exists.
+    """
+    device = torch.device(device or "cpu")
+    if device.type == "meta":
+        return torch.empty(shape, dtype=dtype, device=device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return torch.randn(shape, generator=generator, dtype=dtype, device=device)

@@ -126,7 +126,7 @@ class SparsePayload:
             indices = buffer[offset : offset + 4 * header].view(torch.int32).to(torch.int64)
             offset += 4 * header
         count = indices.numel()
-        value_bytes = count * torch.empty((), dtype=value_dtype).element_size()
+        value_bytes = count * value_dtype.itemsize
         # A copy: float64 values need 8-byte alignment the 4-byte layout does not give.
         values = buffer[offset : offset + value_bytes].clone().view(value_dtype)
         offset += _pad4(value_bytes)

@@ -104,7 +104,8 @@ class PowerSGD:
         draw = self.draws.get(key, 0)
         self.draws[key] = draw + 1
         # Draw d of key k depends only on (k, seed, d): identical on every rank.
-        fresh = seeded_normal(key, (cols, self.rank), seed=self.seed + draw, dtype=matrix.dtype)
+        fresh = seeded_normal(key, (cols, self.rank), seed=self.seed + draw, dtype=matrix.dtype,
+                              device=matrix.device)
         self.qs[key] = fresh
         return fresh
 

@@ -147,8 +147,9 @@ def _select_laplace(magnitudes: torch.Tensor, sparsity: float, k: int) -> torch.
     # Stable compaction by prefix sum: kept entry j goes to slot (#kept before j);
     # everything else (and any overflow) is dumped into an extra slot k, dropped.
     slots = torch.where(mask, mask.cumsum(dim=-1) - 1, k).clamp_(max=k)
-    positions = torch.arange(width).expand_as(magnitudes)
-    indices = torch.full((*magnitudes.shape[:-1], k + 1), width, dtype=torch.int64)
+    positions = torch.arange(width, device=magnitudes.device).expand_as(magnitudes)
+    indices = torch.full((*magnitudes.shape[:-1], k + 1), width, dtype=torch.int64,
+                         device=magnitudes.device)
     indices.scatter_(-1, slots, positions)
     indices = indices[..., :k].contiguous()
     overflow = mask.sum(dim=-1) > k
@@ -196,7 +197,7 @@ class _Compact(torch.autograd.Function):
             return None, None, None, None, None
         (indices,) = ctx.saved_tensors
         width = ctx.shape[-1]
-        grad = torch.zeros((*ctx.shape[:-1], width + int(ctx.padded)), dtype=ctx.dtype)
+        grad = grad_values.new_zeros((*ctx.shape[:-1], width + int(ctx.padded)), dtype=ctx.dtype)
         grad.scatter_(-1, indices.long(), grad_values.to(ctx.dtype))
         return (grad[..., :width].contiguous() if ctx.padded else grad), None, None, None, None
 
@@ -209,7 +210,7 @@ class _Expand(torch.autograd.Function):
                 width: int, dtype: torch.dtype) -> torch.Tensor:
         rows = indices.long()
         padded = rows.numel() > 0 and int(rows.max()) == width
-        out = torch.zeros((*values.shape[:-1], width + int(padded)), dtype=dtype)
+        out = values.new_zeros((*values.shape[:-1], width + int(padded)), dtype=dtype)
         out.scatter_(-1, rows, values.to(dtype))
         ctx.save_for_backward(indices)
         ctx.width, ctx.padded, ctx.wire = width, padded, values.dtype

@@ -201,7 +201,7 @@ class XGradTopKReceiver(Receiver):
         if self.memory is not None:
             self.memory.update(key, compensated, sent)
         if self.meter is not None:
-            small = torch.empty(0, dtype=index_dtype(width - 1)).element_size()
+            small = index_dtype(width - 1).itemsize
             self.meter.record("X_grad", self.name, "send",
                               values.numel() * (values.element_size() + small))
         return sent

@@ -215,7 +215,7 @@ class PushCodec:
             return payload, used
         value_dtype = (compressor.value_dtype if isinstance(compressor, Sparsifier)
                        else _DENSE_VALUE_DTYPES[type(compressor)])
-        used = info.numel * torch.empty((), dtype=value_dtype).element_size()
+        used = info.numel * value_dtype.itemsize
         if offset + used > data.numel():
             raise MalformedPush(f"tensor {info.key!r}: truncated dense segment")
         return DensePayload(data[offset:offset + used].view(value_dtype)), used

@@ -125,7 +125,7 @@ class PowerSGDScheme(Scheme):
             self._charge(time.perf_counter() - begin)
             return torch.cat(parts)
 
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         future = two_round_all_reduce(
             first, second, group=group, meter=self.meter,
             first_segments=[(key, matrices[key].shape[0] * rank * size) for key in low],

@@ -189,7 +189,8 @@ class CyclicLocalTopK(_SelectedTopK):
                                grads[key].numel())
                 for key in sparse])
         else:
-            wire = torch.empty(sum(wire_sizes.values()), dtype=torch.uint8)
+            wire = torch.empty(sum(wire_sizes.values()), dtype=torch.uint8,
+                               device=next(iter(grads.values())).device)
         chosen_by_key: dict[str, torch.Tensor] = {}  # this launch's own, for its callback
         self._charge(time.perf_counter() - start)
 
@@ -207,14 +208,14 @@ class CyclicLocalTopK(_SelectedTopK):
                     parts.append(p.reshape(-1)[chosen].to(dtype))
                     self.memory.update(key, p, sparsify(p, chosen))
                 else:  # contribute nothing, leave the memory as it was
-                    parts.append(torch.zeros(ks[key], dtype=dtype))
+                    parts.append(torch.zeros(ks[key], dtype=dtype, device=p.device))
             for key in dense:
                 grad = grads[key].reshape(-1).to(dtype)
                 parts.append(grad if finite else torch.zeros_like(grad))  # cat copies
             self._charge(time.perf_counter() - begin)
             return torch.cat(parts)
 
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         future = shared_index_all_reduce(
             wire, leader, gather, group=group, meter=self.meter,
             index_segments=[(key, wire_sizes[key]) for key in sparse],
@@ -227,7 +228,7 @@ class CyclicLocalTopK(_SelectedTopK):
             offset = 0
             for key in sparse:
                 grad = grads[key]
-                flat = torch.zeros(grad.numel(), dtype=grad.dtype)
+                flat = torch.zeros(grad.numel(), dtype=grad.dtype, device=grad.device)
                 flat[chosen_by_key[key]] = mean[offset: offset + ks[key]].to(grad.dtype)
                 offset += ks[key]
                 out[key] = flat.reshape(grad.shape)
@@ -271,7 +272,7 @@ class LocalTopK(_SelectedTopK):
                 chosen = select(p, self.k(p.numel()), self.config.selection)
                 self.memory.update(key, p, sparsify(p, chosen))
             else:  # contribute nothing, leave the memory as it was
-                chosen = torch.zeros(0, dtype=torch.int64)
+                chosen = torch.zeros(0, dtype=torch.int64, device=flat.device)
             payloads[key] = SparsePayload(flat[chosen], chosen, flat.numel())
         futures = []
         if dense:
