@@ -12,6 +12,7 @@ from torch import nn
 from thinwire.autodiff import DistributedAutodiff
 from thinwire.autodiff.power import reconstruct, structured_power_iterations
 from thinwire.comm import Meter
+from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress.lowrank import seeded_normal
 from thinwire.train.gru import GRUClassifier
 from thinwire.train.launch import spawn
@@ -82,9 +83,14 @@ def _sites(rank: int, world_size: int, scenarios: list[dict[str, Any]]) -> dict[
         site = scenario.get("assignment", list(range(world_size)))[rank]
         model = _model(scenario["kind"])
         meter = Meter(rank, world_size)
-        engine = DistributedAutodiff(model, scenario["mode"], meter=meter,
-                                     **scenario.get("options", {}))
-        grads = _train(model, data[site], engine)
+        mode, options = scenario.get("per_rank", {}).get(rank, (scenario["mode"],
+                                                               scenario.get("options", {})))
+        engine = DistributedAutodiff(model, mode, meter=meter, **options)
+        try:
+            grads = _train(model, data[site], engine)
+        except PeerMismatchError as error:
+            results[scenario["label"]] = {"error": str(error)}
+            continue
         results[scenario["label"]] = {"grads": grads, "records": meter.records,
                                       "q": engine.powersgd.q, "ranks": engine.ranks.records}
     return results
@@ -122,6 +128,10 @@ def two_sites() -> list[dict[str, Any]]:
          "options": {"rank": 8, "iterations": 60, "theta": 0.0}},
         {"label": "dad-equal", "kind": "mlp", "mode": "dad", "data": equal},
         {"label": "edad-equal", "kind": "mlp", "mode": "edad", "data": equal},
+        {"label": "mode-mismatch", "kind": "mlp", "mode": "dad", "data": mlp,
+         "per_rank": {1: ("rank-dad", {})}},
+        {"label": "rank-mismatch", "kind": "mlp", "mode": "rank-dad", "data": mlp,
+         "per_rank": {0: ("rank-dad", {"rank": 2}), 1: ("rank-dad", {"rank": 3})}},
     ]
     results = spawn(_sites, 2, scenarios)
     return [{"scenarios": {s["label"]: s for s in scenarios}, **r} for r in results]
@@ -273,3 +283,12 @@ def test_exact_modes_equal_pooled_training_on_three_sites() -> None:
     for result in results:
         for mode in ("dad", "edad", "dsgd"):
             assert _max_error(result[mode]["grads"], pooled) < 1e-10, mode
+
+
+@pytest.mark.parametrize(("label", "field"), [("mode-mismatch", "'config.mode'"),
+                                              ("rank-mismatch", "'config.rank'")])
+def test_mismatched_sites_raise_the_same_error_on_every_site(two_sites: list[dict[str, Any]],
+                                                             label: str, field: str) -> None:
+    errors = [two_sites[rank][label]["error"] for rank in range(2)]
+    assert errors[0] == errors[1] and "the dAD engine" in errors[0]
+    assert f"{field} is" in errors[0]

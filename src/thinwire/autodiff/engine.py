@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from thinwire._version import __version__
 from thinwire.autodiff import edad
 from thinwire.autodiff._wire import Block, Site, all_reduce_sum, gather
 from thinwire.autodiff.capture import Capture, Step
@@ -71,6 +72,7 @@ from thinwire.autodiff.powersgd_mode import PowerSGDState
 from thinwire.autodiff.ranks import EffectiveRanks
 from thinwire.comm import Meter, world
 from thinwire.comm.collectives import Group
+from thinwire.comm.fingerprint import check_peers
 from thinwire.compress.lowrank import seeded_normal
 from thinwire.feedback import all_finite, check_policy
 
@@ -155,6 +157,7 @@ class DistributedAutodiff:
         self.layers = _linear_layers(model, mode) if mode in ROW_MODES else {}
         self._capture = Capture(model, self.layers, record_calls=mode == "edad")
         self._verified = not self.config.verify
+        self._agreed = False  # peers compared at the first synchronize()
 
     # ----------------------------------------------------------------- step
     def synchronize(self, batch_size: int | None = None) -> Grads:
@@ -170,11 +173,15 @@ class DistributedAutodiff:
             The global gradients by parameter name (also written to ``.grad``).
 
         Raises:
+            PeerMismatchError: (first call) another site runs another mode, config,
+                parameter set or thinwire version; raised on every site alike.
             RuntimeError: no forward/backward since the last call, or more
                 than one forward with gradients enabled (run evaluation under
                 ``torch.no_grad()``).
             FloatingPointError: non-finite statistics under ``nonfinite="raise"``.
         """
+        if not self._agreed:
+            self._agree()
         step = self._capture.take()
         batch = self._batch(step, batch_size)
         if self.config.mode in ROW_MODES:
@@ -198,6 +205,13 @@ class DistributedAutodiff:
         if self.meter is not None:
             self.meter.next_step()
         return grads
+
+    def _agree(self) -> None:
+        parameters = {name: f"{tuple(p.shape)} {p.dtype}" for name, p in self.params.items()}
+        device = next(iter(self.params.values())).device if self.params else None
+        check_peers({"config": asdict(self.config), "parameters": parameters,
+                     "thinwire": __version__}, "the dAD engine", self.group, device)
+        self._agreed = True
 
     def _batch(self, step: Step, batch_size: int | None) -> int:
         if step.forwards > 1:
