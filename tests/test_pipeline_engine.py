@@ -15,6 +15,7 @@ from torch import nn
 
 from thinwire.cli import main
 from thinwire.comm import Meter
+from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import keep_count
 from thinwire.pipeline import Pipeline, build_schedule, build_stage, split
 from thinwire.train.dlrm import dlrm
@@ -83,6 +84,12 @@ def _pipeline_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
         results.append({"grads": grads, "reference": {k: reference[k] for k in grads},
                         "records": [(r.entity, r.layer, r.collective, r.nbytes)
                                     for r in meter.records]})
+    stages = split(_model(), ["bottom.3"], dense, side=side, sparsity=[0.5, 0.75][rank])
+    try:
+        build_stage(stages, rank, dense, MICROBATCHES, side=side)
+        results.append({"mismatch": ""})
+    except PeerMismatchError as error:
+        results.append({"mismatch": str(error)})
     return results
 
 
@@ -126,6 +133,13 @@ def test_each_crossing_sends_exactly_the_payload(pipeline_runs: list[list[dict[s
         expected_backward = [("X_grad", "bottom.3", "send", rows * k * 4)]  # values only
     assert forward == expected_forward * MICROBATCHES
     assert backward == expected_backward * MICROBATCHES
+
+
+def test_stages_split_with_different_boundaries_raise_the_same_error_on_both_ranks(
+        pipeline_runs: list[list[dict[str, Any]]]) -> None:
+    errors = [pipeline_runs[rank][-1]["mismatch"] for rank in range(2)]
+    assert errors[0] == errors[1] and "the pipeline stages" in errors[0]
+    assert "sparsity=0.5" in errors[0] and "sparsity=0.75" in errors[0]
 
 
 def test_hybrid_two_stages_by_two_replicas_runs_from_the_cli(

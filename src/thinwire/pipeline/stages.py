@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from thinwire._version import __version__
 from thinwire.comm import Meter
+from thinwire.comm.fingerprint import check_peers
 from thinwire.pipeline.split import Stage
 
 # name -> schedule class; each takes (stage, n_microbatches, loss_fn=...).
@@ -140,7 +142,11 @@ def build_stage(stages: Sequence[Stage], index: int, example: Any, n_microbatche
 
     Raises:
         ValueError: a boundary kind the engine cannot carry, or a bad microbatching.
+        PeerMismatchError: another rank of ``group`` split another model, with other
+            boundaries or microbatches, or runs another thinwire version (raised on
+            every rank alike; ``build_stage`` is a collective over ``group``).
     """
+    check_peers(_fingerprint(stages, n_microbatches), "the pipeline stages", group, device)
     for stage in stages:
         for module in (stage.sender, stage.receiver):
             if module is not None and not getattr(module, "pipelines", True):
@@ -152,6 +158,16 @@ def build_stage(stages: Sequence[Stage], index: int, example: Any, n_microbatche
     submodule = stages[index] if wrap is None else wrap(stages[index])
     return MeteredStage(submodule, index, len(stages), device or torch.device("cpu"),
                         input_args, output_args, group=group, meter=meter, names=names)
+
+
+def _fingerprint(stages: Sequence[Stage], n_microbatches: int) -> dict[str, Any]:
+    """What every rank of a pipeline must share: each stage's modules (boundary
+    configs included, via their reprs) and parameters, the microbatches, the version."""
+    return {"microbatches": n_microbatches, "thinwire": __version__,
+            "stages": {str(i): repr(stage) for i, stage in enumerate(stages)},
+            "parameters": {f"{i}.{name}": f"{tuple(p.shape)} {p.dtype}"
+                           for i, stage in enumerate(stages)
+                           for name, p in stage.named_parameters()}}
 
 
 def build_schedule(name: str, stage: PipelineStage, n_microbatches: int,
