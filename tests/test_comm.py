@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from thinwire.comm import Meter, all_gather_bytes
 from thinwire.comm.meter import TRAFFIC
@@ -81,8 +84,22 @@ def _gather_payloads(rank: int, world_size: int) -> tuple[list[bytes], list[int]
                                                                           ["total"])
 
 
-def test_sparse_all_gather_reconstructs_the_exact_sum() -> None:
-    results = spawn(_gather_payloads, 3)
+def _all(rank: int, world_size: int) -> dict[str, Any]:
+    """Every multi-process case in one spawn of three ranks; the scheme cases run on a
+    group of ranks 0 and 1."""
+    pair = dist.new_group([0, 1])
+    return {"gather": _gather_payloads(rank, world_size),
+            **{name: _reduce_with_scheme(rank, name, pair) if rank < 2 else None
+               for name in SCHEMES}}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return spawn(_all, 3)
+
+
+def test_sparse_all_gather_reconstructs_the_exact_sum(runs: list[dict[str, Any]]) -> None:
+    results = [r["gather"] for r in runs]
     sizes = [r[1][0] for r in results]
     for buffers, _, handed in results:
         assert [len(b) for b in buffers] == sizes  # each rank's bytes, unpadded
@@ -106,22 +123,26 @@ def test_sparse_all_gather_reconstructs_the_exact_sum() -> None:
         assert torch.equal(total, expected)
 
 
-def _reduce_with_scheme(rank: int, world_size: int, name: str) -> tuple[dict[str, torch.Tensor],
-                                                                         dict[str, torch.Tensor],
-                                                                         dict[str, float]]:
+SCHEMES = ("dense", "dct-dp")
+
+
+def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                   dict[str, float]]:
     generator = torch.Generator().manual_seed(10 + rank)
     grads = {"w": torch.randn(32, 8, generator=generator, dtype=torch.float64),
              "b": torch.randn(8, generator=generator, dtype=torch.float64)}
     scheme = build(name, sparsity=0.9, life_span=1) if name == "dct-dp" else build(name)
-    scheme.meter = Meter(rank, world_size)
-    out = scheme.reduce(grads)
+    scheme.meter = Meter(rank, 2)
+    out = scheme.reduce(grads, group)
     scheme.meter.next_step()
     return grads, out, scheme.meter.bytes_per_step("layer")
 
 
-@pytest.mark.parametrize("name", ["dense", "dct-dp"])
-def test_scheme_reduce_averages_what_each_rank_sent(name: str) -> None:
-    results = spawn(_reduce_with_scheme, 2, name)
+@pytest.mark.parametrize("name", SCHEMES)
+def test_scheme_reduce_averages_what_each_rank_sent(runs: list[dict[str, Any]],
+                                                    name: str) -> None:
+    results = [r[name] for r in runs[:2]]
     grads = [r[0] for r in results]
     for key in ("w", "b"):
         if name == "dense":

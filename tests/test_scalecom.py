@@ -7,6 +7,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import ddp, schemes
@@ -241,7 +242,8 @@ CONFIGS = {  # name -> (scheme, options)
 }
 
 
-def _cltk_worker(rank: int, world_size: int) -> dict[str, object]:
+def _cltk_worker(rank: int, world_size: int, group: dist.ProcessGroup | None = None
+                 ) -> dict[str, object]:
     built = {label: schemes.build(name, **options) for label, (name, options) in CONFIGS.items()}
     meters = {}
     for label, scheme in built.items():
@@ -250,7 +252,7 @@ def _cltk_worker(rank: int, world_size: int) -> dict[str, object]:
     for step in range(STEPS):
         grads = _worker_grads(rank, step)
         for label, scheme in built.items():
-            result = scheme.reduce(grads)
+            result = scheme.reduce(grads, group)
             record: dict[str, object] = {"result": result,
                                          "memory": dict(scheme.memory.buffers)}
             if label != "local":
@@ -259,17 +261,29 @@ def _cltk_worker(rank: int, world_size: int) -> dict[str, object]:
             trace[label].append(record)
             meters[label].next_step()
     return {"trace": trace, "bytes": {label: m.summary() for label, m in meters.items()},
-            "ddp": _ddp_run(rank) if world_size == 2 else None}
+            "ddp": _ddp_run(rank, group) if world_size == 2 else None}
 
 
-def _ddp_run(rank: int) -> tuple[list[torch.Tensor], list[int]]:
+def _both_sizes(rank: int, world_size: int) -> dict[int, dict[str, object]]:
+    """World sizes 3 and 2 in one spawn: the 2-rank runs use a group of ranks 0 and 1."""
+    pair = dist.new_group([0, 1])
+    out = {3: _cltk_worker(rank, 3)}
+    if rank < 2:
+        out[2] = _cltk_worker(rank, 2, pair)
+    dist.barrier()
+    return out
+
+
+def _ddp_run(rank: int, group: dist.ProcessGroup | None
+             ) -> tuple[list[torch.Tensor], list[int]]:
     """Three SGD steps of a small model through DDP with several buckets and clt-k."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 3)).double()
     # torch 2.13 rebuilds a small model into one bucket after the first step unless it
     # looks for unused parameters; then the small cap keeps several buckets.
-    wrapped = DistributedDataParallel(model, bucket_cap_mb=0.001, find_unused_parameters=True)
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=0.001, find_unused_parameters=True,
+                                      process_group=group)
     scheme = schemes.build("clt-k", ratio=0.1)
     launches: list[int] = []
     launch = scheme.launch
@@ -324,7 +338,8 @@ def _reference(label: str, world_size: int) -> list[dict[str, object]]:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict[str, object]]]:
-    return {n: spawn(_cltk_worker, n) for n in (2, 3)}
+    per_rank = spawn(_both_sizes, 3)
+    return {n: [ranks[n] for ranks in per_rank if n in ranks] for n in (2, 3)}
 
 
 @pytest.mark.parametrize("label", ["chunk", "exact"])
