@@ -154,6 +154,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
                     break
             except ProcessException as error:
                 cause = str(error).strip().splitlines()[-1]
+                cause = cause.removeprefix(f"{RankFailed.__module__}.RankFailed: ")
                 raise RankFailed(f"{cause}\n{_report(workdir, states)}\n"
                                    f"rank {error.error_index}'s traceback:{error}") from None
             if deadline_s is not None and time.monotonic() - start > deadline_s:
