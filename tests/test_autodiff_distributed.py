@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -76,7 +77,8 @@ def _pooled(kind: str, data: Batches) -> list[dict[str, torch.Tensor]]:
     return _train(_model(kind), steps, None)
 
 
-def _sites(rank: int, world_size: int, scenarios: list[dict[str, Any]]) -> dict[str, Any]:
+def _sites(rank: int, world_size: int, scenarios: list[dict[str, Any]],
+           group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     results = {}
     for scenario in scenarios:
         data = scenario["data"]
@@ -85,7 +87,7 @@ def _sites(rank: int, world_size: int, scenarios: list[dict[str, Any]]) -> dict[
         meter = Meter(rank, world_size)
         mode, options = scenario.get("per_rank", {}).get(rank, (scenario["mode"],
                                                                scenario.get("options", {})))
-        engine = DistributedAutodiff(model, mode, meter=meter, **options)
+        engine = DistributedAutodiff(model, mode, group, meter=meter, **options)
         try:
             grads = _train(model, data[site], engine)
         except PeerMismatchError as error:
@@ -104,8 +106,36 @@ SIZES_2 = [5, 3]
 SIZES_3 = [4, 2, 3]
 
 
+def _both(rank: int, world_size: int, two: list[dict[str, Any]],
+          three: list[dict[str, Any]]) -> dict[str, Any]:
+    """Three sites, then two on a group of ranks 0 and 1: one spawn for every scenario."""
+    pair = dist.new_group([0, 1])
+    out = {"three": _sites(rank, 3, three)}
+    if rank < 2:
+        out["two"] = _sites(rank, 2, two, pair)
+    dist.barrier()
+    return out
+
+
+THREE_DATA = _batches("mlp", SIZES_3)
+THREE = [{"label": m, "kind": "mlp", "mode": m, "data": THREE_DATA}
+         for m in ("dad", "edad", "dsgd")]
+
+
 @pytest.fixture(scope="module")
-def two_sites() -> list[dict[str, Any]]:
+def three_sites(two_and_three: tuple[list[dict[str, Any]], list[dict[str, Any]]]
+                ) -> list[dict[str, Any]]:
+    return two_and_three[1]
+
+
+@pytest.fixture(scope="module")
+def two_sites(two_and_three: tuple[list[dict[str, Any]], list[dict[str, Any]]]
+              ) -> list[dict[str, Any]]:
+    return two_and_three[0]
+
+
+@pytest.fixture(scope="module")
+def two_and_three() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     mlp, gru = (_batches(k, SIZES_2) for k in ("mlp", "gru"))
     wide = _batches("wide", [3, 1])  # pooled batch 4: every gradient has rank <= 4
     equal = _batches("mlp", [4, 4])
@@ -133,8 +163,9 @@ def two_sites() -> list[dict[str, Any]]:
         {"label": "rank-mismatch", "kind": "mlp", "mode": "rank-dad", "data": mlp,
          "per_rank": {0: ("rank-dad", {"rank": 2}), 1: ("rank-dad", {"rank": 3})}},
     ]
-    results = spawn(_sites, 2, scenarios)
-    return [{"scenarios": {s["label"]: s for s in scenarios}, **r} for r in results]
+    results = spawn(_both, 3, scenarios, THREE)
+    return ([{"scenarios": {s["label"]: s for s in scenarios}, **r["two"]} for r in results[:2]],
+            [r["three"] for r in results])
 
 
 @pytest.mark.parametrize("mode", ["dad", "edad", "dsgd", "private", "edad-private"])
@@ -274,13 +305,10 @@ def test_unequal_batches_pad_the_smaller_site(two_sites: list[dict[str, Any]]) -
     assert _bytes(small, "activation", "(padding)") == (SIZES_2[0] - SIZES_2[1]) * width
 
 
-def test_exact_modes_equal_pooled_training_on_three_sites() -> None:
-    data = _batches("mlp", SIZES_3)
-    scenarios = [{"label": m, "kind": "mlp", "mode": m, "data": data}
-                 for m in ("dad", "edad", "dsgd")]
-    results = spawn(_sites, 3, scenarios)
-    pooled = _pooled("mlp", data)
-    for result in results:
+def test_exact_modes_equal_pooled_training_on_three_sites(
+        three_sites: list[dict[str, Any]]) -> None:
+    pooled = _pooled("mlp", THREE_DATA)
+    for result in three_sites:
         for mode in ("dad", "edad", "dsgd"):
             assert _max_error(result[mode]["grads"], pooled) < 1e-10, mode
 
