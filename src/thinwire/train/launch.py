@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 DEFAULT_TIMEOUT_S = 300.0  # process-group timeout of local jobs: minutes, not torch's 30
+_START_S = 600.0  # how long ranks wait for each other to start (a hang guard only)
 _GRACE_S = 2.0  # after a failure, seconds the other ranks get before SIGTERM, then SIGKILL
 _phase_file: str | None = None  # set in each spawned rank
 _phase = "starting"
@@ -76,9 +77,16 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, tim
     global _phase_file
     _phase_file = os.path.join(workdir, f"phase{rank}")
     torch.set_num_threads(threads)  # several ranks share few cores
+    phase("waiting for every rank to start")
+    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+    # A slow start (imports on a busy machine) is not a stalled peer: wait for every rank
+    # under the start-up guard, so that the short timeout only bounds waits in training.
+    store.set_timeout(timedelta(seconds=max(timeout_s, _START_S)))
+    store.set(f"started{rank}", "1")
+    store.wait([f"started{r}" for r in range(world_size)])
     phase("joining the process group")
-    dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     try:
         try:
             result = fn(rank, world_size, *args)
