@@ -111,3 +111,10 @@ def test_diverged_replicas_fail_the_compare_job(tmp_path: Path, capsys: pytest.C
     code = main(["compare", "--schemes", "dense", "--workers", "2", "--out", str(tmp_path)])
     assert code == 1
     assert "replicas diverged under dense" in capsys.readouterr().err
+
+
+def test_train_rejects_unknown_options_before_joining_the_job(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")  # as under torchrun; nothing may join a group
+    assert main(["train", "--scheme", "dct-dp", "--option", "bogus=1"]) == 2
+    assert "'bogus' is not an option of dct-dp" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm import Meter, all_gather_bytes
+from thinwire.comm.fingerprint import check_peers, describe, digest, flatten
 from thinwire.comm.meter import TRAFFIC
 from thinwire.compress import SparsePayload
 from thinwire.schemes import build
@@ -164,3 +165,20 @@ def test_scheme_reduce_averages_what_each_rank_sent(runs: list[dict[str, Any]],
         assert layers == {"w": 32 * 8 * 8, "b": 8 * 8}
     else:  # header + bitmap (k = 26 > 256 / 32) or k int32 indices (k = 1) + fp32 values
         assert layers["w"] == 4 + 256 // 8 + 26 * 4 and layers["b"] == 4 + 4 + 4
+
+
+def test_fingerprint_fields_flatten_and_a_mismatch_names_each_differing_field() -> None:
+    ranks = [flatten({"scheme": "dct-dp", "config": {"sparsity": 0.9, "life_span": 10}}),
+             flatten({"scheme": "dct-dp", "config": {"sparsity": 0.99, "life_span": 10}})]
+    assert ranks[0] == {"scheme": '"dct-dp"', "config.sparsity": "0.9", "config.life_span": "10"}
+    assert digest(ranks[0]) != digest(ranks[1])
+    assert digest(ranks[0]) == digest(dict(reversed(ranks[0].items())))  # order-free
+    message = describe(ranks, "the DDP hook")
+    assert "'config.sparsity' is 0.9 on rank 0, 0.99 on rank 1" in message
+    assert "life_span" not in message
+    many = [flatten({f"f{i}": i for i in range(7)}), flatten({f"f{i}": -i for i in range(7)})]
+    assert describe(many, "x").count(" is ") == 4 and "and 2 more field(s)" in describe(many, "x")
+
+
+def test_peer_check_is_a_no_op_in_one_process() -> None:
+    check_peers({"scheme": "anything"}, "the DDP hook")
