@@ -54,9 +54,26 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"expected DistributedDataParallel, got {type(ddp_model).__name__}")
-    if meter is not None:
-        scheme.meter = meter
-    names = {id(p): name for name, p in ddp_model.module.named_parameters()}
-    state = HookState(scheme, names, group if group is not None else ddp_model.process_group)
+    state = hook_state(ddp_model.module, scheme,
+                       group if group is not None else ddp_model.process_group, meter)
     ddp_model.register_comm_hook(state, comm_hook)
     return state
+
+
+def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
+               meter: Meter | None = None) -> HookState:
+    """The state for :func:`comm_hook`, for frameworks that register the hook themselves.
+
+    PyTorch Lightning takes it as ``DDPStrategy(ddp_comm_state=hook_state(model, scheme),
+    ddp_comm_hook=comm_hook)``.
+
+    Args:
+        module: the model DDP wraps (its parameter names key the scheme's state).
+        scheme: from :func:`thinwire.schemes.build`.
+        group: the process group to reduce over; None: the default group.
+        meter: records the bytes handed to torch.distributed; attached to the scheme.
+    """
+    if meter is not None:
+        scheme.meter = meter
+    names = {id(p): name for name, p in module.named_parameters()}
+    return HookState(scheme, names, group)
