@@ -6,11 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench bench-run bench-check clean
 
+# Installation prints pip's own progress (a few minutes on a fresh machine).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "Installing into $(VENV): torch (CPU build) first, then thinwire and its tools"
 	# The CPU build of torch, pinned exactly: any looser spec pulls CUDA wheels.
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install --progress-bar on torch==2.13.0
+	$(BIN)/python -m pip install --progress-bar on -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -20,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy src/thinwire
 
 # `make bench` regenerates docs/results.md from the newest results/ files; `make bench-run`

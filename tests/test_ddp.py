@@ -125,6 +125,21 @@ def _mismatch_run(rank: int, pair: str) -> str:
     return ""
 
 
+def _mismatch_at_first_call(rank: int) -> str:
+    """Frameworks that register the hook themselves (``hook_state``): the peers are
+    compared at the hook's first call, inside backward."""
+    name, config = MISMATCHES["sparsity"][rank]
+    model = _model()
+    net = DistributedDataParallel(model)
+    net.register_comm_hook(ddp.hook_state(model, build(name, **config)), ddp.comm_hook)
+    x, y = _batch(rank, 0)
+    try:
+        nn.functional.cross_entropy(net(x), y).backward()
+    except Exception as error:  # DDP's reducer re-raises the hook's error as its own
+        return str(error)
+    return ""
+
+
 def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     """Every DDP scenario in one process group: one spawn instead of ten."""
     return {
@@ -138,6 +153,7 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "nan": _ddp_run(rank, world_size, "dct-dp", {**DCT, "nonfinite": "skip"}, 0.001,
                         (1, 2)),
         "mismatch": {pair: _mismatch_run(rank, pair) for pair in MISMATCHES},
+        "mismatch-at-first-call": _mismatch_at_first_call(rank),  # last: it breaks a DDP
     }
 
 
@@ -195,3 +211,10 @@ def test_mismatched_peers_raise_the_same_error_on_every_rank_naming_the_field(
 
 def test_agreeing_peers_register_without_error(runs: list[dict[str, Any]]) -> None:
     assert [r["mismatch"]["agree"] for r in runs] == ["", ""]
+
+
+def test_hook_state_users_get_the_mismatch_at_the_first_backward(
+        runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        assert "peers of the DDP hook disagree" in r["mismatch-at-first-call"]
+        assert "'config.sparsity' is 0.9 on rank 0, 0.99 on rank 1" in r["mismatch-at-first-call"]

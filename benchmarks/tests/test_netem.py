@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
 from benchmarks import overhead, report
 from benchmarks.machine import CpuWatch, busy_seconds
 from benchmarks.netem import harness, net
 from benchmarks.netem.anchors import ANCHORS, powersgd_bytes
 from benchmarks.netem.summary import derive, floor_s, same_trajectory, speedups
 from benchmarks.netem.worker import WireMeter, shaper_bytes, train, window_traffic
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
-
 from thinwire import schemes
 from thinwire.comm import Meter
 from thinwire.train.launch import spawn

@@ -1,5 +1,5 @@
 """Front door 1: synchronous data parallel through DDP communication hooks."""
 
-from thinwire.ddp.hook import HookState, comm_hook, register
+from thinwire.ddp.hook import HookState, comm_hook, hook_state, register
 
-__all__ = ["HookState", "comm_hook", "register"]
+__all__ = ["HookState", "comm_hook", "hook_state", "register"]

@@ -2,7 +2,7 @@
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,19 @@ class HookState:
     scheme: Scheme
     names: dict[int, str]  # id(parameter) -> name, so state is keyed by parameter
     group: Group = None
+    fields: dict[str, Any] = field(default_factory=dict)  # what every rank must share
+    agreed: bool = False  # peers compared (at register, else at the hook's first call)
+
+
+def agree(state: HookState, device: torch.device | None) -> None:
+    """Compare ``state.fields`` across the group once (see :func:`check_peers`).
+
+    Raises:
+        PeerMismatchError: on every rank alike, naming the fields that differ.
+    """
+    if not state.agreed:
+        check_peers(state.fields, "the DDP hook", state.group, device)
+        state.agreed = True
 
 
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
@@ -31,6 +44,7 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     and return a future of the bucket's flat averaged gradient."""
     grads = {state.names[id(p)]: g for p, g in zip(bucket.parameters(), bucket.gradients())}
     buffer = bucket.buffer()
+    agree(state, buffer.device)  # a no-op after register; here for hook_state's users
 
     def flatten(fut: Future[Any]) -> torch.Tensor:  # no collectives here: decode only
         reduced = fut.value()
@@ -60,13 +74,30 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"expected DistributedDataParallel, got {type(ddp_model).__name__}")
-    if meter is not None:
-        scheme.meter = meter
-    named = list(ddp_model.module.named_parameters())
-    names = {id(p): name for name, p in named}
-    state = HookState(scheme, names, group if group is not None else ddp_model.process_group)
-    parameters = {name: f"{tuple(p.shape)} {p.dtype}" for name, p in named if p.requires_grad}
-    check_peers({**fingerprint(scheme), "parameters": parameters, "thinwire": __version__},
-                "the DDP hook", state.group, named[0][1].device if named else None)
+    state = hook_state(ddp_model.module, scheme,
+                       group if group is not None else ddp_model.process_group, meter)
+    parameter = next(ddp_model.module.parameters(), None)
+    agree(state, parameter.device if parameter is not None else None)
     ddp_model.register_comm_hook(state, comm_hook)
     return state
+
+
+def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
+               meter: Meter | None = None) -> HookState:
+    """The state for :func:`comm_hook`, for frameworks that register the hook themselves.
+
+    PyTorch Lightning takes it as ``DDPStrategy(ddp_comm_state=hook_state(model, scheme),
+    ddp_comm_hook=comm_hook)``.
+
+    Args:
+        module: the model DDP wraps (its parameter names key the scheme's state).
+        scheme: from :func:`thinwire.schemes.build`.
+        group: the process group to reduce over; None: the default group.
+        meter: records the bytes handed to torch.distributed; attached to the scheme.
+    """
+    if meter is not None:
+        scheme.meter = meter
+    named = list(module.named_parameters())
+    parameters = {name: f"{tuple(p.shape)} {p.dtype}" for name, p in named if p.requires_grad}
+    return HookState(scheme, {id(p): name for name, p in named}, group,
+                     {**fingerprint(scheme), "parameters": parameters, "thinwire": __version__})
