@@ -128,7 +128,7 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
 
     Raises:
         ValueError: a bad scheme, option or count (before anything is spawned).
-        RuntimeError: a rank failed or a peer stalled past ``timeout_s``.
+        RankFailed: a rank failed or a peer stalled past ``timeout_s``.
     """
     if workers < 1:
         raise ValueError(f"workers={workers!r} must be >= 1")
