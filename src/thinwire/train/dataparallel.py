@@ -76,6 +76,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     results: accuracy, loss, bytes, overhead, timings, curves, final weights.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    phase(f"{name} setup")
     train, test = load_digits(seed=options.seed)
     local = shard(train, rank, world_size)
     torch.manual_seed(options.seed)

@@ -87,6 +87,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, tim
     phase("joining the process group")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    phase("running")
     try:
         try:
             result = fn(rank, world_size, *args)
