@@ -91,7 +91,8 @@ class AutodiffConfig:
 
     mode: str = "dad"  # one of MODES
     rank: int = 4  # maximum rank r of rank-dad, powersgd and the "factor" fallback
-    theta: float = 1e-3  # rank-dad stops when a component changes the gradient by < θ (§3.4.1)
+    theta: float = 1e-3  # rank-dad's stopping threshold θ (§3.4.1)
+    stopping: str = "paper"  # rank-dad's stopping rule: "paper" (§3.4.1) or "residual"
     iterations: int = 10  # power iterations per rank-dad component (§4.2 uses 10)
     private_input: bool = False  # keep the first layer's inputs (the raw data) on the site
     private_fallback: str = "all_reduce"  # a private layer sends its gradient, or "factor"s
@@ -104,7 +105,7 @@ class AutodiffConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} must be one of {MODES}")
-        check_power_options(self.rank, self.theta, self.iterations)
+        check_power_options(self.rank, self.theta, self.iterations, self.stopping)
         if self.private_fallback not in FALLBACKS:
             raise ValueError(f"private_fallback={self.private_fallback!r} must be one of "
                              f"{FALLBACKS}")
@@ -380,17 +381,19 @@ class DistributedAutodiff:
             return seeded_normal(f"{name}/{self.step}/{j}", (deltas.shape[1],),
                                  self.config.seed, dtype=deltas.dtype)
 
-        theta, iterations = self.config.theta, self.config.iterations
+        theta, iterations, stopping = (self.config.theta, self.config.iterations,
+                                       self.config.stopping)
         if self.config.error_feedback:
             compensated = deltas.T @ acts
             if name in self.errors:
                 compensated = compensated + self.errors[name]
             factors = dense_power_iterations(compensated, self.config.rank, start, theta=theta,
-                                             iterations=iterations)
+                                             iterations=iterations, stopping=stopping)
             self.errors[name] = compensated - reconstruct(factors.acts, factors.deltas)
         else:
             factors = structured_power_iterations(acts, deltas, self.config.rank, start,
-                                                  theta=theta, iterations=iterations)
+                                                  theta=theta, iterations=iterations,
+                                                  stopping=stopping)
         self.ranks.record(self.step, name, factors.rank)
         return factors
 
