@@ -440,6 +440,7 @@ class Compact(Sender):
         self.payload_size = 1 if sparsity == 0 else 2
         self.trace: list[tuple[float, float]] = []
         self.overflow: list[float] = []
+        self.tau: torch.Tensor
         self.register_buffer("tau", torch.tensor(math.nan))
 
     def encode(self, acts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -447,7 +448,7 @@ class Compact(Sender):
         if self.sparsity == 0:
             return (acts if self.wire is None else acts.to(self.wire),)
         learning = self.training and torch.is_grad_enabled()
-        tau = None
+        tau: torch.Tensor | None = None
         if self.threshold != "topk":
             stored = self.tau
             if self.threshold == "laplace" and not learning and bool(stored.isfinite()):

@@ -80,9 +80,9 @@ class DCConfig(SGDConfig):
         super().__post_init__()
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r} must be one of {VARIANTS}")
-        if self.lam is None:
-            object.__setattr__(self, "lam", PAPER_LAMBDA[self.variant])
-        _non_negative("lam", self.lam)
+        lam = PAPER_LAMBDA[self.variant] if self.lam is None else self.lam
+        _non_negative("lam", lam)
+        object.__setattr__(self, "lam", lam)
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive={self.adaptive!r} must be True or False")
         check_fraction("ms_decay", self.ms_decay, 0.0, 1.0, closed_low=True, closed_high=False)
