@@ -146,3 +146,27 @@ def test_edad_replay_catches_randomness_it_cannot_replay() -> None:
     engine = DistributedAutodiff(model, "edad")
     with pytest.raises(ValueError, match="recomputed deltas differ"):
         _step(model, engine, torch.randn(6, 3))
+
+
+class _OneLayerRecurrence(nn.Module):
+    """Only the output layer, called at every step on its own previous output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(3):
+            h = torch.tanh(self.out(h))
+        return h
+
+
+def test_edad_replay_with_only_the_output_layer_keeps_autograds_gradient() -> None:
+    model = _OneLayerRecurrence().double()
+    engine = DistributedAutodiff(model, "edad")
+    F.cross_entropy(model(torch.randn(4, 3, dtype=torch.float64)),
+                    torch.tensor([0, 1, 2, 0])).backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    got = engine.synchronize()
+    assert max(float((got[name] - want[name]).abs().max()) for name in want) < 1e-12

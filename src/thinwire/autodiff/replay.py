@@ -119,7 +119,8 @@ def replay(model: nn.Module, layers: dict[str, nn.Linear], calls: dict[str, int]
             seeds = [pooled(top_chunks, c, out, last) for c, out in enumerate(outputs[last])]
             earlier = [name for name in layers if name != last]
             flat = [out for name in earlier for out in outputs[name]]
-            grads = torch.autograd.grad(outputs[last], flat, seeds, allow_unused=True)
+            grads = (torch.autograd.grad(outputs[last], flat, seeds, allow_unused=True)
+                     if flat else ())
     finally:
         for handle in handles:
             handle.remove()
