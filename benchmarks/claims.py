@@ -369,7 +369,9 @@ def render(data: dict[str, Data]) -> str:
         "every number below is read from them. Verdict: does the direction and the size "
         "reproduce (yes / partly / no), and why. Data sets are substitutes (no package "
         "ships CIFAR-10, Criteo or the production models): see each row. A benchmark's "
-        "output becomes a data file with `python -m benchmarks.claims --ship KIND FILE`.",
+        "output becomes a data file with `python -m benchmarks.claims --ship KIND FILE`. "
+        "Commands run from the repository root with `PYTHONPATH=src:.`, on a shared 2-core "
+        "CPU machine (timings in the benchmark pages say under what load).",
         "",
         "| paper | where | claim | ours | substitution | command | reproduces |",
         "| --- | --- | --- | --- | --- | --- | --- |",
