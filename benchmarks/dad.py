@@ -8,8 +8,9 @@ maximum gradient error against pooled training over the first epoch
 test AUC.
 
 Part 2, the GRU of §4.1.2 (hidden 64, head 512-256) on a UEA set that sktime
-ships (JapaneseVowels by default): dSGD, dAD, rank-dAD and PowerSGD by rank,
-with the effective rank per layer (Fig. 5). Skipped, with a message, when
+ships (JapaneseVowels by default): dSGD, dAD, edAD (Fig. 2), rank-dAD and
+PowerSGD by rank, with the effective rank per layer (Fig. 5; rank-dAD stops
+by the paper's rule, ``stopping="paper"``). Skipped, with a message, when
 sktime is not installed (``pip install 'thinwire[bench]'``).
 
 Usage::
@@ -34,6 +35,8 @@ import numpy as np
 from thinwire.autodiff import plots, sitedata
 from thinwire.autodiff.cli import table
 from thinwire.autodiff.experiment import Run, run_all
+
+QUICK = {"ranks": [2, 4], "epochs": 3, "seeds": 2}  # --quick: what fits a busy 2-core machine
 
 
 def _runs(modes: list[str], ranks: list[int], introspect: int, **common: Any) -> list[Run]:
@@ -163,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seeds (initial weights and batch order) for that comparison")
     parser.add_argument("--skip-gru", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smaller run: {', '.join(f'{k}={v}' for k, v in QUICK.items())}")
     args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
     os.makedirs(args.out, exist_ok=True)
     report: dict[str, Any] = {"args": vars(args)}
 
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nGRU part skipped: {error}")
         else:
             common = {**common, "epochs": args.gru_epochs, "hidden": (512, 256)}
-            runs = _runs(["dsgd", "dad"], args.ranks, args.introspect, **common)
+            runs = _runs(["dsgd", "dad", "edad"], args.ranks, args.introspect, **common)
             results = run_all(sequences, runs, 2)
             report[sequences.name] = _report(sequences.name, results, args.out,
                                              args.compare_rank)

@@ -49,6 +49,7 @@ from thinwire.train.dct_mp import TASKS, RunConfig, Task, train_engine, train_lo
 TABLE1 = {2: (0.75, 0.9, 0.95, 0.98), 3: (0.75, 0.9, 0.95)}  # stages -> sparsities (Table 1)
 TABLE3 = (0.75, 0.9, 0.95)  # Table 3 sparsities (both DCT-DP and DCT-MP)
 PROBE = (0.75, 0.9, 0.95)  # Fig. 5 sparsities
+FC_LAYERS = ("bottom.*", "top.*")  # DLRM's 8 FC layers: Table 3 compresses only these (§3.2)
 
 
 def _mp(sparsity: float, **extra: Any) -> dict[str, Any]:
@@ -157,7 +158,8 @@ def table3(bench: Bench, bar: tqdm, life_span: int) -> list[dict[str, Any]]:
         label = f"hybrid {sparsity:.0%}"
         result = bench.run(label, stages=3, replicas=2, boundary_options=_mp(sparsity),
                            dp_scheme="dct-dp",
-                           dp_options={"sparsity": sparsity, "life_span": life_span})
+                           dp_options={"sparsity": sparsity, "life_span": life_span,
+                                       "include": FC_LAYERS})
         row = _row(label, result, baseline, dense)
         row["W_grad_ratio"] = dense["W_grad"] / result["bytes_per_entity"]["W_grad"]
         rows.append(row)
@@ -169,15 +171,19 @@ def laplace_table(bench: Bench, bar: tqdm) -> list[dict[str, Any]]:
     baseline = bench.results["baseline"]
     dense = bench.results["dense-bytes-2"]["bytes_per_entity"]
     rows = []
-    for sparsity in TABLE1[2]:
-        label = f"laplace {sparsity:.0%}"
-        result = bench.run(label, stages=2, boundary_options=_mp(sparsity, threshold="laplace"))
-        trace = next(iter(result["trace"].values()))
-        row = _row(label, result, baseline, dense)
-        row["target_density"] = 1 - sparsity
-        row["final_density"] = statistics.fmean(d for _, d in trace[-20:])
-        rows.append(row)
-        bar.update()
+    for threshold in ("laplace", "laplace-row"):
+        for sparsity in TABLE1[2]:
+            label = f"{threshold} {sparsity:.0%}"
+            result = bench.run(label, stages=2,
+                               boundary_options=_mp(sparsity, threshold=threshold))
+            trace = next(iter(result["trace"].values()))
+            overflow = next(iter(result["overflow"].values()))
+            row = _row(label, result, baseline, dense)
+            row["target_density"] = 1 - sparsity
+            row["final_density"] = statistics.fmean(d for _, d in trace[-20:])
+            row["rows_falling_back_to_topk"] = statistics.fmean(overflow)
+            rows.append(row)
+            bar.update()
     return rows
 
 
@@ -315,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     bench = Bench(base)
     total = 9 + 1 + sum(len(s) for s in TABLE1.values()) + (0 if args.no_table3 else 4)
-    total += (4 if args.laplace else 0) + (6 if args.negative else 0)
+    total += (8 if args.laplace else 0) + (6 if args.negative else 0)
     summary: dict[str, Any] = {"config": dataclasses.asdict(base), "oracle": bench.task.oracle}
     sections: list[str] = []
     with tqdm(total=total, desc="dct_mp runs") as bar:
@@ -337,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.laplace:
             summary["laplace"] = laplace_table(bench, bar)
             sections.append("## Laplace threshold (MLSys App. B)\n\n" + markdown(
-                summary["laplace"], columns + ["target_density", "final_density"]))
+                summary["laplace"], columns + ["target_density", "final_density",
+                                               "rows_falling_back_to_topk"]))
         if args.negative:
             summary["negative"] = negative_table(bench, bar)
             sections.append("## Appendix A: what does not work\n\n" +
@@ -352,8 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{engine['replicas_identical']}\n\n```\n{json.dumps(engine['bytes'], indent=1)}\n```")
     summary["fig5"] = {label: result["thresholds"] for label, result in bench.results.items()
                        if result["thresholds"]}
-    summary["runs"] = {label: {k: v for k, v in result.items() if k not in ("thresholds",
-                                                                          "trace")}
+    summary["runs"] = {label: {k: v for k, v in result.items()
+                               if k not in ("thresholds", "trace", "overflow")}
                        for label, result in bench.results.items()}
     plots = [plot_fig5(bench, args.out), plot_table1(summary["table1"], args.out)]
     if args.laplace:

@@ -24,10 +24,31 @@ STEPS = 2
 Batches = list[list[tuple[torch.Tensor, torch.Tensor]]]  # [site][step] -> (x, y)
 
 
+class _Elman(nn.Module):
+    """A hand-built recurrent net: h_t = tanh(W_x·x_t + W_h·h_{t-1}), logits averaged over t,
+    so the output layer too is called once per time step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 6)
+        self.rec = nn.Linear(6, 6, bias=False)
+        self.out = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], 6)
+        logits = []
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.inp(x[:, t]) + self.rec(h))
+            logits.append(self.out(h))
+        return torch.stack(logits).mean(0)
+
+
 def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "gru":
         return GRUClassifier(3, 4, hidden=5, widths=(6,)).double()
+    if kind == "elman":
+        return _Elman().double()
     sizes = MLP if kind == "mlp" else WIDE
     layers: list[nn.Module] = []
     activations = [nn.ReLU(), nn.Tanh(), nn.LeakyReLU(0.1)]
@@ -47,7 +68,8 @@ def _batches(kind: str, sizes: list[int]) -> Batches:
         own = [c for c in range(classes) if c % len(sizes) == site]
         steps = []
         for _ in range(STEPS):
-            shape = (size, 5, 3) if kind == "gru" else (size, MLP[0] if kind == "mlp" else WIDE[0])
+            width = MLP[0] if kind == "mlp" else WIDE[0]
+            shape = (size, 5, 3) if kind in RECURRENT else (size, width)
             x = torch.randn(shape, generator=generator, dtype=torch.float64)
             y = torch.tensor(own, dtype=torch.int64)[torch.randint(len(own), (size,),
                                                                    generator=generator)]
@@ -102,6 +124,7 @@ def _max_error(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]
     return max(float((x[k] - y[k]).abs().max()) for x, y in zip(a, b, strict=True) for k in x)
 
 
+RECURRENT = ("gru", "elman")
 SIZES_2 = [5, 3]
 SIZES_3 = [4, 2, 3]
 
@@ -120,6 +143,10 @@ def _both(rank: int, world_size: int, two: list[dict[str, Any]],
 THREE_DATA = _batches("mlp", SIZES_3)
 THREE = [{"label": m, "kind": "mlp", "mode": m, "data": THREE_DATA}
          for m in ("dad", "edad", "dsgd")]
+THREE += [{"label": f"{kind}-{sizes}", "kind": kind, "mode": "edad",
+           "data": _batches(kind, sizes)}
+          for kind in RECURRENT for sizes in (SIZES_3, [3, 3, 3])]
+THREE_SCENARIOS = {scenario["label"]: scenario for scenario in THREE}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +163,7 @@ def two_sites(two_and_three: tuple[list[dict[str, Any]], list[dict[str, Any]]]
 
 @pytest.fixture(scope="module")
 def two_and_three() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    mlp, gru = (_batches(k, SIZES_2) for k in ("mlp", "gru"))
+    mlp, gru, elman = (_batches(k, SIZES_2) for k in ("mlp", "gru", "elman"))
     wide = _batches("wide", [3, 1])  # pooled batch 4: every gradient has rank <= 4
     equal = _batches("mlp", [4, 4])
     scenarios = [
@@ -158,6 +185,12 @@ def two_and_three() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
          "options": {"rank": 8, "iterations": 60, "theta": 0.0}},
         {"label": "dad-equal", "kind": "mlp", "mode": "dad", "data": equal},
         {"label": "edad-equal", "kind": "mlp", "mode": "edad", "data": equal},
+        {"label": "gru-edad", "kind": "gru", "mode": "edad", "data": gru},
+        {"label": "gru-edad-equal", "kind": "gru", "mode": "edad",
+         "data": _batches("gru", [4, 4])},
+        {"label": "elman-edad", "kind": "elman", "mode": "edad", "data": elman},
+        {"label": "elman-edad-equal", "kind": "elman", "mode": "edad",
+         "data": _batches("elman", [4, 4])},
         {"label": "mode-mismatch", "kind": "mlp", "mode": "dad", "data": mlp,
          "per_rank": {1: ("rank-dad", {})}},
         {"label": "rank-mismatch", "kind": "mlp", "mode": "rank-dad", "data": mlp,
@@ -180,6 +213,26 @@ def test_dad_on_the_gru_equals_pooled_training(two_sites: list[dict[str, Any]]) 
     pooled = _pooled("gru", two_sites[0]["scenarios"]["gru-dad"]["data"])
     for rank in range(2):
         assert _max_error(two_sites[rank]["gru-dad"]["grads"], pooled) < 1e-10
+
+
+@pytest.mark.parametrize("label", ["gru-edad", "gru-edad-equal", "elman-edad",
+                                   "elman-edad-equal"])
+def test_edad_on_recurrent_models_equals_pooled_training_on_two_sites(
+        two_sites: list[dict[str, Any]], label: str) -> None:
+    scenario = two_sites[0]["scenarios"][label]
+    pooled = _pooled(scenario["kind"], scenario["data"])
+    for rank in range(2):
+        assert _max_error(two_sites[rank][label]["grads"], pooled) < 1e-10
+
+
+def test_edad_on_a_recurrent_model_sends_one_delta_block(
+        two_sites: list[dict[str, Any]]) -> None:
+    """Only the output layer's Δ crosses the wire; every call's inputs do (§3.5)."""
+    n, steps, itemsize = 4, 5, 8
+    records = two_sites[0]["elman-edad-equal"]["records"]
+    assert _bytes(records, "delta") == _bytes(records, "delta", "out") == n * steps * 4 * itemsize
+    assert _bytes(records, "activation", "inp") == n * steps * 3 * itemsize
+    assert _bytes(records, "activation", "rec") == n * steps * 6 * itemsize
 
 
 def test_rank_dad_on_the_gru_is_exact_when_each_site_fits_the_rank(
@@ -307,10 +360,10 @@ def test_unequal_batches_pad_the_smaller_site(two_sites: list[dict[str, Any]]) -
 
 def test_exact_modes_equal_pooled_training_on_three_sites(
         three_sites: list[dict[str, Any]]) -> None:
-    pooled = _pooled("mlp", THREE_DATA)
-    for result in three_sites:
-        for mode in ("dad", "edad", "dsgd"):
-            assert _max_error(result[mode]["grads"], pooled) < 1e-10, mode
+    for label, scenario in THREE_SCENARIOS.items():
+        pooled = _pooled(scenario["kind"], scenario["data"])
+        for result in three_sites:
+            assert _max_error(result[label]["grads"], pooled) < 1e-10, label
 
 
 @pytest.mark.parametrize(("label", "field"), [("mode-mismatch", "'config.mode'"),

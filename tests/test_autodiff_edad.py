@@ -109,9 +109,64 @@ def test_hidden_path_is_caught_by_the_own_rows_check() -> None:
         _step(model, engine, torch.randn(6, 4))
 
 
-def test_recurrent_model_needs_dad_not_edad() -> None:
-    model = GRUClassifier(3, 2, hidden=4, widths=(5,))
+def test_edad_on_the_gru_keeps_autograds_gradient_on_one_site() -> None:
+    model = GRUClassifier(3, 2, hidden=4, widths=(5,)).double()
     engine = DistributedAutodiff(model, "edad")
-    with pytest.raises(ValueError, match="'x2h' was called 4 times"):
-        F.cross_entropy(model(torch.randn(2, 4, 3)), torch.tensor([0, 1])).backward()
+    F.cross_entropy(model(torch.randn(2, 4, 3, dtype=torch.float64)),
+                    torch.tensor([0, 1])).backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    got = engine.synchronize()
+    assert max(float((got[name] - want[name]).abs().max()) for name in want) < 1e-12
+
+
+def test_edad_on_a_recurrent_model_refuses_a_private_input() -> None:
+    model = GRUClassifier(3, 2, hidden=4, widths=(5,))
+    engine = DistributedAutodiff(model, "edad", private_input=True)
+    F.cross_entropy(model(torch.randn(2, 4, 3)), torch.tensor([0, 1])).backward()
+    with pytest.raises(ValueError, match="private_input=True works for feed-forward"):
         engine.synchronize()
+
+
+class _RecurrentDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rec = nn.Linear(3, 3)
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(3):
+            h = self.drop(torch.tanh(self.rec(h)))
+        return self.out(h)
+
+
+def test_edad_replay_catches_randomness_it_cannot_replay() -> None:
+    model = _RecurrentDropout()
+    engine = DistributedAutodiff(model, "edad")
+    with pytest.raises(ValueError, match="recomputed deltas differ"):
+        _step(model, engine, torch.randn(6, 3))
+
+
+class _OneLayerRecurrence(nn.Module):
+    """Only the output layer, called at every step on its own previous output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(3):
+            h = torch.tanh(self.out(h))
+        return h
+
+
+def test_edad_replay_with_only_the_output_layer_keeps_autograds_gradient() -> None:
+    model = _OneLayerRecurrence().double()
+    engine = DistributedAutodiff(model, "edad")
+    F.cross_entropy(model(torch.randn(4, 3, dtype=torch.float64)),
+                    torch.tensor([0, 1, 2, 0])).backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    got = engine.synchronize()
+    assert max(float((got[name] - want[name]).abs().max()) for name in want) < 1e-12

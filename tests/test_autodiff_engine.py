@@ -63,14 +63,19 @@ def test_rank_dad_with_rank_at_least_the_batch_is_exact() -> None:
     assert [rank for _, _, rank in engine.ranks.records] == [6, 6, 6]
 
 
-def test_rank_dad_records_the_effective_rank_per_layer() -> None:
+@pytest.mark.parametrize("stopping", ["paper", "residual"])
+def test_rank_dad_records_the_effective_rank_per_layer(stopping: str) -> None:
     model = _mlp(10, 16, 12, 3)
-    engine = DistributedAutodiff(model, "rank-dad", rank=8, iterations=40)
+    engine = DistributedAutodiff(model, "rank-dad", rank=8, iterations=40, stopping=stopping)
     _backward(model, torch.randn(5, 10, dtype=torch.float64))
     engine.synchronize()
     ranks = {layer: rank for _, layer, rank in engine.ranks.records}
-    # batch 5 bounds every layer; softmax deltas sum to zero over 3 classes: rank <= 2
-    assert 1 <= ranks["0"] <= 5 and 1 <= ranks["2"] <= 5 and ranks["4"] == 2
+    # batch 5 bounds every layer; softmax deltas sum to zero over 3 classes: rank <= 2.
+    # The paper's rule sees the rank run out when the next direction repeats, which can
+    # take one more component than the residual rule.
+    extra = 1 if stopping == "paper" else 0
+    assert 1 <= ranks["0"] <= 5 + extra and 1 <= ranks["2"] <= 5 + extra
+    assert 2 <= ranks["4"] <= 2 + extra
 
 
 def test_powersgd_keeps_the_error_feedback_invariant() -> None:

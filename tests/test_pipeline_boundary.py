@@ -12,6 +12,7 @@ from thinwire.compress import keep_count
 from thinwire.pipeline import (
     Compact,
     Expand,
+    batch_laplace_threshold,
     compact,
     expand,
     index_dtype,
@@ -19,6 +20,7 @@ from thinwire.pipeline import (
     row_thresholds,
     select,
 )
+from thinwire.pipeline.boundary import overflowing_rows
 
 SHAPES = [(6, 40), (3, 5, 24), (4, 300), (1, 1)]
 SPARSITIES = [0.0, 0.5, 0.75, 0.9, 0.98]
@@ -52,7 +54,7 @@ def test_forward_keeps_exactly_the_top_k_of_every_row(shape: tuple[int, ...],
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("sparsity", [0.5, 0.9])
-@pytest.mark.parametrize("threshold", ["topk", "laplace"])
+@pytest.mark.parametrize("threshold", ["topk", "laplace", "laplace-row"])
 def test_round_trip_and_backward_are_exactly_the_mask(shape: tuple[int, ...], sparsity: float,
                                                       threshold: str) -> None:
     acts = torch.randn(shape, dtype=torch.float64, requires_grad=True)
@@ -102,7 +104,7 @@ def test_fp16_values_cross_both_ways_in_fp16() -> None:
     torch.testing.assert_close(rebuilt, torch.where(mask, acts, 0.0), rtol=1e-3, atol=1e-3)
 
 
-def test_laplace_keeps_the_estimated_mask_pads_with_width_and_falls_back_to_top_k() -> None:
+def test_laplace_row_keeps_the_estimated_mask_pads_with_width_and_falls_back_to_top_k() -> None:
     torch.manual_seed(1)
     # Laplace-distributed rows: the estimate is close, most rows fit the budget.
     acts = torch.distributions.Laplace(0.0, 1.0).sample((64, 200)).double()
@@ -111,7 +113,7 @@ def test_laplace_keeps_the_estimated_mask_pads_with_width_and_falls_back_to_top_
     acts[1, ::4] = 1.0  # 50 equal spikes: the estimate keeps all 50 > k
     sparsity = 0.9
     k = keep_count(200, 1 - sparsity)
-    indices = select(acts, sparsity, "laplace")
+    indices = select(acts, sparsity, "laplace-row")
     tau = laplace_thresholds(acts.abs(), sparsity)
     for row in range(64):
         used = indices[row][indices[row] < 200]
@@ -125,8 +127,55 @@ def test_laplace_keeps_the_estimated_mask_pads_with_width_and_falls_back_to_top_
             assert torch.equal(used, expected)
             assert bool((indices[row][used.numel():] == 200).all())
     assert int((indices[1] < 200).sum()) == k  # row 1 overflowed
-    values, small = compact(acts, sparsity, threshold="laplace")
+    values, small = compact(acts, sparsity, threshold="laplace-row")
     assert bool((values[small.long() == 200] == 0).all())
+
+
+def test_laplace_fits_one_law_to_the_whole_batch() -> None:
+    """MLSys §2.2: mean and variance of X_act's entries give one tau per iteration."""
+    torch.manual_seed(2)
+    acts = torch.relu(torch.distributions.Laplace(0.3, 1.0).sample((32, 100)).double())
+    acts[:4] *= 6.0  # four loud rows: the one batch tau keeps more than k there
+    sparsity = 0.9
+    k = keep_count(100, 1 - sparsity)
+    magnitudes = acts.abs()
+    mean, b = magnitudes.mean(), (magnitudes.var(correction=0) / 2).sqrt()
+    tau = batch_laplace_threshold(magnitudes, sparsity)
+    assert tau.dim() == 0
+    assert torch.allclose(tau, mean - b * math.log(2 * (1 - sparsity)))  # P(R >= tau) = 0.1
+    indices = select(acts, sparsity, "laplace")
+    overflowed = 0
+    for row in range(32):
+        used = indices[row][indices[row] < 100]
+        expected = (magnitudes[row] >= tau).nonzero().squeeze(1)
+        if expected.numel() > k:
+            overflowed += 1
+            assert torch.equal(used.sort().values, magnitudes[row].topk(k).indices.sort().values)
+        else:
+            assert torch.equal(used, expected)
+    assert overflowed >= 4
+    assert overflowing_rows(acts, sparsity, tau) == overflowed / 32
+
+
+def test_laplace_sender_reuses_the_training_tau_at_test_and_checkpoints_it() -> None:
+    """App. B: "during testing, the estimated tau from the training process can be used"."""
+    sender = Compact(0.75, threshold="laplace")
+    assert bool(sender.tau.isnan())
+    train = torch.relu(torch.randn(16, 40))
+    sender(train.clone().requires_grad_())
+    fitted = batch_laplace_threshold(train.abs(), 0.75)
+    assert torch.equal(sender.tau, fitted)
+    assert len(sender.overflow) == 1
+    sender.eval()
+    test = 0.5 * torch.relu(torch.randn(16, 40))  # quieter: a refit would lower tau
+    values, indices = sender(test)
+    assert torch.equal(indices.long(), select(test, 0.75, "laplace", tau=fitted))
+    assert not torch.equal(indices.long(), select(test, 0.75, "laplace"))
+    assert torch.equal(sender.tau, fitted)  # evaluation never moves it
+    restored = Compact(0.75, threshold="laplace")
+    restored.load_state_dict(sender.state_dict())
+    restored.eval()
+    assert torch.equal(restored(test)[1], indices)
 
 
 @pytest.mark.parametrize("shape", [(5, 30), (2, 3, 17)])
@@ -220,7 +269,7 @@ def test_other_bad_input_is_rejected_with_a_clear_message() -> None:
 
 
 def test_compact_traces_threshold_and_occupancy_only_while_training() -> None:
-    sender = Compact(0.9, threshold="laplace")
+    sender = Compact(0.9, threshold="laplace-row")
     acts = torch.zeros(4, 200)
     acts[:, ::20] = torch.arange(1.0, 11.0)  # 10 spikes per row, fewer than k = 20
     kept = acts >= laplace_thresholds(acts, 0.9)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from thinwire.ps import DCASGD, build_rule, rule_config_class, rule_names
-from thinwire.ps.rules import UpdateRule
+from thinwire.ps.rules import PAPER_LAMBDA, DCConfig, UpdateRule
 
 
 def _tensors(n: int = 7, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,3 +191,24 @@ def test_shape_mismatch_is_rejected() -> None:
     rule = build_rule("asgd")
     with pytest.raises(ValueError, match="differ"):
         rule.apply(torch.zeros(3), torch.zeros(4), torch.zeros(3))
+
+
+def test_defaults_are_the_papers_lambdas_and_grow_tenfold_at_each_lr_drop() -> None:
+    """§5: λ₁ = 2 (Option I), λ₂ = 0.04 (Option II), "increased by ten times when learning
+    rate changes"."""
+    assert PAPER_LAMBDA == {"abs": 2.0, "square": 0.04}
+    option_1 = build_rule("dc-asgd", variant="abs", milestones=(1, 2))
+    option_2 = build_rule("dc-asgd", variant="square", milestones=(1, 2))
+    assert option_1.config.lam == 2.0 and option_2.config.lam == 0.04
+    assert DCConfig().lam == 0.04 and DCConfig().lam_growth == 10.0
+    w = torch.zeros(3, dtype=torch.float64)
+    seen = []
+    for rule in (option_1, option_2):
+        lams = []
+        for _ in range(3):
+            lams.append(rule.lam)
+            rule.apply(w, torch.ones(3, dtype=torch.float64), w)
+        seen.append(lams)
+    assert seen[0] == pytest.approx([2.0, 20.0, 200.0], rel=1e-15)
+    assert seen[1] == pytest.approx([0.04, 0.4, 4.0], rel=1e-15)
+    assert build_rule("dc-asgd", variant="abs", lam=0.5).config.lam == 0.5

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from thinwire import schemes
+from thinwire.compress import TensorInfo
 
 
 def test_foundation_schemes_are_registered() -> None:
@@ -61,3 +62,18 @@ def test_state_dict_resume_continues_identically(name: str) -> None:
 def test_single_process_reduce_of_dense_is_the_identity() -> None:
     grads = {"w": torch.randn(7, 3)}
     assert torch.equal(schemes.build("dense").reduce(grads)["w"], grads["w"])
+
+
+def test_dct_dp_include_compresses_only_the_matching_parameters() -> None:
+    """DCT KDD'21 §3.3 compresses only the fully connected layers; the rest travel dense."""
+    grads = {"top.0.weight": torch.randn(30, 20), "emb.0.weight": torch.randn(50, 8)}
+    scheme = schemes.build("dct-dp", sparsity=0.9, include=("top.*",))
+    sent = scheme.reduce(grads)
+    assert torch.equal(sent["emb.0.weight"], grads["emb.0.weight"])  # dense: exact
+    kept = int((sent["top.0.weight"] != 0).sum())
+    assert kept == 60  # 10 % of 600: sparsified
+    assert scheme.compressor.is_dense(TensorInfo("emb.0.weight", (50, 8)))
+    everything = schemes.build("dct-dp", sparsity=0.9).reduce(grads)
+    assert int((everything["emb.0.weight"] != 0).sum()) == 40
+    with pytest.raises(ValueError, match="include='top.*'"):
+        schemes.build("dct-dp", include="top.*")

@@ -10,6 +10,8 @@ also when an in-place activation later overwrites that tensor.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +41,8 @@ class Step:
     order: list[str]  # layers in order of first call
     backward_seen: bool  # whether any delta arrived
     calls: list[Call]  # every leaf module call, when recorded
+    counts: dict[str, int]  # how many times each layer was called (time steps)
+    example: torch.Tensor | None  # the model's first tensor input, when it was the only input
 
 
 class Capture:
@@ -58,6 +62,8 @@ class Capture:
         self._sequence: list[Call] = []
         self._batch = 0
         self._forwards = 0
+        self._example: torch.Tensor | None = None
+        self._paused = False
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._on_model, with_kwargs=True)]
         for name, layer in layers.items():
@@ -69,16 +75,18 @@ class Capture:
 
     def _on_model(self, module: nn.Module, args: tuple[object, ...],
                   kwargs: dict[str, object]) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self._paused:
             return
         self._forwards += 1
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is not None and first.dim() > 0:
             self._batch += int(first.shape[0])
+        single = len(args) == 1 and not kwargs and first is not None and first.dim() > 0
+        self._example = first.detach() if single and first is not None else None
 
     def _linear_hook(self, name: str):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or self._paused:
                 return
             calls = self._calls[name]
             slot = len(calls.acts)
@@ -94,7 +102,7 @@ class Capture:
 
     def _call_hook(self, name: str):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or self._paused:
                 return
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if isinstance(output, torch.Tensor) and first is not None:
@@ -121,8 +129,9 @@ class Capture:
                     seen = True
                 parts.append(grad.reshape(-1, layer.out_features))
             deltas[name] = torch.cat(parts)
+        counts = {name: len(self._calls[name].acts) for name in self._order}
         step = Step(self._batch, self._forwards, acts, deltas, list(self._order), seen,
-                    list(self._sequence))
+                    list(self._sequence), counts, self._example)
         self.clear()
         return step
 
@@ -132,6 +141,16 @@ class Capture:
         self._sequence = []
         self._batch = 0
         self._forwards = 0
+        self._example = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ignore the model's calls inside the block (the engine's own replays)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def remove(self) -> None:
         """Take the hooks off the model."""

@@ -17,6 +17,7 @@ from typing import Any
 from thinwire.autodiff import plots, sitedata
 from thinwire.autodiff.engine import MODES
 from thinwire.autodiff.experiment import Run, run_all
+from thinwire.autodiff.power import STOPPING
 from thinwire.train.launch import add_timeout
 
 
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hidden layer widths (paper: 1024 1024; default 256 256)")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--theta", type=float, default=1e-3, help="rank-dad stopping threshold")
+    parser.add_argument("--stopping", choices=STOPPING, default="paper",
+                        help="rank-dad stopping rule: the paper's (consecutive directions "
+                             "repeat, default) or residual (a component adds < theta)")
     parser.add_argument("--error-feedback", action="store_true",
                         help="rank-dad keeps what its factors left out for the next step "
                              "(not in the paper; O(h^2) per layer like PowerSGD)")
@@ -59,6 +63,7 @@ def _runs(args: argparse.Namespace) -> list[Run]:
                 label = f"{mode} r={rank}"
                 if mode == "rank-dad":
                     options["theta"] = args.theta
+                    options["stopping"] = args.stopping
                     if args.error_feedback:
                         options["error_feedback"] = True
                         label = f"rank-dad+ef r={rank}"

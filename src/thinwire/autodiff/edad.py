@@ -5,7 +5,8 @@ For a chain ``Linear → φ → Linear → φ → … → Linear`` the delta of 
 weight layout). For the activations below, ``φ′`` is a function of the
 activation's *output* ``A_i = φ(Z_i)`` alone, and ``A_i`` is exactly the
 next layer's input, which edAD gathers anyway; so only the output layer's
-delta has to cross the wire (Algorithm 2, lines 9–20).
+delta has to cross the wire (Algorithm 2, lines 9–20). Recurrent models
+(a layer called once per time step) are handled by :mod:`thinwire.autodiff.replay`.
 """
 
 from __future__ import annotations
@@ -97,9 +98,8 @@ def chain(calls: Sequence[Call], layers: Sequence[str]) -> list[Link]:
     for name in layers:
         count = names.count(name)
         if count != 1:
-            raise ValueError(f"edad needs every nn.Linear called exactly once per forward (a "
-                             f"feed-forward chain); {name!r} was called {count} times -- use "
-                             "mode='dad' or 'rank-dad' for recurrent or shared layers")
+            raise ValueError(f"edad's chain needs every nn.Linear called exactly once per "
+                             f"forward; {name!r} was called {count} times")
     links = []
     for here, there in zip(linear_calls, linear_calls[1:], strict=False):
         between = calls[here + 1: there]

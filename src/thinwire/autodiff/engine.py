@@ -28,7 +28,9 @@ Modes (registry :data:`MODES`):
   the ones column, appended after the gather (it is never sent).
 * ``edad`` (Algorithm 2): all-gather every layer's inputs, and Δ of the
   output layer only; each other layer's global Δ is recomputed locally
-  (Eq. 5, :mod:`thinwire.autodiff.edad`).
+  (Eq. 5, :mod:`thinwire.autodiff.edad`); on a recurrent model, through
+  time by replaying the forward on the gathered rows
+  (:mod:`thinwire.autodiff.replay`, §3.5).
 * ``rank-dad`` (§3.4): each site peels at most ``rank`` components of its own
   ``[A, 1]ᵀ·Δ`` with structured power iterations
   (:mod:`thinwire.autodiff.power`) and all-gathers those factors; the global
@@ -42,9 +44,11 @@ Modes (registry :data:`MODES`):
 
 The row modes (dad, edad, rank-dad) handle networks whose trainable
 parameters all belong to ``nn.Linear`` modules, composed in any way
-(recurrent cells unrolled over time included) for dad and rank-dad, and as
-a chain of Linear layers and supported activations for edad. Anything else
-raises ``ValueError`` naming the module.
+(recurrent cells unrolled over time included). For edad, a model whose
+layers are each called once must be a chain of Linear layers and supported
+activations; a layer called more than once (time steps, shared layers)
+switches edad to the replay. Anything else raises ``ValueError`` naming
+the module.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from thinwire.autodiff.power import (
 )
 from thinwire.autodiff.powersgd_mode import PowerSGDState
 from thinwire.autodiff.ranks import EffectiveRanks
+from thinwire.autodiff.replay import replay
 from thinwire.comm import Meter, world
 from thinwire.comm.collectives import Group
 from thinwire.comm.fingerprint import check_peers
@@ -88,7 +93,8 @@ class AutodiffConfig:
 
     mode: str = "dad"  # one of MODES
     rank: int = 4  # maximum rank r of rank-dad, powersgd and the "factor" fallback
-    theta: float = 1e-3  # rank-dad stops when a component changes the gradient by < θ (§3.4.1)
+    theta: float = 1e-3  # rank-dad's stopping threshold θ (§3.4.1)
+    stopping: str = "paper"  # rank-dad's stopping rule: "paper" (§3.4.1) or "residual"
     iterations: int = 10  # power iterations per rank-dad component (§4.2 uses 10)
     private_input: bool = False  # keep the first layer's inputs (the raw data) on the site
     private_fallback: str = "all_reduce"  # a private layer sends its gradient, or "factor"s
@@ -101,7 +107,7 @@ class AutodiffConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} must be one of {MODES}")
-        check_power_options(self.rank, self.theta, self.iterations)
+        check_power_options(self.rank, self.theta, self.iterations, self.stopping)
         if self.private_fallback not in FALLBACKS:
             raise ValueError(f"private_fallback={self.private_fallback!r} must be one of "
                              f"{FALLBACKS}")
@@ -320,32 +326,64 @@ class DistributedAutodiff:
 
     def _edad(self, step: Step, plan: dict[str, str], got: _Gathered,
               augmented: dict[str, torch.Tensor]) -> None:
-        """Algorithm 2: every layer's global Δ from the output layer's (Eq. 5), then Eq. 4."""
+        """Algorithm 2: every layer's global Δ from the output layer's (Eq. 5), then Eq. 4.
+
+        A chain of layers called once each uses Eq. 5 directly; a recurrent
+        model (a layer called once per time step) replays its forward on the
+        gathered rows (:mod:`thinwire.autodiff.replay`, §3.5).
+        """
         order = step.order
         missing = [name for name in self.layers if name not in order]
         if missing:
             raise ValueError(f"edad needs every nn.Linear in the forward pass; {missing} "
                              "were not called")
-        links = edad.chain(step.calls, order)
         sends_acts = [plan[name] in ("acts", "acts+delta") for name in order]
         acts = [got.rows(name, "activation") if sends else torch.empty(0)
                 for name, sends in zip(order, sends_acts, strict=True)]
-        weights = [self.layers[name].weight.detach() for name in order]
-        deltas = edad.recompute(got.rows(order[-1], "delta", weighted=True), weights, acts,
-                                links)
+        top = got.rows(order[-1], "delta", weighted=True)
+        if max(step.counts.values()) > 1:
+            deltas = self._replay(step, got)
+            rows_of = order  # each layer's Δ has the rows of its own inputs
+        else:
+            weights = [self.layers[name].weight.detach() for name in order]
+            deltas = edad.recompute(top, weights, acts, edad.chain(step.calls, order))
+            rows_of = order[1:]  # Δ_i has the rows of layer i + 1's input
         if self.config.verify and got.sites[self.site].batch > 0:
             for i, name in enumerate(order[:-1]):
-                # Δ̂_i has the rows of layer i + 1's input, site by site in rank order
-                counts = got.counts(order[i + 1], "activation")
+                counts = got.counts(rows_of[i], "activation")
                 begin = sum(counts[: self.site])
                 _compare(deltas[i][begin: begin + counts[self.site]],
                          step.deltas[name] * got.weights[self.site], name,
                          "edad's recomputed deltas differ from autograd's: something other "
-                         "than one supported activation sits between this layer and the next "
-                         "(e.g. a skip connection); use mode='dad'")
+                         "than the Linear layers and their activations joins the layers "
+                         "(a skip connection, a side path to the loss, dropout); use mode='dad'")
         for name, sends, global_delta, rows in zip(order, sends_acts, deltas, acts, strict=True):
             if sends:
                 augmented[name] = global_delta.T @ _aug(rows, _has_bias(self.layers[name]))
+
+    def _replay(self, step: Step, got: _Gathered) -> list[torch.Tensor]:
+        """edAD's deltas on a recurrent model, in forward order (the last is the gathered one)."""
+        order = step.order
+        if self.config.private_input:
+            raise ValueError("edad on a recurrent model needs every layer's inputs to replay "
+                             "the time steps; private_input=True works for feed-forward chains "
+                             "only (use mode='dad' or 'rank-dad' with private_input)")
+        if step.example is None:
+            raise ValueError("edad on a recurrent model replays the forward on the pooled batch "
+                             "and needs a model called with one tensor argument")
+        batches = [site.batch for site in got.sites]
+        local = got.sites[self.site].batch
+        if local and local != step.example.shape[0]:
+            raise ValueError(f"edad on a recurrent model needs batch_size ({local}) to equal the "
+                             f"model input's leading size ({step.example.shape[0]})")
+        sites = range(len(got.sites))
+        acts = {name: [got.site_rows(name, "activation", s) for s in sites] for name in order}
+        top = [got.site_rows(order[-1], "delta", s) * got.weights[s] for s in sites]
+        layers = {name: self.layers[name] for name in order}
+        with self._capture.paused():
+            deltas = replay(self.model, layers, step.counts, step.example, batches, acts, top,
+                            order[-1])
+        return [*(deltas[name] for name in order[:-1]), torch.cat(top)]
 
     def _factors(self, name: str, acts: torch.Tensor, deltas: torch.Tensor,
                  contribute: bool) -> Factors:
@@ -357,17 +395,19 @@ class DistributedAutodiff:
             return seeded_normal(f"{name}/{self.step}/{j}", (deltas.shape[1],),
                                  self.config.seed, dtype=deltas.dtype, device=deltas.device)
 
-        theta, iterations = self.config.theta, self.config.iterations
+        theta, iterations, stopping = (self.config.theta, self.config.iterations,
+                                       self.config.stopping)
         if self.config.error_feedback:
             compensated = deltas.T @ acts
             if name in self.errors:
                 compensated = compensated + self.errors[name]
             factors = dense_power_iterations(compensated, self.config.rank, start, theta=theta,
-                                             iterations=iterations)
+                                             iterations=iterations, stopping=stopping)
             self.errors[name] = compensated - reconstruct(factors.acts, factors.deltas)
         else:
             factors = structured_power_iterations(acts, deltas, self.config.rank, start,
-                                                  theta=theta, iterations=iterations)
+                                                  theta=theta, iterations=iterations,
+                                                  stopping=stopping)
         self.ranks.record(self.step, name, factors.rank)
         return factors
 
@@ -539,6 +579,10 @@ class _Gathered:
         i = self._index[(layer, entity)][position]
         return torch.cat([site.blocks[i] * w if weighted else site.blocks[i]
                           for site, w in zip(self.sites, self.weights, strict=True)])
+
+    def site_rows(self, layer: str, entity: str, site: int) -> torch.Tensor:
+        """One site's rows of one block."""
+        return self.sites[site].blocks[self._index[(layer, entity)][0]]
 
     def counts(self, layer: str, entity: str, position: int = 0) -> list[int]:
         i = self._index[(layer, entity)][position]

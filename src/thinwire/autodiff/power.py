@@ -19,11 +19,31 @@ brief, written down here:
   component can only lower ``‖M − UᵀG‖_F`` (by ``‖u‖²``): even one power
   iteration with a rank above the true rank is never worse than sending
   nothing, a failure of the public reference code.
-* Stopping (§3.4.1): with ``g_j = UᵀG`` the approximation after j
-  components, a new component changes it by ``‖g_{j+1} − g_j‖ = ‖u‖``. It is
-  accepted when ``‖u‖ ≥ θ·‖g_j‖`` (the first one when ``‖u‖ > θ·‖M‖_F``) and
-  peeling stops at the first rejected one or after ``max_rank``. Every
-  accepted component is returned; the reference code dropped its last one.
+* Stopping (§3.4.1), two rules (:data:`STOPPING`):
+
+  - ``"paper"`` (default), as the paper states it: "we stop the process
+    when ‖g^j − g^{j+1}‖₂ / ‖g^j‖₂ < θ". The g's are the unit right vectors
+    of consecutive components, and the rule works together with Eq. 8's
+    deflation of the Gram operator, ``MᵀM − Σ σ_j²·g_j·g_jᵀ``: once the
+    gradient's rank is exhausted, what is left of that operator is the
+    deflation's own error, which lies along the components already found,
+    so the next power iteration returns to the last direction and the rule
+    fires. The repeating component is discarded, every earlier one kept.
+    Choices where the text is silent: the comparison ignores the sign of g
+    (power iterations fix a direction only up to sign); each component's
+    ``u`` is still the least-squares fit of what is left, so accepted
+    components never make the approximation worse; peeling also stops when
+    nothing at all is left (``u = 0``, e.g. a zero gradient).
+  - ``"residual"``: with ``g_j = UᵀG`` the approximation after j
+    components, a new component changes it by ``‖g_{j+1} − g_j‖ = ‖u‖``.
+    It is accepted when ``‖u‖ ≥ θ·‖g_j‖`` (the first one when
+    ``‖u‖ > θ·‖M‖_F``), with the deflation of ``M`` above. It stops at the
+    true rank in one more component's work, where the paper's rule needs
+    the deflation error to show.
+
+  Peeling stops at the first rejected component or after ``max_rank``;
+  every accepted component is returned (the reference code dropped its
+  last one).
 """
 
 from __future__ import annotations
@@ -34,6 +54,8 @@ from dataclasses import dataclass
 import torch
 
 from thinwire.compress.base import check_fraction
+
+STOPPING = ("paper", "residual")  # rules that end the peeling, see the module docstring
 
 
 @dataclass(frozen=True)
@@ -53,18 +75,21 @@ class Factors:
         return int(self.acts.shape[0])
 
 
-def check_power_options(max_rank: int, theta: float, iterations: int) -> None:
+def check_power_options(max_rank: int, theta: float, iterations: int,
+                        stopping: str = "paper") -> None:
     """Raise ``ValueError`` naming the first option outside its range."""
     if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
         raise ValueError(f"rank={max_rank!r} must be an integer >= 1")
     check_fraction("theta", theta, 0.0, 1.0, closed_low=True, closed_high=False)
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations={iterations!r} must be an integer >= 1")
+    if stopping not in STOPPING:
+        raise ValueError(f"stopping={stopping!r} must be one of {STOPPING}")
 
 
 def structured_power_iterations(
     acts: torch.Tensor, deltas: torch.Tensor, max_rank: int, start: Callable[[int], torch.Tensor],
-    *, theta: float = 1e-3, iterations: int = 10,
+    *, theta: float = 1e-3, iterations: int = 10, stopping: str = "paper",
 ) -> Factors:
     """Peel the leading components of ``actsᵀ·deltas`` without forming it (Eq. 7–8).
 
@@ -74,8 +99,9 @@ def structured_power_iterations(
         max_rank: most components to return (r).
         start: ``start(j)`` gives the (h_out,) initial vector of component j;
             the engine seeds it identically on every site.
-        theta: relative-change threshold of §3.4.1 (0 peels all ``max_rank``).
+        theta: threshold θ of §3.4.1 (0 peels all ``max_rank``).
         iterations: power iterations per component (§4.2 uses 10).
+        stopping: ``"paper"`` or ``"residual"`` (module docstring).
 
     Returns:
         The accepted components; ``rank`` is the effective rank (0 for a zero gradient).
@@ -83,7 +109,7 @@ def structured_power_iterations(
     Raises:
         ValueError: bad options or mismatched shapes.
     """
-    check_power_options(max_rank, theta, iterations)
+    check_power_options(max_rank, theta, iterations, stopping)
     if acts.dim() != 2 or deltas.dim() != 2 or acts.shape[0] != deltas.shape[0]:
         raise ValueError(f"acts {tuple(acts.shape)} and deltas {tuple(deltas.shape)} must be "
                          "(N, h_in) and (N, h_out) with the same N")
@@ -95,24 +121,24 @@ def structured_power_iterations(
         times_t=lambda u: deltas.T @ (acts @ u),  # Mᵀ·u
         gram=lambda g: back @ (deltas @ g),  # MᵀM·g = B·(Δ·g), Eq. 7
         shape=(acts.shape[1], deltas.shape[1]), norm=total)
-    return _peel(operator, max_rank, start, theta, iterations, deltas.dtype)
+    return _peel(operator, max_rank, start, theta, iterations, stopping)
 
 
 def dense_power_iterations(matrix: torch.Tensor, max_rank: int,
                            start: Callable[[int], torch.Tensor], *, theta: float = 1e-3,
-                           iterations: int = 10) -> Factors:
+                           iterations: int = 10, stopping: str = "paper") -> Factors:
     """The same peeling on an explicit (h_out, h_in) gradient, ``nn.Linear``'s layout.
 
     For rank-dAD with error feedback, whose compensated gradient ``Δᵀ·A + e``
     has lost the outer-product structure: each iteration costs O(h_in·h_out)
     instead of O(N·h), like PowerSGD's.
     """
-    check_power_options(max_rank, theta, iterations)
+    check_power_options(max_rank, theta, iterations, stopping)
     m = matrix.T  # paper layout (h_in, h_out)
     operator = _Operator(times=lambda g: m @ g, times_t=lambda u: m.T @ u,
                          gram=lambda g: m.T @ (m @ g), shape=(m.shape[0], m.shape[1]),
                          norm=torch.linalg.matrix_norm(m))
-    return _peel(operator, max_rank, start, theta, iterations, matrix.dtype)
+    return _peel(operator, max_rank, start, theta, iterations, stopping)
 
 
 @dataclass(frozen=True)
@@ -127,32 +153,49 @@ class _Operator:
 
 
 def _peel(operator: _Operator, max_rank: int, start: Callable[[int], torch.Tensor],
-          theta: float, iterations: int, dtype: torch.dtype) -> Factors:
+          theta: float, iterations: int, stopping: str) -> Factors:
     """Eq. 8: power iterations on the deflated Gram operator, one component at a time."""
     h_in, h_out = operator.shape
-    device = operator.norm.device
-    us = torch.zeros(0, h_in, dtype=dtype, device=device)
-    gs = torch.zeros(0, h_out, dtype=dtype, device=device)
-    cross = torch.zeros(h_out, 0, dtype=dtype, device=device)  # K = Mᵀ·Uᵀ, a column each
+    like = operator.norm
+    us = like.new_zeros(0, h_in)
+    gs = like.new_zeros(0, h_out)
+    cross = like.new_zeros(h_out, 0)  # K = Mᵀ·Uᵀ, one column per component ("residual")
+    powers = like.new_zeros(0)  # σ_j² = ‖M·g_j‖², Eq. 8's Q = G·diag(σ²) ("paper")
     for j in range(max_rank):
-        g = start(j).to(dtype=dtype)
+        g = start(j).to(device=like.device, dtype=like.dtype)
         g = g / torch.linalg.vector_norm(g)
         for _ in range(iterations):
-            w = _deflated_gram(g, operator, us, gs, cross)
+            if stopping == "paper":
+                w = operator.gram(g) - gs.T @ (powers * (gs @ g))
+            else:
+                w = _deflated_gram(g, operator, us, gs, cross)
             norm = torch.linalg.vector_norm(w)
             if norm == 0:  # g lies in the deflated operator's null space: nothing left there
                 break
             g = w / norm
         u = operator.times(g) - us.T @ (gs @ g)  # least-squares fit of M − UᵀG along g
-        size = torch.linalg.vector_norm(u)  # ‖g_{j+1} − g_j‖_F, as ‖g‖ = 1
-        done = (us @ us.T * (gs @ gs.T)).sum()  # ‖g_j‖_F²
-        reference = operator.norm if j == 0 else torch.sqrt(torch.clamp(done, min=0.0))
-        if not size > theta * reference:
-            break
-        cross = torch.cat([cross, operator.times_t(u).unsqueeze(1)], dim=1)
+        size = torch.linalg.vector_norm(u)
+        if stopping == "paper":
+            if not size > 0 or (j > 0 and repeat(gs[-1], g) < theta):
+                break
+            powers = torch.cat([powers, torch.linalg.vector_norm(operator.times(g)).square()
+                                .reshape(1)])
+        else:  # ‖g_{j+1} − g_j‖_F = ‖u‖ as ‖g‖ = 1, against ‖g_j‖_F (‖M‖_F for the first)
+            done = (us @ us.T * (gs @ gs.T)).sum()
+            reference = operator.norm if j == 0 else torch.sqrt(torch.clamp(done, min=0.0))
+            if not size > theta * reference:
+                break
+            cross = torch.cat([cross, operator.times_t(u).unsqueeze(1)], dim=1)
         us = torch.cat([us, u.unsqueeze(0)])
         gs = torch.cat([gs, g.unsqueeze(0)])
     return Factors(us, gs)
+
+
+def repeat(previous: torch.Tensor, g: torch.Tensor) -> float:
+    """§3.4.1's ``‖g^j − g^{j+1}‖₂ / ‖g^j‖₂``, up to the sign of ``g^{j+1}``."""
+    scale = torch.linalg.vector_norm(previous)
+    return float(torch.minimum(torch.linalg.vector_norm(previous - g),
+                               torch.linalg.vector_norm(previous + g)) / scale)
 
 
 def _deflated_gram(g: torch.Tensor, operator: _Operator, us: torch.Tensor, gs: torch.Tensor,

@@ -8,7 +8,10 @@ Choices every sparsifier here shares (the papers leave them open):
   ``|x| >= tau`` of Algorithm 1 line 9 and never needs a sort, so the number
   kept may exceed k when values repeat. The achieved density is recorded.
 * Tensors with fewer than ``min_numel`` entries, and ``sparsity == 0``, travel
-  dense: their index overhead would exceed what sparsity saves.
+  dense: their index overhead would exceed what sparsity saves. With
+  ``include`` (fnmatch patterns of tensor keys, e.g. ``("*fc*",)``) only
+  matching tensors are sparsified, the rest travel dense (DCT KDD'21 §3.3
+  compresses only the fully connected layers).
 * Empty tensors produce empty payloads.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -32,14 +36,17 @@ class Sparsifier(Compressor):
     Args:
         min_numel: tensors smaller than this travel dense.
         values: ``"fp32"`` or ``"fp16"``, the dtype values travel in.
+        include: fnmatch patterns of the keys to sparsify; empty: every tensor.
     """
 
-    def __init__(self, *, min_numel: int = 0, values: str = "fp32") -> None:
+    def __init__(self, *, min_numel: int = 0, values: str = "fp32",
+                 include: tuple[str, ...] = ()) -> None:
         if min_numel < 0:
             raise ValueError(f"min_numel={min_numel!r} must be >= 0")
         if values not in _VALUE_DTYPES:
             raise ValueError(f"values={values!r} must be one of {sorted(_VALUE_DTYPES)}")
         self.min_numel = min_numel
+        self.include = tuple(include)
         self.value_dtype = _VALUE_DTYPES[values]
         # key -> [(call index, threshold, achieved density)], for plots (DCT Fig. 2).
         self.trace: dict[str, list[tuple[int, float, float]]] = {}
@@ -52,6 +59,8 @@ class Sparsifier(Compressor):
 
     def is_dense(self, info: TensorInfo) -> bool:
         """Whether ``info``'s tensor bypasses sparsification (same answer on every rank)."""
+        if self.include and not any(fnmatchcase(info.key, p) for p in self.include):
+            return True
         return self.density >= 1.0 or info.numel < self.min_numel
 
     def empty(self, info: TensorInfo) -> Payload:

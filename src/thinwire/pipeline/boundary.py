@@ -22,18 +22,28 @@ Choices where the papers leave room:
   (uint8 for d <= 256, int16 for d <= 32768, ...). Values travel in the
   activation's dtype, or in fp16 when asked (both directions).
 * ``threshold="laplace"`` (DCT MLSys §2.2, App. B) replaces the per-row sort
-  by a Laplace estimate: as the paper says, a Laplace law is fitted by its
-  mean and variance and tau is read off its quantile function
-  (:func:`laplace_thresholds`), per row as Algorithm 2 thresholds per sample.
+  by a Laplace estimate as the paper describes it: once per iteration one
+  Laplace law is fitted to the whole activation batch by its mean and
+  variance, tau is read off its quantile function
+  (:func:`batch_laplace_threshold`), and every row keeps its entries with
+  ``|x| >= tau``; "during testing, the estimated tau from the training
+  process can be used", so the :class:`Compact` sender keeps the last
+  training tau (a buffer, in its ``state_dict``) and reuses it when not
+  training. Where the text is silent: the law is fitted to ``|x|``, the
+  quantity Algorithm 2 thresholds (the paper's ReLU activations are their
+  own magnitudes); before any training step the sender fits the batch at
+  hand. ``threshold="laplace-row"`` fits one law per row instead, the way
+  Algorithm 2 thresholds per sample (:func:`laplace_thresholds`).
   (The foundation's :class:`thinwire.compress.LaplaceThreshold` fits a
   zero-centred law by ``mean|x|`` instead; on ReLU activations, half zeros,
-  that tau is too low and nearly every row would overflow the budget.) Its
-  kept count varies per row, so we use
+  that tau is too low and nearly every row would overflow the budget.)
+  The kept count varies per row, so both use
   **fixed-budget padding**: the kept entries are compacted in O(d) (a prefix
   sum, no sort) into the same k slots top-k would use; unused slots carry
   value 0 and index ``d`` (one past the end), which :func:`expand` drops and
   whose gradient is exactly 0. Rows whose estimate keeps more than k entries
-  (the fit's error, Fig. 6b) fall back to exact top-k for those rows only.
+  (the fit's error, Fig. 6b) fall back to exact top-k for those rows only;
+  :attr:`Compact.overflow` records how many rows did.
   The wire cost is therefore that of top-k; Laplace saves selection time, not
   bytes. A dense-masked fallback (send ``X ⊙ M`` dense) was rejected: it
   saves no bytes at all. The index dtype must hold ``d``, so a width of
@@ -56,7 +66,7 @@ from torch import nn
 from thinwire.comm import Meter
 from thinwire.compress.base import check_fraction, keep_count
 
-THRESHOLDS = ("topk", "laplace")
+THRESHOLDS = ("topk", "laplace", "laplace-row")
 VALUE_DTYPES: dict[str, torch.dtype | None] = {"native": None, "fp16": torch.float16}
 _INDEX_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
@@ -112,15 +122,22 @@ def row_thresholds(acts: torch.Tensor, sparsity: float) -> torch.Tensor:
     return top.amin(dim=-1)
 
 
+def _laplace_quantile(mean: torch.Tensor, scale: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """``tau`` with ``P(R >= tau) = 1 - eta`` for ``R ~ Laplace(mean, scale)``."""
+    kept = 1.0 - sparsity
+    if kept <= 0.5:
+        return mean - scale * math.log(2 * kept)
+    return mean + scale * math.log(2 * sparsity) if sparsity > 0 else torch.zeros_like(mean)
+
+
 def laplace_thresholds(magnitudes: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Per-row Laplace estimate of ``tau_i`` (DCT MLSys §2.2, App. B).
+    """Per-row Laplace estimate of ``tau_i`` (the ``"laplace-row"`` threshold).
 
     As the paper says, the Laplace law ``R`` is fitted by its mean and
     variance -- location ``mu = mean``, scale ``b = sqrt(var / 2)`` -- and
     ``tau`` is read off its quantile function so that ``P(R >= tau) = 1 - eta``:
     ``tau = mu - b ln(2 (1 - eta))`` when ``1 - eta <= 1/2``, else
-    ``mu + b ln(2 eta)``. We fit each row's magnitudes (Algorithm 2 thresholds
-    ``|x|`` per sample; for ReLU outputs ``|x| = x``, the paper's setting).
+    ``mu + b ln(2 eta)``. Here each row's magnitudes get their own law.
     Two passes over the row (mean, variance), no selection: O(d).
 
     Returns:
@@ -128,20 +145,32 @@ def laplace_thresholds(magnitudes: torch.Tensor, sparsity: float) -> torch.Tenso
     """
     mean = magnitudes.mean(dim=-1, keepdim=True)
     scale = (magnitudes.var(dim=-1, keepdim=True, correction=0) / 2).sqrt()
-    kept = 1.0 - sparsity
-    if kept <= 0.5:
-        return mean - scale * math.log(2 * kept)
-    return mean + scale * math.log(2 * sparsity) if sparsity > 0 else torch.zeros_like(mean)
+    return _laplace_quantile(mean, scale, sparsity)
+
+
+def batch_laplace_threshold(magnitudes: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """One Laplace estimate of ``tau`` for the whole batch (DCT MLSys §2.2, App. B).
+
+    "We can estimate the threshold tau by finding the mean and variance of the
+    Laplace random variable, say R, for that iteration using the activation
+    matrix X_act": the law is fitted to every entry's magnitude at once, by
+    the same quantile as :func:`laplace_thresholds`. O(B d).
+
+    Returns:
+        A 0-dim threshold.
+    """
+    mean = magnitudes.mean()
+    scale = (magnitudes.var(correction=0) / 2).sqrt()
+    return _laplace_quantile(mean, scale, sparsity)
 
 
 def _select_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(magnitudes, k, dim=-1, sorted=False).indices
 
 
-def _select_laplace(magnitudes: torch.Tensor, sparsity: float, k: int) -> torch.Tensor:
-    """Indices of the Laplace mask, compacted into k slots; empty slots hold ``d``."""
+def _select_laplace(magnitudes: torch.Tensor, tau: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the mask ``|x| >= tau``, compacted into k slots; empty slots hold ``d``."""
     width = magnitudes.shape[-1]
-    tau = laplace_thresholds(magnitudes, sparsity)
     # Zeros are never kept: a row of zeros (tau = 0) keeps nothing, as in compress/.
     mask = torch.where(tau > 0, magnitudes >= tau, magnitudes > 0)
     # Stable compaction by prefix sum: kept entry j goes to slot (#kept before j);
@@ -158,19 +187,39 @@ def _select_laplace(magnitudes: torch.Tensor, sparsity: float, k: int) -> torch.
     return indices
 
 
-def select(acts: torch.Tensor, sparsity: float, threshold: str = "topk") -> torch.Tensor:
+def overflowing_rows(acts: torch.Tensor, sparsity: float, tau: torch.Tensor) -> float:
+    """Fraction of rows whose Laplace mask keeps more than k entries (they fall back to top-k)."""
+    magnitudes = acts.detach().abs()
+    k = keep_count(acts.shape[-1], 1.0 - sparsity)
+    mask = torch.where(tau > 0, magnitudes >= tau, magnitudes > 0)
+    return float((mask.sum(dim=-1) > k).float().mean())
+
+
+def laplace_tau(acts: torch.Tensor, sparsity: float, threshold: str) -> torch.Tensor:
+    """The fitted ``tau`` of a Laplace threshold: 0-dim (``laplace``) or (.., 1) per row."""
+    magnitudes = acts.detach().abs()
+    if threshold == "laplace":
+        return batch_laplace_threshold(magnitudes, sparsity)
+    return laplace_thresholds(magnitudes, sparsity)
+
+
+def select(acts: torch.Tensor, sparsity: float, threshold: str = "topk",
+           tau: torch.Tensor | None = None) -> torch.Tensor:
     """Which entries of each row survive (Alg. 2 lines 4-9), as int64 indices (.., k).
 
-    Under ``"laplace"`` an index equal to ``d`` marks an empty slot.
+    Under a Laplace threshold an index equal to ``d`` marks an empty slot, and
+    ``tau`` (broadcastable to (.., 1)) replaces the fit when given.
     """
     check_activation(acts)
     check_sparsity(sparsity)
     check_threshold(threshold)
     k = keep_count(acts.shape[-1], 1.0 - sparsity)
     magnitudes = acts.detach().abs()
-    if threshold == "laplace":
-        return _select_laplace(magnitudes, sparsity, k)
-    return _select_topk(magnitudes, k)
+    if threshold == "topk":
+        return _select_topk(magnitudes, k)
+    if tau is None:
+        tau = laplace_tau(acts, sparsity, threshold)
+    return _select_laplace(magnitudes, tau.to(magnitudes.device, magnitudes.dtype), k)
 
 
 class _Compact(torch.autograd.Function):
@@ -224,7 +273,8 @@ class _Expand(torch.autograd.Function):
 
 
 def compact(acts: torch.Tensor, sparsity: float, *, threshold: str = "topk",
-            values: str = "native") -> tuple[torch.Tensor, torch.Tensor]:
+            values: str = "native",
+            tau: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep each row's ``ceil(d (1 - sparsity))`` largest ``|x|`` (Algorithm 2, forward).
 
     Differentiable in ``acts``: the gradient of ``values`` is scattered back
@@ -233,8 +283,10 @@ def compact(acts: torch.Tensor, sparsity: float, *, threshold: str = "topk",
     Args:
         acts: a (B, d) or (B, T, d) floating activation.
         sparsity: eta, the fraction of each row dropped, in [0, 1).
-        threshold: ``"topk"`` (exact) or ``"laplace"`` (estimate, padded; see module doc).
+        threshold: ``"topk"`` (exact), ``"laplace"`` or ``"laplace-row"`` (estimates,
+            padded; see module doc).
         values: ``"native"`` (the activation's dtype) or ``"fp16"``.
+        tau: a Laplace threshold to use instead of fitting this batch.
 
     Returns:
         ``values`` (.., k) and ``indices`` (.., k) in the smallest integer dtype
@@ -244,9 +296,9 @@ def compact(acts: torch.Tensor, sparsity: float, *, threshold: str = "topk",
         ValueError: wrong rank or dtype, sparsity outside [0, 1), unknown option.
     """
     wire = value_dtype(values)
-    rows = select(acts, sparsity, threshold)
+    rows = select(acts, sparsity, threshold, tau)
     width = acts.shape[-1]
-    padded = threshold == "laplace"
+    padded = threshold != "topk"
     small = index_dtype(width if padded else width - 1)
     out: tuple[torch.Tensor, torch.Tensor] = _Compact.apply(acts, rows, wire, small, padded)
     return out
@@ -362,14 +414,18 @@ class Compact(Sender):
 
     Args:
         sparsity: eta, fraction of each row dropped, in [0, 1).
-        threshold: ``"topk"`` or ``"laplace"`` (see the module docstring).
+        threshold: ``"topk"``, ``"laplace"`` or ``"laplace-row"`` (module docstring).
         values: ``"native"`` or ``"fp16"``, the dtype values cross in.
         name: the split's name (the meter's layer).
         meter: records the bytes handed over.
 
     Attributes:
-        trace: per training call, (mean row threshold, fraction of slots used);
+        trace: per training call, (mean row threshold, fraction of entries kept);
             the Laplace estimate's drift from the target shows here (MLSys Fig. 6b).
+        overflow: per training call under a Laplace threshold, the fraction of
+            rows that kept more than k entries and fell back to exact top-k.
+        tau: the last training batch's Laplace threshold (``"laplace"``; NaN
+            before the first), reused when not training.
     """
 
     def __init__(self, sparsity: float, threshold: str = "topk", values: str = "native",
@@ -383,15 +439,30 @@ class Compact(Sender):
         self.wire = value_dtype(values)
         self.payload_size = 1 if sparsity == 0 else 2
         self.trace: list[tuple[float, float]] = []
+        self.overflow: list[float] = []
+        self.tau: torch.Tensor
+        self.register_buffer("tau", torch.tensor(math.nan))
 
     def encode(self, acts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         check_activation(acts)
         if self.sparsity == 0:
             return (acts if self.wire is None else acts.to(self.wire),)
+        learning = self.training and torch.is_grad_enabled()
+        tau: torch.Tensor | None = None
+        if self.threshold != "topk":
+            stored = self.tau
+            if self.threshold == "laplace" and not learning and bool(stored.isfinite()):
+                tau = stored  # App. B: the training tau is reused at test
+            else:
+                tau = laplace_tau(acts, self.sparsity, self.threshold)
+                if self.threshold == "laplace" and learning:
+                    stored.copy_(tau)
         values, indices = compact(acts, self.sparsity, threshold=self.threshold,
-                                  values=self.values)
-        if self.training and torch.is_grad_enabled():
+                                  values=self.values, tau=tau)
+        if learning:
             self._trace(values, indices, acts.shape[-1])
+            if tau is not None:
+                self.overflow.append(overflowing_rows(acts, self.sparsity, tau))
         return values, indices
 
     def _trace(self, values: torch.Tensor, indices: torch.Tensor, width: int) -> None:
@@ -443,7 +514,7 @@ class DCTMPConfig:
     """Options of the ``dct-mp`` boundary (DCT KDD'21 Algorithm 2)."""
 
     sparsity: float = 0.9  # eta, fraction of each row's activations dropped, in [0, 1)
-    threshold: str = "topk"  # "topk" (exact, Alg. 2) or "laplace" (MLSys §2.2 estimate)
+    threshold: str = "topk"  # "topk" (Alg. 2), "laplace" (MLSys §2.2) or "laplace-row"
     values: str = "native"  # dtype values cross in: "native" (the activation's) or "fp16"
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from thinwire.pipeline.boundary import THRESHOLDS
 from thinwire.pipeline.registry import boundary_kinds
 from thinwire.pipeline.stages import SCHEDULES
 from thinwire.train.dct_mp import (
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what crosses a split (default: dct-mp)")
     parser.add_argument("--sparsity", type=float, default=None,
                         help="eta for dct-mp / xgrad-topk, in [0, 1) (default: 0.9 for dct-mp)")
-    parser.add_argument("--threshold", default=None, choices=["topk", "laplace"],
+    parser.add_argument("--threshold", default=None, choices=list(THRESHOLDS),
                         help="dct-mp row threshold (default: topk)")
     parser.add_argument("--values", default=None, choices=["native", "fp16"],
                         help="dtype dct-mp values cross in (default: native)")

@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     method.add_argument("--passes", type=int, default=10, help="passes over the training set")
     method.add_argument("--lr", type=float, default=0.1, help="learning rate")
     method.add_argument("--lambda", dest="lam", type=float, default=None,
-                        help="dc-asgd: variance control lambda (default 0.04)")
+                        help="dc-asgd: variance control lambda (default: the paper's, "
+                             "2 for --variant abs, 0.04 for square)")
     method.add_argument("--variant", choices=["square", "abs"], default=None,
                         help="dc-asgd: lambda*g*g (Option II) or lambda*|g| (Option I)")
     method.add_argument("--adaptive", action="store_true",

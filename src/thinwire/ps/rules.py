@@ -38,6 +38,8 @@ from thinwire.compress.base import check_fraction
 Weights = TypeVar("Weights", torch.Tensor, Mapping[str, torch.Tensor])
 
 VARIANTS = ("square", "abs")
+# §5 (CIFAR-10): "we set λ_1 = 2 and λ_2 = 0.04 initially", the default lambda of each option
+PAPER_LAMBDA = {"abs": 2.0, "square": 0.04}
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class SGDConfig:
 class DCConfig(SGDConfig):
     """DC-ASGD, Algorithm 2: ``g + lam * phi(g) * (w - w_bak)``."""
 
-    lam: float = 0.04  # lambda_2 (square) or lambda_1 (abs), the variance control, >= 0
+    lam: float | None = None  # lambda_2 (square) or lambda_1 (abs), >= 0; None: PAPER_LAMBDA
     variant: str = "square"  # "square": phi = g*g (Option II, Eq. 10); "abs": |g| (Option I, Eq. 9)
     adaptive: bool = False  # divide lambda by sqrt(MeanSquare(g) + eps) (DC-ASGD-a)
     ms_decay: float = 0.95  # m, the MeanSquare moving-average coefficient, in [0, 1)
@@ -76,9 +78,11 @@ class DCConfig(SGDConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _non_negative("lam", self.lam)
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r} must be one of {VARIANTS}")
+        lam = PAPER_LAMBDA[self.variant] if self.lam is None else self.lam
+        _non_negative("lam", lam)
+        object.__setattr__(self, "lam", lam)
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive={self.adaptive!r} must be True or False")
         check_fraction("ms_decay", self.ms_decay, 0.0, 1.0, closed_low=True, closed_high=False)
@@ -206,6 +210,7 @@ class DCASGD(UpdateRule):
     @property
     def lam(self) -> float:
         """Lambda of the next update (grows ``lam_growth``-fold at each milestone)."""
+        assert self.config.lam is not None  # resolved by DCConfig.__post_init__
         return self.config.lam * self.config.lam_growth ** self._milestones_passed()
 
     def direction(self, key: str, weights: torch.Tensor, grad: torch.Tensor,

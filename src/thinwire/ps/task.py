@@ -37,6 +37,7 @@ class TaskSpec:
     batch_size: int = 32  # examples per gradient, >= 1
     seed: int = 0  # model initialisation and shuffling
     train_limit: int | None = None  # use only the first N training examples (smoke runs)
+    holdout: int = 0  # hold the last N training examples out; evaluate on them, not the test set
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -46,6 +47,8 @@ class TaskSpec:
         if self.train_limit is not None and (not isinstance(self.train_limit, int)
                                              or self.train_limit < 1):
             raise ValueError(f"train_limit={self.train_limit!r} must be None or an integer >= 1")
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, int) or self.holdout < 0:
+            raise ValueError(f"holdout={self.holdout!r} must be an integer >= 0")
 
 
 @functools.lru_cache(maxsize=4)
@@ -75,7 +78,14 @@ class ClassifierTask:
         self.spec = spec
         self.data = _images(spec.dataset)
         limit = spec.train_limit or self.data.x_train.shape[0]
-        self.x_train, self.y_train = self.data.x_train[:limit], self.data.y_train[:limit]
+        if not spec.holdout < limit:
+            raise ValueError(f"holdout={spec.holdout} must leave training examples: it must be "
+                             f"below the {limit} available")
+        train = limit - spec.holdout
+        self.x_train, self.y_train = self.data.x_train[:train], self.data.y_train[:train]
+        # model selection reads only this split; the test set is not touched when it is set
+        self.x_held, self.y_held = (self.data.x_train[train:limit],
+                                    self.data.y_train[train:limit])
         with torch.random.fork_rng():
             torch.manual_seed(spec.seed)
             self.model = MODELS[spec.model](self.data.classes, tuple(self.x_train.shape[1:]))
@@ -142,9 +152,13 @@ class ClassifierTask:
 
     @torch.no_grad()
     def evaluate(self, weights: torch.Tensor) -> dict[str, float]:
-        """Test error and loss of the model with flat ``weights``."""
-        batch = (self.data.x_test, self.data.y_test)
-        logits = functional_call(self._module(), self.layout.split(weights), (batch[0],))
-        error = float((logits.argmax(1) != batch[1]).float().mean())
-        return {"test_error": error,
-                "test_loss": float(nn.functional.cross_entropy(logits, batch[1]))}
+        """Error and loss of the model with flat ``weights`` on the test set, or on the
+        held-out training examples when ``spec.holdout > 0`` (keys ``validation_*``)."""
+        if self.spec.holdout:
+            split, images, labels = "validation", self.x_held, self.y_held
+        else:
+            split, images, labels = "test", self.data.x_test, self.data.y_test
+        logits = functional_call(self._module(), self.layout.split(weights), (images,))
+        error = float((logits.argmax(1) != labels).float().mean())
+        return {f"{split}_error": error,
+                f"{split}_loss": float(nn.functional.cross_entropy(logits, labels))}

@@ -45,9 +45,13 @@ class DCTConfig:
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     drain_every: int | None = None  # stochastic drain period of the error buffer
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+    include: tuple[str, ...] = ()  # fnmatch patterns of parameters to compress; others dense
 
     def __post_init__(self) -> None:
         validate_sparsity(self.sparsity)
+        if isinstance(self.include, str) or not all(isinstance(p, str) for p in self.include):
+            raise ValueError(f"include={self.include!r} must be a tuple of fnmatch patterns")
+        object.__setattr__(self, "include", tuple(self.include))
         if not isinstance(self.life_span, int) or self.life_span < 1:
             raise ValueError(f"life_span={self.life_span!r} must be an integer >= 1")
         if self.refresh_above is not None and not self.refresh_above > 1.0:
@@ -89,7 +93,8 @@ def _topk(config: TopKConfig) -> Scheme:
 @register("dct-dp", DCTConfig)
 def _dct_dp(config: DCTConfig) -> Scheme:
     compressor = DCTThreshold(config.sparsity, config.life_span, config.refresh_above,
-                              min_numel=config.min_numel, values=config.values)
+                              min_numel=config.min_numel, values=config.values,
+                              include=config.include)
     return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
 
 

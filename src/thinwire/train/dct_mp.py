@@ -344,7 +344,7 @@ def train_local(config: RunConfig, *, progress: bool = False, task: Task | None 
 
     Returns:
         ``{"config", "splits", "train", "test", "oracle", "bytes_per_entity",
-        "bytes_per_layer", "steps", "seconds", "thresholds", "trace"}``.
+        "bytes_per_layer", "steps", "seconds", "thresholds", "trace", "overflow"}``.
     """
     task = task if task is not None else TASKS[config.task](config)
     meter = Meter()
@@ -403,6 +403,8 @@ def train_local(config: RunConfig, *, progress: bool = False, task: Task | None 
         "thresholds": thresholds,
         "trace": {s.sender.name: getattr(s.sender, "trace", []) for s in stages
                   if s.sender is not None},
+        "overflow": {s.sender.name: getattr(s.sender, "overflow", []) for s in stages
+                     if s.sender is not None},
     }
 
 
