@@ -148,4 +148,87 @@ class LowRankPayload:
         return torch.cat([_as_bytes(self.p), _as_bytes(self.q)])
 
 
+@dataclass(frozen=True)
+class SparseLayout:
+    """A fixed-size sparse payload: room for ``capacity`` entries of a flat region.
+
+    Every rank's payload of one exchange has the same size, so a sparse
+    exchange is a single all-gather with no round of lengths before it; the
+    header says how many entries are valid. Layout (4-byte aligned)::
+
+        int32 header        valid count c <= capacity
+        indices | bitmap    capacity int32 slots, or ceil(numel / 8) bytes padded
+                            to 4, whichever is smaller (the same choice on every rank)
+        values              capacity slots (fp32, or fp16 padded to 4 bytes)
+
+    Unused slots are zero. With the bitmap, values are in ascending index order.
+    """
+
+    numel: int  # entries of the region the indices point into, < 2**31
+    capacity: int  # most entries carried, in [0, numel]
+    value_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.numel < 2**31:
+            raise ValueError(f"numel={self.numel!r} is outside the allowed range [0, 2**31)")
+        if not 0 <= self.capacity <= self.numel:
+            raise ValueError(f"capacity={self.capacity!r} is outside the allowed range "
+                             f"[0, {self.numel}]")
+
+    @property
+    def uses_bitmap(self) -> bool:
+        return 4 * self.capacity > _pad4(math.ceil(self.numel / 8))
+
+    @property
+    def index_bytes(self) -> int:
+        return _pad4(math.ceil(self.numel / 8)) if self.uses_bitmap else 4 * self.capacity
+
+    @property
+    def value_size(self) -> int:
+        return torch.empty((), dtype=self.value_dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.index_bytes + _pad4(self.capacity * self.value_size)
+
+    def encode(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The payload of ``values`` at ``indices`` (distinct, at most ``capacity``).
+
+        Returns:
+            ``nbytes`` uint8 on ``values``' device.
+
+        Raises:
+            ValueError: more entries than ``capacity``.
+        """
+        count = indices.numel()
+        if count > self.capacity:
+            raise ValueError(f"{count} entries exceed the payload capacity {self.capacity}")
+        out = torch.zeros(self.nbytes, dtype=torch.uint8, device=values.device)
+        out[:HEADER_BYTES].view(torch.int32).fill_(count)
+        start = HEADER_BYTES + self.index_bytes
+        if self.uses_bitmap:
+            indices, order = torch.sort(indices)
+            values = values[order]
+            mask = torch.zeros(self.numel, dtype=torch.bool, device=values.device)
+            mask[indices] = True
+            bits = pack_bits(mask)
+            out[HEADER_BYTES: HEADER_BYTES + bits.numel()] = bits
+        else:
+            out[HEADER_BYTES: HEADER_BYTES + 4 * count].view(torch.int32).copy_(indices)
+        out[start: start + count * self.value_size].view(self.value_dtype).copy_(values)
+        return out
+
+    def decode(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, values)`` of a payload made by :meth:`encode` (int64, value dtype)."""
+        count = int(buffer[:HEADER_BYTES].view(torch.int32)[0])
+        if self.uses_bitmap:
+            mask = unpack_bits(buffer[HEADER_BYTES: HEADER_BYTES + math.ceil(self.numel / 8)],
+                               self.numel)
+            indices = mask.nonzero().squeeze(1)
+        else:
+            indices = buffer[HEADER_BYTES: HEADER_BYTES + 4 * count].view(torch.int32).long()
+        start = HEADER_BYTES + self.index_bytes
+        return indices, buffer[start: start + count * self.value_size].view(self.value_dtype)
+
+
 Payload = DensePayload | SparsePayload | LowRankPayload

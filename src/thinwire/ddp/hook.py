@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm import Meter
 from thinwire.comm.collectives import Future, Group
+from thinwire.compress import TensorInfo
 from thinwire.schemes.base import Scheme
 
 
@@ -24,16 +25,12 @@ class HookState:
 
 
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
-    """Split ``bucket`` into per-parameter gradients, reduce them with the scheme,
-    and return a future of the bucket's flat averaged gradient."""
-    grads = {state.names[id(p)]: g for p, g in zip(bucket.parameters(), bucket.gradients())}
-    buffer = bucket.buffer()
-
-    def flatten(fut: Future[Any]) -> torch.Tensor:  # no collectives here: decode only
-        reduced = fut.value()
-        return torch.cat([reduced[key].reshape(-1) for key in grads]).to(buffer.dtype)
-
-    return state.scheme.launch(grads, state.group).then(flatten)
+    """Reduce ``bucket``'s flat buffer in place with the scheme, tensor by tensor
+    (named by parameter); the future holds the buffer, averaged."""
+    infos = [TensorInfo(state.names[id(p)], tuple(p.shape), p.dtype, "W_grad", p.device)
+             for p in bucket.parameters()]
+    future: Future[Any] = state.scheme.launch_flat(bucket.buffer(), infos, state.group)
+    return future
 
 
 def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = None,
