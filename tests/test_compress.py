@@ -18,6 +18,8 @@ from thinwire.compress import (
     TopK,
     decode,
 )
+from thinwire.compress._select import kth_largest, topk_indices
+from thinwire.compress.sparse import TRACE_LENGTH
 from thinwire.feedback import Residual
 
 
@@ -152,3 +154,40 @@ def test_dct_state_dict_resumes_threshold() -> None:
 def test_bad_config_raises_value_error(make: object) -> None:
     with pytest.raises(ValueError):
         make()  # type: ignore[operator]
+
+
+def _adversarial() -> list[torch.Tensor]:
+    n = 50_000  # above the size where the sampled bound is used
+    spike = torch.zeros(n)
+    spike[123] = 1e30
+    stripes = torch.zeros(n)
+    stripes[::12] = 1.0  # every sampled entry large: the bound overshoots
+    return [torch.ones(n), torch.zeros(n), spike, stripes, torch.randint(0, 4, (n,)).float(),
+            torch.randn(n).abs(), torch.rand(n).sort().values, torch.rand(n) ** 8]
+
+
+@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("k", [1, 7, 500, 4999, 20_000])
+def test_candidate_selection_matches_torch_topk_and_kthvalue(case: int, k: int) -> None:
+    magnitudes = _adversarial()[case]
+    values, indices = topk_indices(magnitudes, k)
+    expected = torch.topk(magnitudes, k).values
+    assert torch.equal(values.sort(descending=True).values, expected)
+    assert torch.equal(magnitudes[indices], values) and indices.unique().numel() == k
+    assert torch.equal(kth_largest(magnitudes, k),
+                       torch.kthvalue(magnitudes, magnitudes.numel() - k + 1).values)
+
+
+def test_candidate_selection_refuses_k_out_of_range() -> None:
+    with pytest.raises(ValueError, match="k=11"):
+        topk_indices(torch.ones(10), 11)
+    with pytest.raises(ValueError, match="k=0"):
+        kth_largest(torch.ones(10), 0)
+
+
+def test_threshold_trace_keeps_a_bounded_window() -> None:
+    dct = DCTThreshold(0.9, life_span=1, min_numel=0)
+    grad = torch.randn(20)
+    for _ in range(TRACE_LENGTH + 5):
+        dct.compress(grad, info_of(grad))
+    assert len(dct.trace["w"]) == TRACE_LENGTH and dct.trace["w"][-1][0] == TRACE_LENGTH + 4

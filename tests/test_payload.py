@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from thinwire.compress import DensePayload, LowRankPayload, SparsePayload
-from thinwire.compress.payload import pack_bits, unpack_bits
+from thinwire.compress.payload import SparseLayout, pack_bits, unpack_bits
 
 
 def sparse(numel: int, indices: list[int], dtype: torch.dtype = torch.float32) -> SparsePayload:
@@ -64,3 +64,29 @@ def test_bits_round_trip(numel: int) -> None:
     packed = pack_bits(mask)
     assert packed.numel() == (numel + 7) // 8
     assert torch.equal(unpack_bits(packed, numel), mask)
+
+
+@pytest.mark.parametrize("numel,capacity,count", [(1000, 10, 7), (1000, 10, 0), (1000, 200, 200),
+                                                  (37, 37, 5), (0, 0, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fixed_capacity_layout_round_trips_and_has_its_declared_size(
+        numel: int, capacity: int, count: int, dtype: torch.dtype) -> None:
+    layout = SparseLayout(numel, capacity, dtype)
+    indices = torch.randperm(numel)[:count]
+    values = torch.randn(count).to(dtype)
+    wire = layout.encode(indices, values)
+    assert wire.dtype == torch.uint8 and wire.numel() == layout.nbytes
+    assert layout.nbytes % 4 == 0
+    got_indices, got_values = layout.decode(wire)
+    order = torch.argsort(indices)
+    if layout.uses_bitmap:  # ascending order on the wire
+        assert torch.equal(got_indices, indices[order]) and torch.equal(got_values, values[order])
+    else:
+        assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+
+
+def test_fixed_capacity_layout_refuses_overflow_and_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="exceed the payload capacity 2"):
+        SparseLayout(10, 2).encode(torch.arange(3), torch.ones(3))
+    with pytest.raises(ValueError, match="capacity=11"):
+        SparseLayout(10, 11)
