@@ -51,10 +51,15 @@ class Residual(Memory):
         return True
 
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
-        residual = compensated - sent
+        """``e <- compensated - sent``, into the key's buffer in place when its shape allows."""
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != compensated.shape or buffer.dtype != compensated.dtype:
+            buffer = torch.empty_like(compensated)
         if self._drained(key):
-            residual.zero_()
-        self.buffers[key] = residual
+            buffer.zero_()
+        else:
+            torch.sub(compensated, sent, out=buffer)
+        self.buffers[key] = buffer
 
     def update_sparse(self, key: str, compensated: torch.Tensor, indices: torch.Tensor,
                       sent: torch.Tensor) -> None:
@@ -80,6 +85,31 @@ class Residual(Memory):
             flat.copy_(compensated)
             flat[indices] = compensated[indices] - sent.to(compensated.dtype)
         self.buffers[key] = buffer
+
+    def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """``e <- e + grad`` in the key's buffer: it then holds ``p = grad + e``.
+
+        The in-place form of :meth:`compensate` (``e + g`` and ``g + e`` are the
+        same float), for callers that finish with :meth:`subtract_`.
+
+        Returns:
+            The buffer, shaped like ``grad``; ``grad`` is not modified.
+        """
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() != grad.numel() or buffer.dtype != grad.dtype:
+            buffer = grad.clone()
+        else:
+            buffer = buffer.view(grad.shape).add_(grad)
+        self.buffers[key] = buffer
+        return buffer
+
+    def subtract_(self, key: str, sent: torch.Tensor) -> None:
+        """``e <- p - sent`` in place after :meth:`absorb_` (or a drain); one update."""
+        buffer = self.buffers[key]
+        if self._drained(key):
+            buffer.zero_()
+        else:
+            buffer.sub_(sent.view(buffer.shape))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "drains": self.drains, "seed": self.seed,
