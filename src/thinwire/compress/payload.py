@@ -30,6 +30,12 @@ def _pad4(nbytes: int) -> int:
     return (nbytes + 3) // 4 * 4
 
 
+def _align(nbytes: int, size: int) -> int:
+    """``nbytes`` rounded up to a multiple of 4 and of ``size`` (a dtype's width)."""
+    step = max(4, size)
+    return (nbytes + step - 1) // step * step
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.uint8).reshape(-1)
 
@@ -159,9 +165,10 @@ class SparseLayout:
         int32 header        valid count c <= capacity
         indices | bitmap    capacity int32 slots, or ceil(numel / 8) bytes padded
                             to 4, whichever is smaller (the same choice on every rank)
-        values              capacity slots (fp32, or fp16 padded to 4 bytes)
+        values              capacity slots, starting and ending aligned to 4 bytes
+                            and to the value dtype's width (fp64: 8)
 
-    Unused slots are zero. With the bitmap, values are in ascending index order.
+    Unused slots and alignment bytes are zero. With the bitmap, values are in ascending index order.
     """
 
     numel: int  # entries of the region the indices point into, < 2**31
@@ -188,8 +195,13 @@ class SparseLayout:
         return torch.empty((), dtype=self.value_dtype).element_size()
 
     @property
+    def value_start(self) -> int:
+        """Where values begin: after header and indices, aligned for the value dtype."""
+        return _align(HEADER_BYTES + self.index_bytes, self.value_size)
+
+    @property
     def nbytes(self) -> int:
-        return HEADER_BYTES + self.index_bytes + _pad4(self.capacity * self.value_size)
+        return _align(self.value_start + self.capacity * self.value_size, self.value_size)
 
     def encode(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """The payload of ``values`` at ``indices`` (distinct, at most ``capacity``).
@@ -205,7 +217,7 @@ class SparseLayout:
             raise ValueError(f"{count} entries exceed the payload capacity {self.capacity}")
         out = torch.zeros(self.nbytes, dtype=torch.uint8, device=values.device)
         out[:HEADER_BYTES].view(torch.int32).fill_(count)
-        start = HEADER_BYTES + self.index_bytes
+        start = self.value_start
         if self.uses_bitmap:
             indices, order = torch.sort(indices)
             values = values[order]
@@ -227,8 +239,28 @@ class SparseLayout:
             indices = mask.nonzero().squeeze(1)
         else:
             indices = buffer[HEADER_BYTES: HEADER_BYTES + 4 * count].view(torch.int32).long()
-        start = HEADER_BYTES + self.index_bytes
+        start = self.value_start
         return indices, buffer[start: start + count * self.value_size].view(self.value_dtype)
+
+
+def layout_segments(layout: SparseLayout,
+                    counts: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The metered parts of one :class:`SparseLayout` payload, adding up to its size.
+
+    Each layer is charged its valid entries (values, and indices unless a
+    bitmap); the header, the bitmap and the unused capacity are charged as
+    ``"(header)"``, ``"(bitmap)"`` and ``"(padding)"``.
+
+    Args:
+        counts: ``(layer, valid entries)`` of the payload.
+    """
+    per_entry = layout.value_size + (0 if layout.uses_bitmap else 4)
+    segments = [(layer, count * per_entry) for layer, count in counts]
+    segments.append(("(header)", HEADER_BYTES))
+    if layout.uses_bitmap:
+        segments.append(("(bitmap)", layout.index_bytes))
+    segments.append(("(padding)", layout.nbytes - sum(nbytes for _, nbytes in segments)))
+    return segments
 
 
 Payload = DensePayload | SparsePayload | LowRankPayload

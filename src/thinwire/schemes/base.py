@@ -15,7 +15,7 @@ from thinwire.comm import Meter, all_reduce_mean, world
 from thinwire.comm.collectives import Future, Group, all_gather_fixed, done, split_flat
 from thinwire.compress import Compressor, Dense, Payload, SparsePayload, Sparsifier, TensorInfo
 from thinwire.compress import decode as decode_payload
-from thinwire.compress.payload import HEADER_BYTES, SparseLayout
+from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.feedback import Memory, all_finite
 
 
@@ -249,14 +249,9 @@ class CompressedScheme(Scheme):
             for info, sent, local in zip(sparse, values.split([c.numel() for c in chosen]),
                                          chosen):
                 self.memory.update_sparse(info.key, views[info.key], local, sent)
-        wire = layout.encode(indices, values)
-        per_entry = layout.value_size + (0 if layout.uses_bitmap else 4)
-        segments = [(info.key, local.numel() * per_entry) for info, local in zip(sparse, chosen)]
-        segments.append(("(header)", HEADER_BYTES))
-        if layout.uses_bitmap:
-            segments.append(("(bitmap)", layout.index_bytes))
-        segments.append(("(padding)", layout.nbytes - sum(nbytes for _, nbytes in segments)))
-        future = all_gather_fixed(wire, group, self.meter, segments)
+        segments = layout_segments(layout, [(info.key, local.numel())
+                                            for info, local in zip(sparse, chosen)])
+        future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments)
         return future.then(lambda f: (layout, f.value()))
 
     @staticmethod
