@@ -40,6 +40,13 @@ class Memory(ABC):
             target.add_(error.view(target.shape))
         return target
 
+    def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """``p = grad + e`` in a tensor the memory may own and reuse (here: a new one).
+
+        Hand the result to :meth:`update` / :meth:`update_sparse` as ``compensated``.
+        """
+        return self.compensate(key, grad)
+
     @abstractmethod
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         """Store what ``sent`` left out of ``compensated``."""

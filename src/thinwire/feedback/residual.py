@@ -65,8 +65,9 @@ class Residual(Memory):
                       sent: torch.Tensor) -> None:
         """:meth:`update` for a sparse ``sent``, without building it densely.
 
-        The buffer becomes a copy of ``compensated`` (reused in place when its
-        size matches) with ``compensated[i] - sent_i`` at the sent indices:
+        The buffer becomes ``compensated`` (in place when ``compensated`` is
+        the buffer itself, from :meth:`absorb_`; else a copy) with
+        ``compensated[i] - sent_i`` at the sent indices:
         bit for bit what :meth:`update` stores for the decoded payload (0 there
         when values travel in the gradient's dtype).
 
@@ -82,7 +83,8 @@ class Residual(Memory):
         if self._drained(key):
             flat.zero_()
         else:
-            flat.copy_(compensated)
+            if flat.data_ptr() != compensated.data_ptr():  # not already p (see absorb_)
+                flat.copy_(compensated)
             flat[indices] = compensated[indices] - sent.to(compensated.dtype)
         self.buffers[key] = buffer
 

@@ -88,15 +88,15 @@ class CompressedScheme(Scheme):
 
     1. one reduction decides whether the round is finite
        (:func:`thinwire.feedback.all_finite`);
-    2. each tensor's error is added into its view of the buffer (DCT Alg. 1
+    2. each tensor's error memory absorbs its gradient in place (DCT Alg. 1
        line 3: ``p = g + e``);
-    3. per tensor, on views of one ``|p|`` buffer, the compressor picks the
-       indices to send (its own threshold per layer, Alg. 1 lines 4-9);
-       tensors the compressor keeps dense go by all-reduce instead;
+    3. per tensor, on views of one ``|p|`` scratch buffer, the compressor
+       picks the indices to send (its own threshold per layer, Alg. 1 lines
+       4-9); tensors the compressor keeps dense go by all-reduce instead;
     4. the sparse entries of the whole buffer travel as one fixed-capacity
        payload (:class:`~thinwire.compress.SparseLayout`) by one all-gather;
-    5. the residual is ``p`` with the sent entries zeroed (Alg. 1 line 11,
-       :meth:`~thinwire.feedback.Memory.update_sparse`);
+    5. the residual is ``p`` with the sent entries zeroed, in the memory's
+       own buffer (Alg. 1 line 11, :meth:`~thinwire.feedback.Memory.update_sparse`);
     6. the mean over ranks is decoded straight into the buffer, ranks summed
        in rank order so every rank gets the same bits.
 
@@ -139,12 +139,12 @@ class CompressedScheme(Scheme):
         return both.then(split)
 
     def _magnitudes(self, buffer: torch.Tensor) -> torch.Tensor:
-        """``|buffer|`` in a scratch tensor kept between launches (used before returning)."""
+        """Room for ``|p|`` of ``buffer``: a scratch tensor kept between launches."""
         scratch = self._scratch
         if (scratch is None or scratch.numel() < buffer.numel() or scratch.dtype != buffer.dtype
                 or scratch.device != buffer.device):
             scratch = self._scratch = torch.empty_like(buffer)
-        return torch.abs(buffer, out=scratch[: buffer.numel()])
+        return scratch[: buffer.numel()]
 
     def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
                     group: Group = None) -> Future[Any]:
@@ -173,8 +173,8 @@ class CompressedScheme(Scheme):
                   if isinstance(compressor, Sparsifier) and not compressor.is_dense(info)]
         sparse_keys = {info.key for info in sparse}
         dense = [info for info in infos if info.key not in sparse_keys]
-        if finite and self.memory is not None:
-            for info in infos:
+        if finite and self.memory is not None:  # sparse tensors: in the memory, below
+            for info in dense:
                 self.memory.compensate_(info.key, views[info.key])
         futures = []
         if dense and len(dense) == len(infos) and self.memory is None and isinstance(
@@ -236,19 +236,27 @@ class CompressedScheme(Scheme):
                                                   for info in sparse),
                               compressor.value_dtype)
         chosen: list[torch.Tensor] = []  # per sparse tensor, indices into its own view
+        sent: list[torch.Tensor] = []
         if finite:
-            magnitudes = self._magnitudes(buffer)
+            scratch = self._magnitudes(buffer)
             for info in sparse:
+                view = views[info.key]
+                # p = g + e, held by the memory when there is one (Residual: in its
+                # buffer, so the residual is p with the sent entries zeroed, in place).
+                p = view if self.memory is None else self.memory.absorb_(info.key, view)
                 offset = offsets[info.key]
-                chosen.append(compressor.indices(magnitudes[offset: offset + info.numel], info))
+                magnitudes = torch.abs(p, out=scratch[offset: offset + info.numel])
+                local = compressor.indices(magnitudes, info)
+                values = p[local].to(layout.value_dtype)
+                if self.memory is not None:
+                    self.memory.update_sparse(info.key, p, local, values)
+                chosen.append(local)
+                sent.append(values)
         else:
             chosen = [torch.zeros(0, dtype=torch.int64, device=buffer.device) for _ in sparse]
+            sent = [torch.zeros(0, dtype=layout.value_dtype, device=buffer.device)]
         indices = torch.cat([local + offsets[info.key] for info, local in zip(sparse, chosen)])
-        values = buffer[indices].to(layout.value_dtype)
-        if self.memory is not None and finite:
-            for info, sent, local in zip(sparse, values.split([c.numel() for c in chosen]),
-                                         chosen):
-                self.memory.update_sparse(info.key, views[info.key], local, sent)
+        values = torch.cat(sent)
         segments = layout_segments(layout, [(info.key, local.numel())
                                             for info, local in zip(sparse, chosen)])
         future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments)
@@ -263,7 +271,8 @@ class CompressedScheme(Scheme):
         for row in rows:
             indices, values = layout.decode(row)
             buffer.index_add_(0, indices, values.to(buffer.dtype))
-        buffer.div_(n)
+        if n > 1:  # x / 1 == x
+            buffer.div_(n)
 
     def _record(self, segments: Sequence[tuple[str, int]], collective: str, n: int) -> None:
         if self.meter is not None:
