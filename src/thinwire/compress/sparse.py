@@ -92,7 +92,8 @@ class Sparsifier(Compressor):
         if self.is_dense(info):
             return DensePayload(flat.to(self.value_dtype))
         indices = self.indices(flat.abs(), info)
-        return SparsePayload(flat[indices].to(self.value_dtype), indices, flat.numel())
+        values = flat.index_select(0, indices).to(self.value_dtype)
+        return SparsePayload(values, indices, flat.numel())
 
     def indices(self, magnitudes: torch.Tensor, info: TensorInfo) -> torch.Tensor:
         """Indices to send of a sparsified tensor, at most :meth:`capacity` of them.

@@ -85,7 +85,8 @@ class Residual(Memory):
         else:
             if flat.data_ptr() != compensated.data_ptr():  # not already p (see absorb_)
                 flat.copy_(compensated)
-            flat[indices] = compensated[indices] - sent.to(compensated.dtype)
+            kept = compensated.index_select(0, indices) - sent.to(compensated.dtype)
+            flat.index_copy_(0, indices, kept)
         self.buffers[key] = buffer
 
     def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:

@@ -247,7 +247,7 @@ class CompressedScheme(Scheme):
                 offset = offsets[info.key]
                 magnitudes = torch.abs(p, out=scratch[offset: offset + info.numel])
                 local = compressor.indices(magnitudes, info)
-                values = p[local].to(layout.value_dtype)
+                values = p.index_select(0, local).to(layout.value_dtype)
                 if self.memory is not None:
                     self.memory.update_sparse(info.key, p, local, values)
                 chosen.append(local)
