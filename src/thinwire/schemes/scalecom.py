@@ -224,17 +224,19 @@ class CyclicLocalTopK(_SelectedTopK):
             + [(key, grads[key].numel() * size) for key in dense])
 
         def scatter(fut: Future[Any]) -> dict[str, torch.Tensor]:
+            begin = time.perf_counter()  # codec time: the decode, not the wait before it
             mean = fut.value()
             out: dict[str, torch.Tensor] = {}
             offset = 0
             for key in sparse:
                 grad = grads[key]
-                flat = torch.zeros(grad.numel(), dtype=grad.dtype)
+                flat = torch.zeros(grad.numel(), dtype=grad.dtype, device=grad.device)
                 flat[chosen_by_key[key]] = mean[offset: offset + ks[key]].to(grad.dtype)
                 offset += ks[key]
                 out[key] = flat.reshape(grad.shape)
             out.update(unflatten(mean[offset:], [TensorInfo.of(key, grads[key])
                                                  for key in dense]))
+            self._charge(time.perf_counter() - begin)
             return {key: out[key] for key in grads}
 
         return future.then(scatter)
