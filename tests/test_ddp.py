@@ -163,6 +163,8 @@ FLAT = {
     "dct-dp-drain": ("dct-dp", {"sparsity": 0.9, "life_span": 2, "min_numel": 20,
                                 "drain_every": 2}),
     "laplace": ("laplace", {"sparsity": 0.9, "min_numel": 20, "capacity": 1.5}),
+    "dct-dp-delta16": ("dct-dp", {"sparsity": 0.97, "life_span": 2, "min_numel": 20,
+                                  "indices": "delta16"}),
 }
 DRAIN = {"sparsity": 0.8, "life_span": 4, "min_numel": 20, "drain_every": 2}
 

@@ -21,6 +21,8 @@ def test_foundation_schemes_are_registered() -> None:
     ("topk", {"ratio": 0.0}, "ratio=0.0"),
     ("topk", {"ratio": 1.01}, "ratio=1.01"),
     ("topk", {"values": "bf16"}, "values='bf16'"),
+    ("topk", {"indices": "int16"}, "indices='int16'"),
+    ("dct-dp", {"capacity": 0.5}, "capacity=0.5"),
     ("laplace", {"min_numel": -1}, "min_numel=-1"),
     ("dense", {"nonfinite": "ignore"}, "nonfinite='ignore'"),
 ])

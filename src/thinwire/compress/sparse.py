@@ -32,7 +32,7 @@ import torch
 
 from thinwire.compress._select import kth_largest, topk_indices
 from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
-from thinwire.compress.payload import DensePayload, Payload, SparsePayload
+from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, SparsePayload
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 MIN_NUMEL = 1024  # default: tensors smaller than this travel dense
@@ -47,10 +47,13 @@ class Sparsifier(Compressor):
         values: ``"fp32"`` or ``"fp16"``, the dtype values travel in.
         capacity: payload room in multiples of the target count k, >= 1
             (exact top-k never needs more than 1).
+        indices: index list format of the bucket payload, ``"int32"`` or
+            ``"delta16"`` (:class:`~thinwire.compress.payload.SparseLayout`; a
+            bitmap replaces either when smaller).
     """
 
     def __init__(self, *, min_numel: int = MIN_NUMEL, values: str = "fp32",
-                 capacity: float = 2.0) -> None:
+                 capacity: float = 2.0, indices: str = "int32") -> None:
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel={min_numel!r} must be an integer >= 0")
         if values not in _VALUE_DTYPES:
@@ -58,7 +61,10 @@ class Sparsifier(Compressor):
         if not (isinstance(capacity, (int, float)) and math.isfinite(capacity)
                 and capacity >= 1.0):
             raise ValueError(f"capacity={capacity!r} must be a number >= 1")
+        if indices not in INDEX_FORMATS:
+            raise ValueError(f"indices={indices!r} must be one of {INDEX_FORMATS}")
         self.min_numel = min_numel
+        self.index_format = indices
         self.value_dtype = _VALUE_DTYPES[values]
         self.capacity_factor = float(capacity)
         # key -> the last TRACE_LENGTH (call index, threshold, achieved density), for

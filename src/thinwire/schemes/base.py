@@ -234,7 +234,7 @@ class CompressedScheme(Scheme):
                            itertools.accumulate([0] + [info.numel for info in infos])))
         layout = SparseLayout(buffer.numel(), sum(compressor.capacity(info.numel)
                                                   for info in sparse),
-                              compressor.value_dtype)
+                              compressor.value_dtype, compressor.index_format)
         chosen: list[torch.Tensor] = []  # per sparse tensor, indices into its own view
         sent: list[torch.Tensor] = []
         if finite:

@@ -30,6 +30,7 @@ class TopKConfig:
     ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
     error_feedback: bool = True  # keep what was not sent for the next step
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
@@ -45,6 +46,7 @@ class DCTConfig:
     refresh_above: float | None = 2.0  # recompute a stale tau passing > this x target; None: never
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
     drain_every: int | None = None  # stochastic drain period of the error buffer
     capacity: float = 2.0  # payload room in multiples of k, >= 1; the excess waits in the memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
@@ -66,6 +68,7 @@ class LaplaceConfig:
     sparsity: float = 0.99  # target fraction of entries dropped, in [0, 1)
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
     capacity: float = 2.0  # payload room in multiples of k, >= 1; the excess waits in the memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
@@ -87,7 +90,8 @@ def _fp16(config: DenseConfig) -> Scheme:
 
 @register("topk", TopKConfig)
 def _topk(config: TopKConfig) -> Scheme:
-    compressor = TopK(config.ratio, min_numel=config.min_numel, values=config.values)
+    compressor = TopK(config.ratio, min_numel=config.min_numel, values=config.values,
+                      indices=config.indices)
     memory = Residual() if config.error_feedback else None
     return CompressedScheme(compressor, memory, config.nonfinite)
 
@@ -96,12 +100,13 @@ def _topk(config: TopKConfig) -> Scheme:
 def _dct_dp(config: DCTConfig) -> Scheme:
     compressor = DCTThreshold(config.sparsity, config.life_span, config.refresh_above,
                               min_numel=config.min_numel, values=config.values,
-                              capacity=config.capacity)
+                              capacity=config.capacity, indices=config.indices)
     return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
 
 
 @register("laplace", LaplaceConfig)
 def _laplace(config: LaplaceConfig) -> Scheme:
     compressor = LaplaceThreshold(config.sparsity, min_numel=config.min_numel,
-                                  values=config.values, capacity=config.capacity)
+                                  values=config.values, capacity=config.capacity,
+                                  indices=config.indices)
     return CompressedScheme(compressor, Residual(), config.nonfinite)

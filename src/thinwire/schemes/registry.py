@@ -69,6 +69,8 @@ def validate_common(config: Any) -> None:
         raise ValueError(f"min_numel={config.min_numel!r} must be an integer >= 0")
     if hasattr(config, "values") and config.values not in ("fp32", "fp16"):
         raise ValueError(f"values={config.values!r} must be 'fp32' or 'fp16'")
+    if hasattr(config, "indices") and config.indices not in ("int32", "delta16"):
+        raise ValueError(f"indices={config.indices!r} must be 'int32' or 'delta16'")
 
 
 def validate_sparsity(sparsity: float) -> None:
