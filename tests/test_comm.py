@@ -115,7 +115,7 @@ def test_scheme_reduce_averages_what_each_rank_sent(name: str) -> None:
     layers = results[0][2]
     if name == "dense":
         assert layers == {"w": 32 * 8 * 8, "b": 8 * 8}
-    else:  # one payload of capacity 2k per layer (52 + 2): a bitmap of the 264 entries
+    else:  # one payload with room for 1.25 k per layer (33 + 2): a bitmap of 264 entries
         assert layers["w"] == 26 * 4 and layers["b"] == 1 * 4  # the fp32 values sent
         assert layers["(header)"] == 4 and layers["(bitmap)"] == 36
-        assert layers["(padding)"] == (52 + 2 - 26 - 1) * 4
+        assert layers["(padding)"] == (33 + 2 - 26 - 1) * 4

@@ -36,6 +36,10 @@ from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, Spar
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 MIN_NUMEL = 1024  # default: tensors smaller than this travel dense
+# Default payload room, in multiples of k. The wire carries the whole capacity every
+# step, so it sits just above the target; what a threshold passes beyond it waits in
+# the error memory (a tighter room costs a top-k among the few passing entries).
+CAPACITY = 1.25
 TRACE_LENGTH = 4096  # threshold-trace points kept per key (the most recent)
 
 
@@ -46,14 +50,14 @@ class Sparsifier(Compressor):
         min_numel: tensors smaller than this travel dense (default :data:`MIN_NUMEL`).
         values: ``"fp32"`` or ``"fp16"``, the dtype values travel in.
         capacity: payload room in multiples of the target count k, >= 1
-            (exact top-k never needs more than 1).
+            (default :data:`CAPACITY`; :class:`TopK` never needs more than k).
         indices: index list format of the bucket payload, ``"int32"`` or
             ``"delta16"`` (:class:`~thinwire.compress.payload.SparseLayout`; a
             bitmap replaces either when smaller).
     """
 
     def __init__(self, *, min_numel: int = MIN_NUMEL, values: str = "fp32",
-                 capacity: float = 2.0, indices: str = "int32") -> None:
+                 capacity: float = CAPACITY, indices: str = "int32") -> None:
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel={min_numel!r} must be an integer >= 0")
         if values not in _VALUE_DTYPES:
@@ -155,6 +159,10 @@ class TopK(Sparsifier):
     @property
     def density(self) -> float:
         return self.ratio
+
+    def capacity(self, numel: int) -> int:
+        """Exactly k: top-k never selects more."""
+        return keep_count(numel, self.ratio)
 
     def _select(
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thinwire.compress import FP16, DCTThreshold, Dense, LaplaceThreshold, TopK
-from thinwire.compress.sparse import MIN_NUMEL
+from thinwire.compress.sparse import CAPACITY, MIN_NUMEL
 from thinwire.feedback import Residual
 from thinwire.schemes.base import CompressedScheme, Scheme
 from thinwire.schemes.registry import (
@@ -48,7 +48,7 @@ class DCTConfig:
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
     drain_every: int | None = None  # stochastic drain period of the error buffer
-    capacity: float = 2.0  # payload room in multiples of k, >= 1; the excess waits in the memory
+    capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
     def __post_init__(self) -> None:
@@ -69,7 +69,7 @@ class LaplaceConfig:
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
-    capacity: float = 2.0  # payload room in multiples of k, >= 1; the excess waits in the memory
+    capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
     def __post_init__(self) -> None:
