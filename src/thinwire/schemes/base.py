@@ -13,7 +13,7 @@ import torch
 
 from thinwire.comm import Meter, all_reduce_mean, world
 from thinwire.comm.collectives import Future, Group, all_gather_fixed, done, split_flat
-from thinwire.compress import Compressor, Dense, Payload, SparsePayload, Sparsifier, TensorInfo
+from thinwire.compress import Compressor, Dense, Payload, Sparsifier, TensorInfo
 from thinwire.compress import decode as decode_payload
 from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.feedback import Memory, all_finite
@@ -278,6 +278,7 @@ class CompressedScheme(Scheme):
         if self.meter is not None:
             for key, nbytes in segments:
                 self.meter.record("W_grad", key, collective, nbytes, world_size=n)
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict(),
                 "memory": None if self.memory is None else self.memory.state_dict()}
@@ -295,25 +296,3 @@ def unflatten(flat: torch.Tensor, infos: Sequence[TensorInfo]) -> dict[str, torc
         return {}
     parts = torch.split(flat, [info.numel for info in infos])
     return {info.key: part.to(info.dtype).reshape(info.shape) for info, part in zip(infos, parts)}
-
-
-def sum_sparse(buffers: Sequence[torch.Tensor], infos: Sequence[TensorInfo], n: int,
-               value_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Mean over ranks of all-gathered sparse payloads, one buffer per rank.
-
-    Each buffer holds one :class:`SparsePayload` per tensor of ``infos``, in
-    that order. Buffers are summed in rank order, so every rank gets the same
-    result bit for bit.
-
-    Args:
-        value_dtype: dtype the values travel in; None: each tensor's own dtype.
-    """
-    sums = [torch.zeros(info.numel, dtype=info.dtype, device=info.device) for info in infos]
-    for buffer in buffers:
-        offset = 0
-        for info, total in zip(infos, sums):
-            payload, used = SparsePayload.from_bytes(buffer[offset:], info.numel,
-                                                     value_dtype or info.dtype)
-            total.index_add_(0, payload.indices, payload.values.to(info.dtype))
-            offset += used
-    return {info.key: (total / n).reshape(info.shape) for info, total in zip(infos, sums)}
