@@ -71,7 +71,7 @@ def test_stochastic_drain_empties_buffers_at_the_expected_rate() -> None:
         Residual(drain_every=0)
 
 
-def test_residual_state_dict_round_trip_includes_drain_generator() -> None:
+def test_residual_state_dict_round_trip_includes_the_drain_state() -> None:
     memory = Residual(drain_every=2, seed=3)
     memory.update("w", torch.ones(3), torch.zeros(3))
     copy = Residual(drain_every=2)
