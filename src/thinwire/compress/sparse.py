@@ -181,10 +181,11 @@ class DCTThreshold(Sparsifier):
     recomputed as the k-th largest ``|x|`` with ``k = ceil(N (1 - sparsity))``
     by exact candidate selection (:func:`~thinwire.compress._select.kth_largest`:
     a sampled lower bound, then ``kthvalue`` on the few entries above it).
-    Algorithm 1 indexes the ascending sort at ``floor(N * eta)``, which keeps one entry more than the
-    target; we index so that exactly k entries survive when there are no ties,
-    which makes ``life_span=1`` identical to :class:`TopK`. Between refreshes
-    tau is reused (line 8) and the mask is ``|x| >= tau`` (line 9).
+    Algorithm 1 indexes the ascending sort at ``floor(N * eta)``, which keeps
+    one entry more than the target; we index so that exactly k entries survive
+    when there are no ties, which makes ``life_span=1`` identical to
+    :class:`TopK`. Between refreshes tau is reused (line 8) and the mask is
+    ``|x| >= tau`` (line 9).
 
     Budget guard (off by default, so the class is Algorithm 1 verbatim): with
     ``refresh_above=f``, a reused tau that lets more than ``f * k`` entries
