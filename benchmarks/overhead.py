@@ -3,9 +3,18 @@
     python -m benchmarks.overhead [--sizes 1000000 25000000] [--repeats 7] [--out results/overhead]
 
 Times compress + decompress of one gradient tensor per step, in this process,
-all codecs side by side on the same tensors. DCT with life-span L pays one
-selection every L steps: its per-step cost is (refresh + (L - 1) * reuse) / L,
-both parts measured. Medians over repeats; ratios against exact top-k.
+all codecs side by side on the same tensors, interleaved round by round. DCT
+with life-span L pays one selection every L steps: its per-step cost is
+(refresh + (L - 1) * reuse) / L, both parts measured. Medians over repeats;
+ratios against exact top-k, and against each row's floor.
+
+Rows ``floor <name>`` do the same work written directly in plain torch ops
+(``torch.topk`` or a comparison, a gather, a scatter into zeros; for the
+scheme rows also the error feedback, the residual by zeroing the sent
+entries, and for PowerSGD the two products, QR and the reconstruction), so
+``<name> / floor <name>`` is what the library adds to the least the maths
+needs. The candidate-based exact selection can beat its ``torch.topk`` /
+``kthvalue`` floor.
 
 Rows ``scheme <name>`` time one whole step of a registered scheme on a
 near-square matrix of the same size, in one process (collectives are no-ops
@@ -32,50 +41,95 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.machine import CpuWatch, cpu_model
-from thinwire.compress import DCTThreshold, Dense, LaplaceThreshold, TensorInfo, TopK
+from thinwire.compress import DCTThreshold, Dense, LaplaceThreshold, TensorInfo, TopK, keep_count
 
 # Whole-scheme rows: the references first, then the schemes of the ScaleCom/PowerSGD work.
 SCHEME_ROWS = ("topk", "dct-dp", "clt-k", "powersgd")
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
+Step = Callable[[], object]
+
+
+def interleaved(rows: dict[str, Step], repeats: int,
+                prepare: dict[str, Step] | None = None) -> dict[str, float]:
+    """Median seconds of each row, the rows run in turn within every round.
+
+    Interleaving spreads a change of machine load over all rows alike, so
+    ratios between rows stay meaningful on a shared machine.
+
+    Args:
+        prepare: per row, untimed work run before each timed call (a fresh gradient).
+    """
+    prepare = prepare or {}
+    for run in rows.values():
+        run()  # warm-up: first calls allocate
+    samples: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for name, run in rows.items():
+            if name in prepare:
+                prepare[name]()
+            start = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def measure(numel: int, sparsity: float, life_span: int, repeats: int) -> dict[str, float]:
-    """Median seconds per step of each codec on a Gaussian gradient of ``numel`` entries."""
-    grad = torch.randn(numel)
+def codec_rows(grad: torch.Tensor, sparsity: float, life_span: int) -> dict[str, Step]:
+    """compress + decompress of one tensor by each codec (no error feedback)."""
     info = TensorInfo.of("w", grad)
 
-    def step(codec: object) -> Callable[[], object]:
+    def step(codec: object) -> Step:
         def run() -> object:
             payload = codec.compress(grad, info)  # type: ignore[attr-defined]
             return codec.decompress(payload, info)  # type: ignore[attr-defined]
         return run
 
-    dct = DCTThreshold(sparsity, life_span=life_span)
+    options = {"min_numel": 0}
+    dct = DCTThreshold(sparsity, life_span=life_span, **options)  # type: ignore[arg-type]
     dct.compress(grad, info)  # tau now set: the next life_span - 1 calls reuse it
-
-    def refresh() -> object:
-        dct._refresh(grad.abs(), "w", int(numel * (1 - sparsity)))
-        return None
-
-    reuse = _time(step(dct), repeats)
-    refresh_s = _time(refresh, repeats)
+    k = keep_count(grad.numel(), 1 - sparsity)
     return {
-        "dense": _time(step(Dense()), repeats),
-        "topk": _time(step(TopK(1 - sparsity)), repeats),
-        "dct_reuse": reuse,
-        "dct_refresh_extra": refresh_s,
-        f"dct_L{life_span}": reuse + refresh_s / life_span,
-        "laplace": _time(step(LaplaceThreshold(sparsity)), repeats),
+        "dense": step(Dense()),
+        "topk": step(TopK(1 - sparsity, **options)),  # type: ignore[arg-type]
+        "dct_reuse": step(dct),
+        "dct_refresh_extra": lambda: dct._refresh(grad.abs(), "w", k),
+        "laplace": step(LaplaceThreshold(sparsity, **options)),  # type: ignore[arg-type]
     }
+
+
+def codec_floors(grad: torch.Tensor, sparsity: float, tau: float) -> dict[str, Step]:
+    """The same work as :func:`codec_rows`, written directly in plain torch ops."""
+    numel = grad.numel()
+    k = keep_count(numel, 1 - sparsity)
+    scale = -math.log1p(-sparsity)
+
+    def scatter(indices: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(grad)
+        out[indices] = grad[indices]
+        return out
+
+    return {
+        "floor topk": lambda: scatter(torch.topk(grad.abs(), k, sorted=False).indices),
+        "floor dct_reuse": lambda: scatter((grad.abs() >= tau).nonzero().squeeze(1)),
+        "floor dct_refresh_extra": lambda: torch.kthvalue(grad.abs(), numel - k + 1),
+        "floor laplace": lambda: scatter(
+            (lambda a: (a >= a.mean() * scale).nonzero().squeeze(1))(grad.abs())),
+    }
+
+
+def measure(numel: int, sparsity: float, life_span: int, repeats: int) -> dict[str, float]:
+    """Median seconds per step of each codec and its floor on a Gaussian gradient."""
+    grad = torch.randn(numel)
+    rows = codec_rows(grad, sparsity, life_span)
+    k = keep_count(numel, 1 - sparsity)
+    tau = float(torch.kthvalue(grad.abs(), numel - k + 1).values)
+    rows.update(codec_floors(grad, sparsity, tau))
+    seconds = interleaved(rows, repeats)
+    for prefix in ("", "floor "):
+        seconds[f"{prefix}dct_L{life_span}"] = (seconds[f"{prefix}dct_reuse"]
+                                               + seconds[f"{prefix}dct_refresh_extra"]
+                                               / life_span)
+    return seconds
 
 
 def matrix_shape(numel: int) -> tuple[int, int]:
@@ -97,21 +151,91 @@ def scheme_available(name: str) -> str | None:
     return None
 
 
-def measure_scheme(name: str, numel: int, sparsity: float, life_span: int, rank: int,
-                   repeats: int) -> float:
-    """Median seconds of one step of scheme ``name`` in one process (no collectives)."""
+def scheme_step(name: str, grad: torch.Tensor, sparsity: float, life_span: int,
+                rank: int) -> Step:
+    """One step of scheme ``name`` on ``grad`` in one process (no collectives)."""
     from thinwire import schemes
     from thinwire.train.compare import scheme_config
 
     scheme = schemes.build(name, **scheme_config(name, sparsity, life_span, [f"rank={rank}"]))
-    shape = matrix_shape(numel)
-    samples = []
-    for _ in range(repeats + 1):  # the first call allocates buffers: a warm-up
-        grads = {"w": torch.randn(shape)}
-        start = time.perf_counter()
-        scheme.reduce(grads)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples[1:])
+    return lambda: scheme.reduce({"w": grad})
+
+
+def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> Step | None:
+    """The work of one step of scheme ``name``, written directly in plain torch ops.
+
+    Error feedback, selection or factorisation, the residual and the decoded
+    result: what the scheme must do at the least, with none of its
+    bookkeeping. None for a scheme without a floor here.
+    """
+    shape = tuple(grad.shape)
+    numel = grad.numel()
+    k = keep_count(numel, 1 - sparsity)
+    state: dict[str, torch.Tensor] = {"e": torch.zeros(numel)}
+
+    def sparse_step(select: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+        def run() -> object:
+            p = grad.reshape(-1) + state["e"]
+            indices = select(p)
+            values = p[indices]
+            p[indices] = 0.0  # the residual: p with the sent entries zeroed
+            state["e"] = p
+            out = torch.zeros(numel)
+            out[indices] = values
+            return out
+        return run
+
+    if name == "topk":
+        return sparse_step(lambda p: torch.topk(p.abs(), k, sorted=False).indices)
+    if name == "dct-dp":
+        tau = float(torch.kthvalue(grad.abs().reshape(-1), numel - k + 1).values)
+        return sparse_step(lambda p: (p.abs() >= tau).nonzero().squeeze(1))
+    if name == "clt-k" and numel % k == 0:
+        starts = torch.arange(k) * (numel // k)
+        return sparse_step(lambda p: p.abs().view(k, -1).argmax(dim=1) + starts)
+    if name == "powersgd":
+        rows, cols = shape
+        state["q"] = torch.randn(cols, rank)
+        state["e"] = torch.zeros(shape)
+
+        def power_step() -> object:
+            matrix = grad + state["e"]
+            p_hat = torch.linalg.qr(matrix @ state["q"]).Q
+            q = (p_hat.t() @ matrix).t()
+            approx = p_hat @ q.t()
+            state["e"] = matrix - approx
+            state["q"] = q
+            return approx
+        return power_step
+    return None
+
+
+def measure_schemes(names: list[str], numel: int, sparsity: float, life_span: int, rank: int,
+                    repeats: int) -> dict[str, float]:
+    """Median seconds of one step of each scheme and of its floor, interleaved.
+
+    Every row gets a fresh Gaussian gradient before each timed call (untimed).
+    """
+    grad = torch.randn(matrix_shape(numel))
+    rows: dict[str, Step] = {}
+    for name in names:
+        rows[f"scheme {name}"] = scheme_step(name, grad, sparsity, life_span, rank)
+        floor = scheme_floor(name, grad, sparsity, rank)
+        if floor is not None:
+            rows[f"floor scheme {name}"] = floor
+    return interleaved(rows, repeats, {name: grad.normal_ for name in rows})
+
+
+def measure_scheme(name: str, numel: int, sparsity: float, life_span: int, rank: int,
+                   repeats: int) -> float:
+    """Median seconds of one step of scheme ``name`` in one process (no collectives)."""
+    return measure_schemes([name], numel, sparsity, life_span, rank, repeats)[f"scheme {name}"]
+
+
+def floor_ratios(seconds: dict[str, float]) -> dict[str, float]:
+    """Each row that has a floor row, as a multiple of that floor."""
+    return {name: value / seconds[f"floor {name}"] for name, value in seconds.items()
+            if f"floor {name}" in seconds}
 
 
 def main() -> None:
@@ -134,9 +258,8 @@ def main() -> None:
     rows = {}
     for numel in tqdm(args.sizes, desc="sizes"):
         rows[numel] = measure(numel, args.sparsity, args.life_span, args.repeats)
-        for name in timed:
-            rows[numel][f"scheme {name}"] = measure_scheme(
-                name, numel, args.sparsity, args.life_span, args.rank, args.repeats)
+        rows[numel].update(measure_schemes(timed, numel, args.sparsity, args.life_span,
+                                           args.rank, args.repeats))
     dct_key = f"dct_L{args.life_span}"
     print(f"median ms per step (compress + decompress), sparsity {args.sparsity}")
     print(f"{'codec':>20s} " + " ".join(f"{n:>14,d}" for n in args.sizes))
@@ -150,6 +273,8 @@ def main() -> None:
             print(f"{numel:,d}: " + ", ".join(
                 f"{key} / scheme topk = {r[key] / r['scheme topk']:.3f}"
                 for key in r if key.startswith("scheme ") and key != "scheme topk"))
+        print(f"{numel:,d}: vs floor: " + ", ".join(
+            f"{key} {ratio:.2f}x" for key, ratio in floor_ratios(r).items()))
     record = {"command": "python -m benchmarks.overhead " + " ".join(
                   f"--{k.replace('_', '-')} "
                   + (" ".join(map(str, v)) if isinstance(v, list) else str(v))
@@ -162,7 +287,8 @@ def main() -> None:
               "matrix_shapes": {str(n): matrix_shape(n) for n in args.sizes},
               "seconds": {str(n): r for n, r in rows.items()},
               "ratio_vs_topk": {str(n): {k: v / r["topk"] for k, v in r.items()}
-                                for n, r in rows.items()}}
+                                for n, r in rows.items()},
+              "ratio_vs_floor": {str(n): floor_ratios(r) for n, r in rows.items()}}
     (args.out / "overhead.json").write_text(json.dumps(record, indent=2))
     plot(record, args.out / "overhead.png")
     print(f"wrote {args.out}/overhead.json and overhead.png")
@@ -177,7 +303,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
 
     rows = {int(n): r for n, r in record["seconds"].items()}
     first = next(iter(rows.values()))
-    codecs = [c for c in first if c not in ("dct_reuse", "dct_refresh_extra")]
+    codecs = [c for c in first if not c.startswith("floor")
+              and c not in ("dct_reuse", "dct_refresh_extra")]
     fig, ax = plt.subplots(figsize=(8, 4.2))
     width = 0.8 / len(rows)
     for i, (numel, r) in enumerate(rows.items()):

@@ -133,7 +133,8 @@ def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
     generator = torch.Generator().manual_seed(10 + rank)
     grads = {"w": torch.randn(32, 8, generator=generator, dtype=torch.float64),
              "b": torch.randn(8, generator=generator, dtype=torch.float64)}
-    scheme = build(name, sparsity=0.9, life_span=1) if name == "dct-dp" else build(name)
+    scheme = build(name, sparsity=0.9, life_span=1, min_numel=0) if name == "dct-dp" \
+        else build(name)
     scheme.meter = Meter(rank, 2)
     out = scheme.reduce(grads, group)
     scheme.meter.next_step()
@@ -163,8 +164,10 @@ def test_scheme_reduce_averages_what_each_rank_sent(runs: list[dict[str, Any]],
     layers = results[0][2]
     if name == "dense":
         assert layers == {"w": 32 * 8 * 8, "b": 8 * 8}
-    else:  # header + bitmap (k = 26 > 256 / 32) or k int32 indices (k = 1) + fp32 values
-        assert layers["w"] == 4 + 256 // 8 + 26 * 4 and layers["b"] == 4 + 4 + 4
+    else:  # one payload with room for 1.25 k per layer (33 + 2): a bitmap of 264 entries
+        assert layers["w"] == 26 * 4 and layers["b"] == 1 * 4  # the fp32 values sent
+        assert layers["(header)"] == 4 and layers["(bitmap)"] == 36
+        assert layers["(padding)"] == (33 + 2 - 26 - 1) * 4
 
 
 def test_fingerprint_fields_flatten_and_a_mismatch_names_each_differing_field() -> None:

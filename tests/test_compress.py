@@ -18,6 +18,8 @@ from thinwire.compress import (
     TopK,
     decode,
 )
+from thinwire.compress._select import kth_largest, topk_indices
+from thinwire.compress.sparse import TRACE_LENGTH
 from thinwire.feedback import Residual
 
 
@@ -36,7 +38,7 @@ def test_dense_is_bit_exact_and_fp16_rounds() -> None:
 
 def test_topk_keeps_exactly_the_largest_magnitudes() -> None:
     grad = torch.randn(1000)
-    payload = TopK(0.05).compress(grad, info_of(grad))
+    payload = TopK(0.05, min_numel=0).compress(grad, info_of(grad))
     assert isinstance(payload, SparsePayload) and payload.count == 50
     expected = set(torch.topk(grad.abs(), 50).indices.tolist())
     assert set(payload.indices.tolist()) == expected
@@ -44,7 +46,7 @@ def test_topk_keeps_exactly_the_largest_magnitudes() -> None:
 
 
 def test_dct_with_life_span_one_equals_topk_with_error_feedback() -> None:
-    dct, topk = DCTThreshold(0.9, life_span=1), TopK(1 - 0.9)
+    dct, topk = DCTThreshold(0.9, life_span=1, min_numel=0), TopK(1 - 0.9, min_numel=0)
     memory_dct, memory_topk = Residual(), Residual()
     for _ in range(20):
         grad = torch.randn(257)  # continuous values: no ties
@@ -62,7 +64,7 @@ def test_dct_with_life_span_one_equals_topk_with_error_feedback() -> None:
 
 @pytest.mark.parametrize("steps,life_span", [(10, 3), (9, 3), (1, 5), (12, 1)])
 def test_dct_recomputes_threshold_ceil_steps_over_l_times(steps: int, life_span: int) -> None:
-    dct = DCTThreshold(0.9, life_span=life_span)
+    dct = DCTThreshold(0.9, life_span=life_span, min_numel=0)
     taus = []
     for _ in range(steps):
         grad = torch.randn(100)
@@ -75,7 +77,7 @@ def test_dct_recomputes_threshold_ceil_steps_over_l_times(steps: int, life_span:
 
 
 def test_dct_reused_threshold_masks_by_magnitude() -> None:
-    dct = DCTThreshold(0.5, life_span=100)
+    dct = DCTThreshold(0.5, life_span=100, min_numel=0, capacity=10.0)
     first = torch.arange(1.0, 11.0)
     dct.compress(first, info_of(first))
     assert dct.tau["w"] == 6.0  # the 5th largest of 1..10
@@ -86,11 +88,13 @@ def test_dct_reused_threshold_masks_by_magnitude() -> None:
 
 def test_ties_at_threshold_are_all_kept() -> None:
     grad = torch.tensor([1.0, 2.0, 2.0, 2.0, 0.5])
-    payload = DCTThreshold(0.8, life_span=1).compress(grad, info_of(grad))  # k = 1
+    payload = DCTThreshold(0.8, life_span=1, min_numel=0,
+                           capacity=3.0).compress(grad, info_of(grad))  # k = 1
     assert sorted(payload.indices.tolist()) == [1, 2, 3]
 
 
-@pytest.mark.parametrize("compressor", [DCTThreshold(0.9, 1), TopK(0.1), LaplaceThreshold(0.9)])
+@pytest.mark.parametrize("compressor", [DCTThreshold(0.9, 1, min_numel=0), TopK(0.1, min_numel=0),
+                                        LaplaceThreshold(0.9, min_numel=0)])
 def test_all_zero_tensor_sends_nothing(compressor: TopK) -> None:
     grad = torch.zeros(300)
     payload = compressor.compress(grad, info_of(grad))
@@ -105,8 +109,11 @@ def test_small_tensors_sparsity_zero_and_empty_tensors() -> None:
     dense = DCTThreshold(0.0, 1).compress(small, info_of(small))
     assert isinstance(dense, DensePayload) and torch.equal(dense.values, small)
     empty = torch.zeros(0)
-    payload = TopK(0.5).compress(empty, info_of(empty))
-    assert payload.nbytes == 4 and decode(payload, info_of(empty)).numel() == 0
+    for compressor in (TopK(0.5, min_numel=0), DCTThreshold(0.9, 1, min_numel=0),
+                       LaplaceThreshold(0.9, min_numel=0)):
+        payload = compressor.compress(empty, info_of(empty))  # header only
+        assert payload.nbytes == 4 and decode(payload, info_of(empty)).numel() == 0
+    assert TopK(0.5).compress(empty, info_of(empty)).nbytes == 0  # below min_numel: dense
 
 
 def test_laplace_records_achieved_density() -> None:
@@ -127,11 +134,11 @@ def test_fp16_values_halve_value_bytes() -> None:
 
 
 def test_dct_state_dict_resumes_threshold() -> None:
-    dct = DCTThreshold(0.9, life_span=4)
+    dct = DCTThreshold(0.9, life_span=4, min_numel=0)
     grads = [torch.randn(50) for _ in range(8)]
     for grad in grads[:3]:
         dct.compress(grad, info_of(grad))
-    resumed = DCTThreshold(0.9, life_span=4)
+    resumed = DCTThreshold(0.9, life_span=4, min_numel=0)
     resumed.load_state_dict(dct.state_dict())
     for grad in grads[3:]:
         a, b = dct.compress(grad, info_of(grad)), resumed.compress(grad, info_of(grad))
@@ -147,3 +154,40 @@ def test_dct_state_dict_resumes_threshold() -> None:
 def test_bad_config_raises_value_error(make: object) -> None:
     with pytest.raises(ValueError):
         make()  # type: ignore[operator]
+
+
+def _adversarial() -> list[torch.Tensor]:
+    n = 50_000  # above the size where the sampled bound is used
+    spike = torch.zeros(n)
+    spike[123] = 1e30
+    stripes = torch.zeros(n)
+    stripes[::12] = 1.0  # every sampled entry large: the bound overshoots
+    return [torch.ones(n), torch.zeros(n), spike, stripes, torch.randint(0, 4, (n,)).float(),
+            torch.randn(n).abs(), torch.rand(n).sort().values, torch.rand(n) ** 8]
+
+
+@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("k", [1, 7, 500, 4999, 20_000])
+def test_candidate_selection_matches_torch_topk_and_kthvalue(case: int, k: int) -> None:
+    magnitudes = _adversarial()[case]
+    values, indices = topk_indices(magnitudes, k)
+    expected = torch.topk(magnitudes, k).values
+    assert torch.equal(values.sort(descending=True).values, expected)
+    assert torch.equal(magnitudes[indices], values) and indices.unique().numel() == k
+    assert torch.equal(kth_largest(magnitudes, k),
+                       torch.kthvalue(magnitudes, magnitudes.numel() - k + 1).values)
+
+
+def test_candidate_selection_refuses_k_out_of_range() -> None:
+    with pytest.raises(ValueError, match="k=11"):
+        topk_indices(torch.ones(10), 11)
+    with pytest.raises(ValueError, match="k=0"):
+        kth_largest(torch.ones(10), 0)
+
+
+def test_threshold_trace_keeps_a_bounded_window() -> None:
+    dct = DCTThreshold(0.9, life_span=1, min_numel=0)
+    grad = torch.randn(20)
+    for _ in range(TRACE_LENGTH + 5):
+        dct.compress(grad, info_of(grad))
+    assert len(dct.trace["w"]) == TRACE_LENGTH and dct.trace["w"][-1][0] == TRACE_LENGTH + 4

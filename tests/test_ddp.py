@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire import ddp
 from thinwire.comm import Meter
 from thinwire.comm.fingerprint import PeerMismatchError
+from thinwire.compress import DensePayload, TensorInfo
 from thinwire.schemes import build
 from thinwire.train.launch import spawn
 
@@ -80,9 +81,59 @@ def _manual_run(rank: int, world_size: int, config: dict[str, Any]) -> list[torc
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _resume_run(rank: int, world_size: int, split: int) -> list[torch.Tensor]:
+def _reference_reduce(scheme: Any, grads: dict[str, torch.Tensor],
+                      world_size: int) -> dict[str, torch.Tensor]:
+    """The per-tensor path the flat engine must match bit for bit: compensate, compress,
+    decode and update each tensor on its own; dense payloads all-reduced (divided
+    first), sparse ones decoded and summed in rank order, then divided."""
+    compressor, memory = scheme.compressor, scheme.memory
+    out = {}
+    for key, grad in grads.items():
+        flat = grad.reshape(-1)
+        info = TensorInfo.of(key, flat)
+        compensated = flat.clone() if memory is None else memory.compensate(key, flat)
+        payload = compressor.compress(compensated, info)
+        decoded = compressor.decompress(payload, info)
+        if memory is not None:
+            memory.update(key, compensated, decoded)
+        if isinstance(payload, DensePayload):
+            mean = payload.values.clone().div_(world_size)
+            dist.all_reduce(mean)
+            out[key] = mean.to(grad.dtype).view(grad.shape)
+        else:
+            parts = [torch.empty_like(decoded) for _ in range(world_size)]
+            dist.all_gather(parts, decoded)
+            total = torch.zeros_like(decoded)
+            for part in parts:
+                total += part
+            out[key] = (total / world_size).view(grad.shape)
+    return out
+
+
+def _reference_run(rank: int, world_size: int, scheme_name: str,
+                   config: dict[str, Any]) -> dict[str, Any]:
+    """The training of ``_ddp_run`` without DDP, through ``_reference_reduce``."""
+    model = _model()
+    scheme = build(scheme_name, **config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        named = {name: p.grad for name, p in model.named_parameters()}
+        reduced = _reference_reduce(scheme, named, world_size)  # type: ignore[arg-type]
+        for name, p in model.named_parameters():
+            p.grad = reduced[name]
+        optimizer.step()
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "scheme": scheme.state_dict()}
+
+
+def _resume_run(rank: int, world_size: int, split: int,
+                config: dict[str, Any] | None = None) -> list[torch.Tensor]:
     """Train STEPS steps, checkpointing and rebuilding everything after ``split``."""
-    config = {"sparsity": 0.8, "life_span": 4}
+    config = config or {"sparsity": 0.8, "life_span": 4}
     model = _model()
     net = DistributedDataParallel(model, bucket_cap_mb=0.001)
     state = ddp.register(net, build("dct-dp", **config))
@@ -138,6 +189,19 @@ def _mismatch_at_first_call(rank: int) -> str:
     except Exception as error:  # DDP's reducer re-raises the hook's error as its own
         return str(error)
     return ""
+# Tensors of 3 and 16 entries travel dense, the rest sparse: both paths in each bucket.
+FLAT = {
+    "topk": ("topk", {"ratio": 0.1, "min_numel": 20}),
+    "topk-no-feedback": ("topk", {"ratio": 0.1, "min_numel": 20, "error_feedback": False}),
+    "topk-fp16": ("topk", {"ratio": 0.1, "min_numel": 20, "values": "fp16"}),
+    "dct-dp": ("dct-dp", {"sparsity": 0.9, "life_span": 2, "min_numel": 20}),
+    "dct-dp-drain": ("dct-dp", {"sparsity": 0.9, "life_span": 2, "min_numel": 20,
+                                "drain_every": 2}),
+    "laplace": ("laplace", {"sparsity": 0.9, "min_numel": 20, "capacity": 1.5}),
+    "dct-dp-delta16": ("dct-dp", {"sparsity": 0.97, "life_span": 2, "min_numel": 20,
+                                  "indices": "delta16"}),
+}
+DRAIN = {"sparsity": 0.8, "life_span": 4, "min_numel": 20, "drain_every": 2}
 
 
 def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
@@ -152,6 +216,12 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "resumed": _resume_run(rank, world_size, 3),
         "nan": _ddp_run(rank, world_size, "dct-dp", {**DCT, "nonfinite": "skip"}, 0.001,
                         (1, 2)),
+        "drain-straight": _resume_run(rank, world_size, STEPS, DRAIN),
+        "drain-resumed": _resume_run(rank, world_size, 3, DRAIN),
+        **{f"flat-{name}": _ddp_run(rank, world_size, scheme, config, 0.001)
+           for name, (scheme, config) in FLAT.items()},
+        **{f"reference-{name}": _reference_run(rank, world_size, scheme, config)
+           for name, (scheme, config) in FLAT.items()},
         "mismatch": {pair: _mismatch_run(rank, pair) for pair in MISMATCHES},
         "mismatch-at-first-call": _mismatch_at_first_call(rank),  # last: it breaks a DDP
     }
@@ -176,10 +246,29 @@ def test_dct_hook_equals_reduce_without_ddp_for_any_bucketing(runs: list[dict[st
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["", "drain-"])
 def test_checkpoint_resume_is_bit_identical_to_an_uninterrupted_run(
-        runs: list[dict[str, Any]]) -> None:
-    for a, b in zip(runs[0]["straight"], runs[0]["resumed"]):
+        runs: list[dict[str, Any]], name: str) -> None:
+    for a, b in zip(runs[0][f"{name}straight"], runs[0][f"{name}resumed"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(FLAT))
+def test_flat_bucket_path_is_bit_identical_to_the_per_tensor_path(
+        runs: list[dict[str, Any]], name: str) -> None:
+    """Several buckets, re-bucketed after step one, dense and sparse tensors in each."""
+    for rank in range(2):
+        flat, reference = runs[rank][f"flat-{name}"], runs[rank][f"reference-{name}"]
+        for a, b in zip(flat["params"], reference["params"]):
+            assert torch.equal(a, b)
+        memory, expected = flat["scheme"]["memory"], reference["scheme"]["memory"]
+        if expected is not None:
+            assert memory["buffers"].keys() == expected["buffers"].keys()
+            for key, buffer in expected["buffers"].items():
+                assert torch.equal(memory["buffers"][key], buffer)
+        assert flat["scheme"]["compressor"] == reference["scheme"]["compressor"]
+    if name == "dct-dp-drain":
+        assert runs[0][f"flat-{name}"]["scheme"]["memory"]["drains"] > 0
 
 
 def test_nan_on_one_rank_is_skipped_and_replicas_stay_identical(

@@ -71,7 +71,7 @@ def test_stochastic_drain_empties_buffers_at_the_expected_rate() -> None:
         Residual(drain_every=0)
 
 
-def test_residual_state_dict_round_trip_includes_drain_generator() -> None:
+def test_residual_state_dict_round_trip_includes_the_drain_state() -> None:
     memory = Residual(drain_every=2, seed=3)
     memory.update("w", torch.ones(3), torch.zeros(3))
     copy = Residual(drain_every=2)
@@ -80,3 +80,28 @@ def test_residual_state_dict_round_trip_includes_drain_generator() -> None:
         memory.update("w", torch.ones(3), torch.zeros(3))
         copy.update("w", torch.ones(3), torch.zeros(3))
     assert memory.drains == copy.drains
+
+
+def test_drain_draws_do_not_depend_on_the_order_keys_are_updated_in() -> None:
+    forward, backward = Residual(drain_every=3, seed=5), Residual(drain_every=3, seed=5)
+    keys = [f"layer{i}" for i in range(6)]
+    for _ in range(10):
+        for memory, order in ((forward, keys), (backward, keys[::-1])):
+            for key in order:
+                memory.update(key, torch.ones(2), torch.zeros(2))
+    assert forward.drains == backward.drains > 0
+    for key in keys:
+        assert torch.equal(forward.buffers[key], backward.buffers[key])
+
+
+def test_sparse_update_equals_the_dense_update() -> None:
+    compensated = torch.randn(50)
+    indices = torch.tensor([3, 17, 40])
+    for sent in (compensated[indices], compensated[indices].half()):
+        sparse, dense = Residual(), Residual()
+        sparse.update_sparse("w", compensated, indices, sent)
+        decoded = torch.zeros(50)
+        decoded[indices] = sent.float()
+        dense.update("w", compensated, decoded)
+        assert torch.equal(sparse.buffers["w"], dense.buffers["w"])
+        assert torch.equal(sparse.buffers["w"] + decoded, compensated)

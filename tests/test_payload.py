@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from thinwire.compress import DensePayload, LowRankPayload, SparsePayload
-from thinwire.compress.payload import pack_bits, unpack_bits
+from thinwire.compress.payload import SparseLayout, pack_bits, unpack_bits
 
 
 def sparse(numel: int, indices: list[int], dtype: torch.dtype = torch.float32) -> SparsePayload:
@@ -64,3 +64,44 @@ def test_bits_round_trip(numel: int) -> None:
     packed = pack_bits(mask)
     assert packed.numel() == (numel + 7) // 8
     assert torch.equal(unpack_bits(packed, numel), mask)
+
+
+@pytest.mark.parametrize("numel,capacity,count", [(1000, 10, 7), (1000, 10, 0), (1000, 200, 200),
+                                                  (37, 37, 5), (0, 0, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("formats", ["int32", "delta16"])
+def test_fixed_capacity_layout_round_trips_and_has_its_declared_size(
+        numel: int, capacity: int, count: int, dtype: torch.dtype, formats: str) -> None:
+    layout = SparseLayout(numel, capacity, dtype, formats)
+    indices = torch.randperm(numel)[:count]
+    values = torch.randn(count).to(dtype)
+    wire = layout.encode(indices, values)
+    assert wire.dtype == torch.uint8 and wire.numel() == layout.nbytes
+    assert layout.nbytes % max(4, values.element_size()) == 0  # rows of a gather stay aligned
+    got_indices, got_values = layout.decode(wire)
+    order = torch.argsort(indices)
+    if layout.uses_bitmap or formats == "delta16":  # ascending order on the wire
+        assert torch.equal(got_indices, indices[order]) and torch.equal(got_values, values[order])
+    else:
+        assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
+
+
+def test_fixed_capacity_layout_refuses_overflow_and_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="exceed the payload capacity 2"):
+        SparseLayout(10, 2).encode(torch.arange(3), torch.ones(3))
+    with pytest.raises(ValueError, match="capacity=11"):
+        SparseLayout(10, 11)
+
+
+def test_gap_list_escapes_gaps_beyond_16_bits_and_halves_index_bytes() -> None:
+    numel = 400_000
+    indices = torch.tensor([0, 1, 65_535, 65_536 + 65_535, 300_000, 399_999, 65_536])
+    layout = SparseLayout(numel, 10, torch.float32, "delta16")
+    assert not layout.uses_bitmap and layout.index_bytes == 20 + 4 * 7
+    values = torch.arange(7.0)
+    got_indices, got_values = layout.decode(layout.encode(indices, values))
+    order = torch.argsort(indices)
+    assert torch.equal(got_indices, indices[order]) and torch.equal(got_values, values[order])
+    wide = SparseLayout(numel, 2000, torch.float32, "int32")
+    assert SparseLayout(numel, 2000, torch.float32, "delta16").index_bytes == 4000 + 4 * 7
+    assert wide.index_bytes == 8000

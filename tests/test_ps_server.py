@@ -87,7 +87,8 @@ def test_hogwild_threads_and_workers_in_one_process(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "server.ckpt")
     config = AsyncConfig(method="dc-asgd", workers=2, threads_per_worker=2, passes=2,
                          rule={"lr": 0.1, "lam": 0.04}, push="dct-dp",
-                         push_options={"sparsity": 0.9, "life_span": 5, "drain_every": 3},
+                         push_options={"sparsity": 0.9, "life_span": 5, "drain_every": 3,
+                                           "min_numel": 0},
                          checkpoint=path, checkpoint_every=5)
     task, server = _local_server(config)
     reports: dict[int, dict[str, object]] = {}

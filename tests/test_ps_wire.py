@@ -63,7 +63,7 @@ def test_fp16_odd_tensor_is_padded_and_the_padding_metered() -> None:
 
 
 def test_error_feedback_keeps_what_the_payload_left_out() -> None:
-    codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=2)
+    codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=2, min_numel=0)
     grad = _grad()
     encoded = codec.encode(grad)
     assert codec.memory is not None
@@ -92,12 +92,12 @@ def test_nonfinite_gradient_is_pushed_raw_and_leaves_state_untouched() -> None:
 
 
 def _sparse_wire() -> torch.Tensor:
-    return PushCodec(LAYOUT, "topk", ratio=0.01).encode(_grad()).data
+    return PushCodec(LAYOUT, "topk", ratio=0.01, min_numel=0).encode(_grad()).data
 
 
 @pytest.mark.parametrize("damage", ["truncate", "extend", "header", "index", "dtype"])
 def test_malformed_pushes_are_refused(damage: str) -> None:
-    server = PushCodec(LAYOUT, "topk", ratio=0.01)
+    server = PushCodec(LAYOUT, "topk", ratio=0.01, min_numel=0)
     data = _sparse_wire().clone()
     if damage == "truncate":
         data = data[:-4]

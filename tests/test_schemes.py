@@ -7,6 +7,7 @@ import torch
 
 from thinwire import schemes
 from thinwire.compress import TensorInfo
+from thinwire.schemes.base import CompressedScheme
 
 
 def test_foundation_schemes_are_registered() -> None:
@@ -21,6 +22,8 @@ def test_foundation_schemes_are_registered() -> None:
     ("topk", {"ratio": 0.0}, "ratio=0.0"),
     ("topk", {"ratio": 1.01}, "ratio=1.01"),
     ("topk", {"values": "bf16"}, "values='bf16'"),
+    ("topk", {"indices": "int16"}, "indices='int16'"),
+    ("dct-dp", {"capacity": 0.5}, "capacity=0.5"),
     ("laplace", {"min_numel": -1}, "min_numel=-1"),
     ("dense", {"nonfinite": "ignore"}, "nonfinite='ignore'"),
 ])
@@ -67,13 +70,71 @@ def test_single_process_reduce_of_dense_is_the_identity() -> None:
 def test_dct_dp_include_compresses_only_the_matching_parameters() -> None:
     """DCT KDD'21 §3.3 compresses only the fully connected layers; the rest travel dense."""
     grads = {"top.0.weight": torch.randn(30, 20), "emb.0.weight": torch.randn(50, 8)}
-    scheme = schemes.build("dct-dp", sparsity=0.9, include=("top.*",))
+    scheme = schemes.build("dct-dp", sparsity=0.9, include=("top.*",), min_numel=0)
     sent = scheme.reduce(grads)
     assert torch.equal(sent["emb.0.weight"], grads["emb.0.weight"])  # dense: exact
     kept = int((sent["top.0.weight"] != 0).sum())
     assert kept == 60  # 10 % of 600: sparsified
     assert scheme.compressor.is_dense(TensorInfo("emb.0.weight", (50, 8)))
-    everything = schemes.build("dct-dp", sparsity=0.9).reduce(grads)
+    everything = schemes.build("dct-dp", sparsity=0.9, min_numel=0).reduce(grads)
     assert int((everything["emb.0.weight"] != 0).sum()) == 40
     with pytest.raises(ValueError, match="include='top.*'"):
         schemes.build("dct-dp", include="top.*")
+@pytest.mark.parametrize("name,config", [
+    ("topk", {"ratio": 0.05, "min_numel": 100}),
+    ("topk", {"ratio": 0.05, "values": "fp16"}),
+    ("dct-dp", {"sparsity": 0.95, "life_span": 3, "min_numel": 100}),
+    ("laplace", {"sparsity": 0.95, "capacity": 1.0}),
+])
+def test_error_feedback_invariant_holds_exactly(name: str, config: dict[str, object]) -> None:
+    """grad + old_error == sent + new_error, bit for bit, for every tensor and step."""
+    scheme = schemes.build(name, **config)
+    assert isinstance(scheme, CompressedScheme) and scheme.memory is not None
+    for _ in range(6):
+        grads = {"w": torch.randn(40, 30), "b": torch.randn(30), "v": torch.randn(2000)}
+        old = {key: scheme.memory.buffers.get(key, torch.zeros(g.numel())).clone()
+               for key, g in grads.items()}
+        sent = scheme.reduce(grads)  # one process: the mean is what this rank sent
+        for key, grad in grads.items():
+            new = scheme.memory.buffers[key]
+            assert torch.equal(grad.reshape(-1) + old[key], sent[key].reshape(-1) + new)
+        assert int((sent["w"] != 0).sum()) <= scheme.compressor.capacity(1200)  # type: ignore[attr-defined]
+
+
+def test_entries_beyond_the_capacity_are_the_smallest_and_wait_in_the_memory() -> None:
+    # A stale threshold of 0.5 passes everything; capacity 1 x k = 10 sends the 10 largest.
+    scheme = schemes.build("dct-dp", sparsity=0.9, life_span=100, refresh_above=None,
+                           min_numel=0, capacity=1.0)
+    scheme.reduce({"w": torch.arange(1.0, 101.0)})  # tau = 91
+    assert scheme.compressor.tau["w"] == 91.0  # type: ignore[attr-defined]
+    scheme.compressor.tau["w"] = 0.5  # type: ignore[attr-defined]
+    grad = torch.randn(100)
+    sent = scheme.reduce({"w": grad})["w"]
+    compensated = grad + torch.cat([torch.arange(1.0, 91.0), torch.zeros(10)])
+    top = torch.topk(compensated.abs(), 10).indices
+    assert set(sent.nonzero().squeeze(1).tolist()) == set(top.tolist())
+    assert torch.equal(sent + scheme.memory.buffers["w"], compensated)  # type: ignore[union-attr]
+
+
+def test_a_finite_round_whose_sum_overflows_is_not_skipped() -> None:
+    huge = torch.full((10,), 3e38)
+    out = schemes.build("dense", nonfinite="skip").reduce({"w": huge, "b": huge.clone()})
+    assert torch.equal(out["w"], huge)
+    scheme = schemes.build("dense", nonfinite="skip")
+    out = scheme.reduce({"w": torch.tensor([1.0, float("nan")]), "b": torch.ones(3)})
+    assert scheme.skipped == 1 and torch.equal(out["b"], torch.zeros(3))
+    with pytest.raises(FloatingPointError, match="'w'"):
+        schemes.build("topk").reduce({"b": torch.ones(3), "w": torch.tensor([float("inf")])})
+
+
+def test_small_tensors_travel_dense_by_default_and_are_never_frozen() -> None:
+    scheme = schemes.build("laplace")
+    grad = torch.randn(32)
+    assert torch.equal(scheme.reduce({"b": grad})["b"], grad)
+
+
+def test_mixed_dtypes_reduce_each_in_its_own_dtype() -> None:
+    grads = {"w": torch.randn(3000, dtype=torch.float64), "h": torch.randn(2000)}
+    out = schemes.build("topk", ratio=0.01).reduce(grads)
+    assert out["w"].dtype == torch.float64 and out["h"].dtype == torch.float32
+    assert int((out["w"] != 0).sum()) == 30 and int((out["h"] != 0).sum()) == 20

@@ -94,6 +94,34 @@ def all_gather_bytes(payload: torch.Tensor, group: Group = None,
     return gathered_future
 
 
+def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | None = None,
+                     segments: Sequence[tuple[str, int]] = (),
+                     entity: str = "W_grad") -> Future[Any]:
+    """All-gather uint8 buffers of the same length on every rank, in one round.
+
+    For payloads of a fixed capacity (:class:`thinwire.compress.SparseLayout`)
+    there is no round of lengths first: nothing blocks the caller.
+
+    Args:
+        segments: ``(layer, nbytes)`` parts of ``payload`` recorded by the meter;
+            they should add up to its length (padding included).
+
+    Returns:
+        A future holding the list of each rank's buffer (views of one tensor).
+    """
+    _, n = world(group)
+    if meter is not None and n > 1:
+        for layer, nbytes in segments:
+            meter.record(entity, layer, "all_gather", nbytes, world_size=n)
+    if n == 1:
+        return done([payload])
+    gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
+    work = dist.all_gather_single(gathered, payload, group=group, async_op=True)
+    assert work is not None
+    result: Future[Any] = work.get_future().then(lambda _: list(gathered.view(n, -1)))
+    return result
+
+
 def split_flat(flat: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
     """Views of consecutive segments of ``flat``."""
     return list(torch.split(flat, list(numels)))

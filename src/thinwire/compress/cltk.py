@@ -17,7 +17,7 @@ Selection (the leader only), per layer of ``N`` entries keeping ``k``:
   exactly ``k`` chunks keeps exactly ``k`` entries, so the bytes equal exact
   top-k's and the two selections compare at the same compression. One
   vectorised argmax, no sort.
-* ``"exact"``: ``torch.topk`` of ``|p|``.
+* ``"exact"``: the exact top-k of ``|p|`` (:func:`~thinwire.compress._select.topk_indices`).
 
 Indices are returned ascending, so every rank gathers in the same order.
 An index set travels as ``k`` int32 or as a bitmap of ``N`` bits, whichever
@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from thinwire.compress._select import topk_indices
 from thinwire.compress.base import keep_count
 from thinwire.compress.payload import pack_bits, unpack_bits
 
@@ -67,7 +68,7 @@ def exact_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     _check_k(k, magnitudes.numel())
     if k == 0:
         return torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
-    indices = torch.topk(magnitudes, k, sorted=False).indices
+    indices = topk_indices(magnitudes, k)[1]
     return torch.sort(indices).values
 
 

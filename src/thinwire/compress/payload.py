@@ -22,12 +22,19 @@ from dataclasses import dataclass
 import torch
 
 HEADER_BYTES = 4
+INDEX_FORMATS = ("int32", "delta16")  # index lists of a SparseLayout (a bitmap when smaller)
 _BITMAP = -1
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def _pad4(nbytes: int) -> int:
     return (nbytes + 3) // 4 * 4
+
+
+def _align(nbytes: int, size: int) -> int:
+    """``nbytes`` rounded up to a multiple of 4 and of ``size`` (a dtype's width)."""
+    step = max(4, size)
+    return (nbytes + step - 1) // step * step
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -146,6 +153,158 @@ class LowRankPayload:
 
     def to_bytes(self) -> torch.Tensor:
         return torch.cat([_as_bytes(self.p), _as_bytes(self.q)])
+
+
+@dataclass(frozen=True)
+class SparseLayout:
+    """A fixed-size sparse payload: room for ``capacity`` entries of a flat region.
+
+    Every rank's payload of one exchange has the same size, so a sparse
+    exchange is a single all-gather with no round of lengths before it; the
+    header says how many entries are valid. Layout (4-byte aligned)::
+
+        int32 header        valid count c <= capacity
+        indices             one of (the smallest; the same choice on every rank):
+                            "int32": capacity int32 slots;
+                            "delta16": capacity 16-bit gaps between ascending
+                              indices (padded to 4), then room for the gaps that do
+                              not fit 16 bits (a 0 gap marks each), int32 each: at
+                              most numel / 65536 + 1 of them;
+                            "bitmap": ceil(numel / 8) bytes padded to 4
+        values              capacity slots, starting and ending aligned to 4 bytes
+                            and to the value dtype's width (fp64: 8)
+
+    Unused slots and alignment bytes are zero. With a bitmap or gaps, values
+    are in ascending index order.
+    """
+
+    numel: int  # entries of the region the indices point into, < 2**31
+    capacity: int  # most entries carried, in [0, numel]
+    value_dtype: torch.dtype = torch.float32
+    indices: str = "int32"  # the index list format when no bitmap: "int32" or "delta16"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.numel < 2**31:
+            raise ValueError(f"numel={self.numel!r} is outside the allowed range [0, 2**31)")
+        if not 0 <= self.capacity <= self.numel:
+            raise ValueError(f"capacity={self.capacity!r} is outside the allowed range "
+                             f"[0, {self.numel}]")
+        if self.indices not in INDEX_FORMATS:
+            raise ValueError(f"indices={self.indices!r} must be one of {INDEX_FORMATS}")
+
+    @property
+    def _escapes(self) -> int:
+        """Room for gaps of 65536 or more: they add up to less than numel."""
+        return self.numel // 65536 + 1
+
+    @property
+    def _list_bytes(self) -> int:
+        if self.indices == "delta16":
+            return _pad4(2 * self.capacity) + 4 * self._escapes
+        return 4 * self.capacity
+
+    @property
+    def uses_bitmap(self) -> bool:
+        return self._list_bytes > _pad4(math.ceil(self.numel / 8))
+
+    @property
+    def index_bytes(self) -> int:
+        return _pad4(math.ceil(self.numel / 8)) if self.uses_bitmap else self._list_bytes
+
+    @property
+    def index_entry_bytes(self) -> int:
+        """Index bytes that grow with each valid entry (the rest are fixed)."""
+        return 0 if self.uses_bitmap else (2 if self.indices == "delta16" else 4)
+
+    @property
+    def value_size(self) -> int:
+        return torch.empty((), dtype=self.value_dtype).element_size()
+
+    @property
+    def value_start(self) -> int:
+        """Where values begin: after header and indices, aligned for the value dtype."""
+        return _align(HEADER_BYTES + self.index_bytes, self.value_size)
+
+    @property
+    def nbytes(self) -> int:
+        return _align(self.value_start + self.capacity * self.value_size, self.value_size)
+
+    def encode(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The payload of ``values`` at ``indices`` (distinct, at most ``capacity``).
+
+        Returns:
+            ``nbytes`` uint8 on ``values``' device.
+
+        Raises:
+            ValueError: more entries than ``capacity``.
+        """
+        count = indices.numel()
+        if count > self.capacity:
+            raise ValueError(f"{count} entries exceed the payload capacity {self.capacity}")
+        out = torch.zeros(self.nbytes, dtype=torch.uint8, device=values.device)
+        out[:HEADER_BYTES].view(torch.int32).fill_(count)
+        area = out[HEADER_BYTES: HEADER_BYTES + self.index_bytes]
+        if self.uses_bitmap or self.indices == "delta16":
+            indices, order = torch.sort(indices)
+            values = values[order]
+        if self.uses_bitmap:
+            mask = torch.zeros(self.numel, dtype=torch.bool, device=values.device)
+            mask[indices] = True
+            bits = pack_bits(mask)
+            area[: bits.numel()] = bits
+        elif self.indices == "delta16":
+            gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))  # each >= 1
+            wide = gaps > 0xFFFF
+            # 0 never is a gap: it marks one that waits in the escape slots instead.
+            area[: 2 * count].view(torch.int16).copy_(gaps.masked_fill(wide, 0).to(torch.int16))
+            escapes = gaps[wide].to(torch.int32)
+            start = _pad4(2 * self.capacity)
+            area[start: start + 4 * escapes.numel()].view(torch.int32).copy_(escapes)
+        else:
+            area[: 4 * count].view(torch.int32).copy_(indices)
+        start = self.value_start
+        out[start: start + count * self.value_size].view(self.value_dtype).copy_(values)
+        return out
+
+    def decode(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, values)`` of a payload made by :meth:`encode` (int64, value dtype)."""
+        count = int(buffer[:HEADER_BYTES].view(torch.int32)[0])
+        area = buffer[HEADER_BYTES: HEADER_BYTES + self.index_bytes]
+        if self.uses_bitmap:
+            indices = unpack_bits(area[: math.ceil(self.numel / 8)], self.numel).nonzero()
+            indices = indices.squeeze(1)
+        elif self.indices == "delta16":
+            gaps = area[: 2 * count].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+            wide = gaps == 0
+            start = _pad4(2 * self.capacity)
+            escapes = area[start: start + 4 * self._escapes].view(torch.int32)
+            gaps[wide] = escapes[: int(wide.sum())].to(torch.int64)
+            indices = gaps.cumsum_(0).sub_(1)
+        else:
+            indices = area[: 4 * count].view(torch.int32).long()
+        start = self.value_start
+        return indices, buffer[start: start + count * self.value_size].view(self.value_dtype)
+
+
+def layout_segments(layout: SparseLayout,
+                    counts: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The metered parts of one :class:`SparseLayout` payload, adding up to its size.
+
+    Each layer is charged its valid entries (values, and indices unless a
+    bitmap); the header and the bitmap are charged as ``"(header)"`` and
+    ``"(bitmap)"``, the unused capacity (and a gap list's escape room) as
+    ``"(padding)"``.
+
+    Args:
+        counts: ``(layer, valid entries)`` of the payload.
+    """
+    per_entry = layout.value_size + layout.index_entry_bytes
+    segments = [(layer, count * per_entry) for layer, count in counts]
+    segments.append(("(header)", HEADER_BYTES))
+    if layout.uses_bitmap:
+        segments.append(("(bitmap)", layout.index_bytes))
+    segments.append(("(padding)", layout.nbytes - sum(nbytes for _, nbytes in segments)))
+    return segments
 
 
 Payload = DensePayload | SparsePayload | LowRankPayload

@@ -58,13 +58,39 @@ __all__ = ["PowerSGD", "as_matrix", "compressible", "orthonormalize", "reconstru
 
 
 def right(matrix: torch.Tensor, p_hat: torch.Tensor) -> torch.Tensor:
-    """``Q_w = M_w^T P_hat`` (Alg. 1 line 5): (m, r) from (n, m) and (n, r)."""
-    return matrix.t() @ p_hat
+    """``Q_w = M_w^T P_hat`` (Alg. 1 line 5): (m, r) from (n, m) and (n, r).
+
+    Computed as ``(P_hat^T M_w)^T``: the same product, but it reads the
+    row-major ``M_w`` along its rows and QR's column-major ``P_hat`` along its
+    columns, many times faster than ``M_w^T @ P_hat`` on CPU.
+    """
+    return (p_hat.t() @ matrix).t()
 
 
-def reconstruct(p_hat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``P_hat Q^T`` (Alg. 1 line 7): the (n, m) rank-r approximation."""
-    return p_hat @ q.t()
+def reconstruct(p_hat: torch.Tensor, q: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``P_hat Q^T`` (Alg. 1 line 7): the (n, m) rank-r approximation.
+
+    Summed as r outer products, one elementwise multiply and add each, not by
+    a matrix product: every entry is then ``((p_1 q_1 + p_2 q_2) + ...)``
+    rounded the same way whatever the thread count or the thread it runs on.
+    It runs in future callbacks, sometimes on the caller's thread and
+    sometimes on a gloo thread with another intra-op thread count, where a
+    BLAS product could round differently on different ranks and the replicas
+    would drift apart.
+
+    Args:
+        out: (n, m) tensor to write into (e.g. a view of a DDP bucket); new if None.
+    """
+    rows, cols = p_hat.shape[0], q.shape[0]
+    if out is None:
+        out = torch.empty(rows, cols, dtype=p_hat.dtype, device=p_hat.device)
+    torch.mul(p_hat[:, :1], q[:, 0], out=out)
+    if p_hat.shape[1] > 1:
+        term = torch.empty_like(out)
+        for j in range(1, p_hat.shape[1]):
+            out.add_(torch.mul(p_hat[:, j: j + 1], q[:, j], out=term))
+    return out
 
 
 class PowerSGD:
@@ -113,12 +139,14 @@ class PowerSGD:
         """``P_w = M_w Q`` (Alg. 1 line 2) for ``key``'s (n, m) matrix: (n, r)."""
         return matrix @ self.q(key, matrix)
 
-    def finish(self, key: str, p_hat: torch.Tensor, q_mean: torch.Tensor) -> torch.Tensor:
+    def finish(self, key: str, p_hat: torch.Tensor, q_mean: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """``G_hat = P_hat Q^T`` (Alg. 1 line 7); keeps ``q_mean`` as the next warm start.
 
         Args:
             p_hat: the orthonormalised averaged P, (n, r).
             q_mean: the averaged Q, (m, r); identical on every rank.
+            out: (n, m) tensor to write the approximation into; new if None.
 
         Returns:
             The (n, m) approximation of the mean matrix.
@@ -135,7 +163,7 @@ class PowerSGD:
             self.qs[key] = kept
         else:
             self.qs.pop(key, None)
-        return reconstruct(p_hat, q_mean)
+        return reconstruct(p_hat, q_mean, out)
 
     def state_dict(self) -> dict[str, Any]:
         return {"qs": {k: v.clone() for k, v in self.qs.items()}, "draws": dict(self.draws)}

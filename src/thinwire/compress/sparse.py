@@ -7,49 +7,80 @@ Choices every sparsifier here shares (the papers leave them open):
 * Ties at the threshold are all kept: the mask is the plain comparison
   ``|x| >= tau`` of Algorithm 1 line 9 and never needs a sort, so the number
   kept may exceed k when values repeat. The achieved density is recorded.
-* Tensors with fewer than ``min_numel`` entries, and ``sparsity == 0``, travel
-  dense: their index overhead would exceed what sparsity saves. With
-  ``include`` (fnmatch patterns of tensor keys, e.g. ``("*fc*",)``) only
-  matching tensors are sparsified, the rest travel dense (DCT KDD'21 §3.3
-  compresses only the fully connected layers).
-* Empty tensors produce empty payloads.
+* Tensors with fewer than ``min_numel`` entries (default
+  :data:`MIN_NUMEL` = 1024), and ``sparsity == 0``, travel dense. Below about
+  a thousand entries a 1 % target keeps a handful of entries a step, so a
+  bias would update rarely (a Laplace threshold at 0.99 never passes
+  anything on a tensor of 1-32 entries), while sending it dense costs at most
+  4 KiB a step. ``min_numel=0`` sparsifies everything. With ``include``
+  (fnmatch patterns of tensor keys, e.g. ``("*fc*",)``) only matching tensors
+  are sparsified, the rest travel dense (DCT KDD'21 §3.3 compresses only the
+  fully connected layers).
+* Payloads have a fixed capacity (:meth:`Sparsifier.capacity`) so that a
+  sparse exchange is one all-gather with no round of lengths first. Exact
+  top-k never exceeds it; a threshold may pass more entries than that (ties,
+  a stale tau, a poor Laplace fit): then the ``capacity`` largest are sent
+  and the rest wait in the error memory for a later step.
+* Empty tensors produce header-only (empty sparse) payloads.
 """
 
 from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from collections import deque
 from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 
+from thinwire.compress._select import kth_largest, topk_indices
 from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
-from thinwire.compress.payload import DensePayload, Payload, SparsePayload
+from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, SparsePayload
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+MIN_NUMEL = 1024  # default: tensors smaller than this travel dense
+# Default payload room, in multiples of k. The wire carries the whole capacity every
+# step, so it sits just above the target; what a threshold passes beyond it waits in
+# the error memory (a tighter room costs a top-k among the few passing entries).
+CAPACITY = 1.25
+TRACE_LENGTH = 4096  # threshold-trace points kept per key (the most recent)
 
 
 class Sparsifier(Compressor):
-    """Common machinery: routing small tensors dense, value dtype, a threshold trace.
+    """Common machinery: routing small tensors dense, value dtype, capacity, a threshold trace.
 
     Args:
-        min_numel: tensors smaller than this travel dense.
+        min_numel: tensors smaller than this travel dense (default :data:`MIN_NUMEL`).
         values: ``"fp32"`` or ``"fp16"``, the dtype values travel in.
+        capacity: payload room in multiples of the target count k, >= 1
+            (default :data:`CAPACITY`; :class:`TopK` never needs more than k).
+        indices: index list format of the bucket payload, ``"int32"`` or
+            ``"delta16"`` (:class:`~thinwire.compress.payload.SparseLayout`; a
+            bitmap replaces either when smaller).
         include: fnmatch patterns of the keys to sparsify; empty: every tensor.
     """
 
-    def __init__(self, *, min_numel: int = 0, values: str = "fp32",
+    def __init__(self, *, min_numel: int = MIN_NUMEL, values: str = "fp32",
+                 capacity: float = CAPACITY, indices: str = "int32",
                  include: tuple[str, ...] = ()) -> None:
-        if min_numel < 0:
-            raise ValueError(f"min_numel={min_numel!r} must be >= 0")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel={min_numel!r} must be an integer >= 0")
         if values not in _VALUE_DTYPES:
             raise ValueError(f"values={values!r} must be one of {sorted(_VALUE_DTYPES)}")
+        if not (isinstance(capacity, (int, float)) and math.isfinite(capacity)
+                and capacity >= 1.0):
+            raise ValueError(f"capacity={capacity!r} must be a number >= 1")
+        if indices not in INDEX_FORMATS:
+            raise ValueError(f"indices={indices!r} must be one of {INDEX_FORMATS}")
         self.min_numel = min_numel
         self.include = tuple(include)
+        self.index_format = indices
         self.value_dtype = _VALUE_DTYPES[values]
-        # key -> [(call index, threshold, achieved density)], for plots (DCT Fig. 2).
-        self.trace: dict[str, list[tuple[int, float, float]]] = {}
+        self.capacity_factor = float(capacity)
+        # key -> the last TRACE_LENGTH (call index, threshold, achieved density), for
+        # plots (DCT Fig. 2); bounded so long runs do not grow it without end.
+        self.trace: dict[str, deque[tuple[int, float, float]]] = {}
         self._calls: dict[str, int] = {}
 
     @property
@@ -63,6 +94,11 @@ class Sparsifier(Compressor):
             return True
         return self.density >= 1.0 or info.numel < self.min_numel
 
+    def capacity(self, numel: int) -> int:
+        """Most entries one payload of a ``numel``-entry tensor carries (same on every rank)."""
+        return min(numel, math.ceil(self.capacity_factor * keep_count(numel, self.density)
+                                    - 1e-9))
+
     def empty(self, info: TensorInfo) -> Payload:
         if self.is_dense(info):
             return DensePayload(torch.zeros(info.numel, dtype=self.value_dtype,
@@ -74,13 +110,30 @@ class Sparsifier(Compressor):
         flat = tensor.reshape(-1)
         if self.is_dense(info):
             return DensePayload(flat.to(self.value_dtype))
-        magnitudes = flat.abs()
+        indices = self.indices(flat.abs(), info)
+        values = flat.index_select(0, indices).to(self.value_dtype)
+        return SparsePayload(values, indices, flat.numel())
+
+    def indices(self, magnitudes: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+        """Indices to send of a sparsified tensor, at most :meth:`capacity` of them.
+
+        Advances ``info.key``'s call count and threshold state and records the trace.
+
+        Args:
+            magnitudes: ``|x|``, 1-D (a view of a flat bucket is fine); not modified.
+        """
+        if magnitudes.numel() == 0:
+            return torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
         call = self._calls.get(info.key, 0)
         self._calls[info.key] = call + 1
         indices, tau = self._select(magnitudes, info, call)
-        density = indices.numel() / max(1, flat.numel())
-        self.trace.setdefault(info.key, []).append((call, tau, density))
-        return SparsePayload(flat[indices].to(self.value_dtype), indices, flat.numel())
+        room = self.capacity(magnitudes.numel())
+        if indices.numel() > room:  # the largest go now, the rest stay in the error memory
+            indices = indices[topk_indices(magnitudes[indices], room)[1]]
+        density = indices.numel() / magnitudes.numel()
+        trace = self.trace.setdefault(info.key, deque(maxlen=TRACE_LENGTH))
+        trace.append((call, tau, density))
+        return indices
 
     @abstractmethod
     def _select(
@@ -116,11 +169,15 @@ class TopK(Sparsifier):
     def density(self) -> float:
         return self.ratio
 
+    def capacity(self, numel: int) -> int:
+        """Exactly k: top-k never selects more."""
+        return keep_count(numel, self.ratio)
+
     def _select(
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int
     ) -> tuple[torch.Tensor, float]:
         k = keep_count(magnitudes.numel(), self.ratio)
-        top, indices = torch.topk(magnitudes, k, sorted=False)
+        top, indices = topk_indices(magnitudes, k)
         keep = top > 0
         tau = float(top[keep].min()) if bool(keep.any()) else 0.0
         return indices[keep], tau
@@ -131,11 +188,13 @@ class DCTThreshold(Sparsifier):
 
     Every ``life_span`` calls for a key (Alg. 1 lines 4-6, ``L | k``), tau is
     recomputed as the k-th largest ``|x|`` with ``k = ceil(N (1 - sparsity))``
-    by ``torch.kthvalue`` (selection, no full sort). Algorithm 1 indexes the
-    ascending sort at ``floor(N * eta)``, which keeps one entry more than the
-    target; we index so that exactly k entries survive when there are no ties,
-    which makes ``life_span=1`` identical to :class:`TopK`. Between refreshes
-    tau is reused (line 8) and the mask is ``|x| >= tau`` (line 9).
+    by exact candidate selection (:func:`~thinwire.compress._select.kth_largest`:
+    a sampled lower bound, then ``kthvalue`` on the few entries above it).
+    Algorithm 1 indexes the ascending sort at ``floor(N * eta)``, which keeps
+    one entry more than the target; we index so that exactly k entries survive
+    when there are no ties, which makes ``life_span=1`` identical to
+    :class:`TopK`. Between refreshes tau is reused (line 8) and the mask is
+    ``|x| >= tau`` (line 9).
 
     Budget guard (off by default, so the class is Algorithm 1 verbatim): with
     ``refresh_above=f``, a reused tau that lets more than ``f * k`` entries
@@ -183,7 +242,7 @@ class DCTThreshold(Sparsifier):
 
     def _refresh(self, magnitudes: torch.Tensor, key: str, k: int) -> None:
         """tau = the k-th largest magnitude (Alg. 1 lines 5-6), by selection."""
-        self.tau[key] = float(torch.kthvalue(magnitudes, magnitudes.numel() - k + 1).values)
+        self.tau[key] = float(kth_largest(magnitudes, k))
         self.refreshes[key] = self.refreshes.get(key, 0) + 1
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from thinwire._version import __version__
 from thinwire.comm import Meter
 from thinwire.comm.collectives import Future, Group
 from thinwire.comm.fingerprint import check_peers
+from thinwire.compress import TensorInfo
 from thinwire.schemes.base import Scheme
 from thinwire.schemes.registry import fingerprint
 
@@ -40,17 +41,14 @@ def agree(state: HookState, device: torch.device | None) -> None:
 
 
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
-    """Split ``bucket`` into per-parameter gradients, reduce them with the scheme,
-    and return a future of the bucket's flat averaged gradient."""
-    grads = {state.names[id(p)]: g for p, g in zip(bucket.parameters(), bucket.gradients())}
+    """Reduce ``bucket``'s flat buffer in place with the scheme, tensor by tensor
+    (named by parameter); the future holds the buffer, averaged."""
     buffer = bucket.buffer()
     agree(state, buffer.device)  # a no-op after register; here for hook_state's users
-
-    def flatten(fut: Future[Any]) -> torch.Tensor:  # no collectives here: decode only
-        reduced = fut.value()
-        return torch.cat([reduced[key].reshape(-1) for key in grads]).to(buffer.dtype)
-
-    return state.scheme.launch(grads, state.group).then(flatten)
+    infos = [TensorInfo(state.names[id(p)], tuple(p.shape), p.dtype, "W_grad", p.device)
+             for p in bucket.parameters()]
+    future: Future[Any] = state.scheme.launch_flat(buffer, infos, state.group)
+    return future
 
 
 def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = None,

@@ -26,9 +26,38 @@ class Memory(ABC):
         error = self.buffers.get(key)
         return grad.clone() if error is None else grad + error
 
+    def compensate_(self, key: str, target: torch.Tensor) -> torch.Tensor:
+        """Add ``key``'s error into ``target`` in place (bit for bit :meth:`compensate`).
+
+        Args:
+            target: the gradient, modified in place; any shape of the key's numel.
+
+        Returns:
+            ``target``.
+        """
+        error = self.buffers.get(key)
+        if error is not None:
+            target.add_(error.view(target.shape))
+        return target
+
+    def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """``p = grad + e`` in a tensor the memory may own and reuse (here: a new one).
+
+        Hand the result to :meth:`update` / :meth:`update_sparse` as ``compensated``.
+        """
+        return self.compensate(key, grad)
+
     @abstractmethod
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         """Store what ``sent`` left out of ``compensated``."""
+
+    def update_sparse(self, key: str, compensated: torch.Tensor, indices: torch.Tensor,
+                      sent: torch.Tensor) -> None:
+        """:meth:`update` where ``sent`` is ``sent`` at ``indices`` of a 1-D ``compensated``
+        and zero elsewhere. Subclasses avoid building that dense tensor."""
+        dense = torch.zeros_like(compensated)
+        dense[indices] = sent.to(compensated.dtype)
+        self.update(key, compensated, dense)
 
     def state_dict(self) -> dict[str, Any]:
         return {"buffers": {k: v.clone() for k, v in self.buffers.items()}}
@@ -43,8 +72,19 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def all_finite(grads: Mapping[str, torch.Tensor], policy: str) -> bool:
+def all_finite(grads: Mapping[str, torch.Tensor], policy: str,
+               flat: torch.Tensor | None = None) -> bool:
     """Apply the non-finite policy to one round of gradients.
+
+    A sum is finite unless an entry is not (or the sum overflows), so one
+    reduction decides the common case; the per-tensor check, which names the
+    bad tensor, runs only when that sum is not finite.
+
+    Args:
+        grads: the round's gradients by name.
+        policy: one of :data:`NONFINITE_POLICIES`.
+        flat: all of ``grads`` in one buffer (a DDP bucket), if there is one:
+            then the fast check is one reduction over it.
 
     Returns:
         True when every gradient is finite. False under ``"skip"`` when one is
@@ -54,6 +94,10 @@ def all_finite(grads: Mapping[str, torch.Tensor], policy: str) -> bool:
     Raises:
         FloatingPointError: under ``"raise"``, naming the first bad tensor.
     """
+    tensors = [flat] if flat is not None else list(grads.values())
+    sums = [t.sum(dtype=torch.float32) for t in tensors]
+    if not sums or bool(torch.isfinite(torch.stack(sums).sum())):
+        return True
     for key, grad in grads.items():
         if not bool(torch.isfinite(grad).all()):
             if policy == "raise":

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
 
 from thinwire.feedback.base import Memory
+
+
+def _uniform(seed: int, key: str, count: int) -> float:
+    """A uniform draw in [0, 1) determined by ``(seed, key, count)`` alone."""
+    digest = hashlib.blake2b(f"{seed}\0{key}\0{count}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
 
 
 class Residual(Memory):
@@ -18,31 +25,101 @@ class Residual(Memory):
             Remark 2, which stops a buffer shared by hogwild threads from
             growing stale ("every 1 million iterations" in the paper, read here
             as an expected period so threads need no shared counter).
-        seed: seeds the drain's generator (identical runs drain identically).
+        seed: seeds the drain. Each draw is a function of ``(seed, key, n)``
+            where n counts the key's updates, so the draws do not depend on
+            the order keys are updated in (DDP re-buckets after its first
+            step) and a checkpoint resumes them exactly.
     """
 
     def __init__(self, drain_every: int | None = None, seed: int = 0) -> None:
         super().__init__()
-        if drain_every is not None and drain_every < 1:
+        if drain_every is not None and (isinstance(drain_every, bool)
+                                        or not isinstance(drain_every, int) or drain_every < 1):
             raise ValueError(f"drain_every={drain_every!r} must be None or an integer >= 1")
         self.drain_every = drain_every
+        self.seed = seed
         self.drains = 0
-        self._generator = torch.Generator().manual_seed(seed)
+        self.updates: dict[str, int] = {}  # key -> updates so far (the drain's counter)
+
+    def _drained(self, key: str) -> bool:
+        """Whether this update of ``key`` empties its buffer (advances the key's counter)."""
+        count = self.updates.get(key, 0)
+        self.updates[key] = count + 1
+        if self.drain_every is None or _uniform(self.seed, key, count) >= 1.0 / self.drain_every:
+            return False
+        self.drains += 1
+        return True
 
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
-        residual = compensated - sent
-        if self.drain_every is not None:
-            draw = torch.rand((), generator=self._generator)
-            if float(draw) < 1.0 / self.drain_every:
-                residual.zero_()
-                self.drains += 1
-        self.buffers[key] = residual
+        """``e <- compensated - sent``, into the key's buffer in place when its shape allows."""
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != compensated.shape or buffer.dtype != compensated.dtype:
+            buffer = torch.empty_like(compensated)
+        if self._drained(key):
+            buffer.zero_()
+        else:
+            torch.sub(compensated, sent, out=buffer)
+        self.buffers[key] = buffer
+
+    def update_sparse(self, key: str, compensated: torch.Tensor, indices: torch.Tensor,
+                      sent: torch.Tensor) -> None:
+        """:meth:`update` for a sparse ``sent``, without building it densely.
+
+        The buffer becomes ``compensated`` (in place when ``compensated`` is
+        the buffer itself, from :meth:`absorb_`; else a copy) with
+        ``compensated[i] - sent_i`` at the sent indices:
+        bit for bit what :meth:`update` stores for the decoded payload (0 there
+        when values travel in the gradient's dtype).
+
+        Args:
+            compensated: ``grad + e``, 1-D (a view of a bucket is fine); not modified.
+            indices: int64 positions in ``compensated`` that were sent, distinct.
+            sent: the values as they travel (any dtype), one per index.
+        """
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() != compensated.numel():
+            buffer = torch.empty_like(compensated)
+        flat = buffer.view(-1)
+        if self._drained(key):
+            flat.zero_()
+        else:
+            if flat.data_ptr() != compensated.data_ptr():  # not already p (see absorb_)
+                flat.copy_(compensated)
+            kept = compensated.index_select(0, indices) - sent.to(compensated.dtype)
+            flat.index_copy_(0, indices, kept)
+        self.buffers[key] = buffer
+
+    def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """``e <- e + grad`` in the key's buffer: it then holds ``p = grad + e``.
+
+        The in-place form of :meth:`compensate` (``e + g`` and ``g + e`` are the
+        same float), for callers that finish with :meth:`subtract_`.
+
+        Returns:
+            The buffer, shaped like ``grad``; ``grad`` is not modified.
+        """
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() != grad.numel() or buffer.dtype != grad.dtype:
+            buffer = grad.clone()
+        else:
+            buffer = buffer.view(grad.shape).add_(grad)
+        self.buffers[key] = buffer
+        return buffer
+
+    def subtract_(self, key: str, sent: torch.Tensor) -> None:
+        """``e <- p - sent`` in place after :meth:`absorb_` (or a drain); one update."""
+        buffer = self.buffers[key]
+        if self._drained(key):
+            buffer.zero_()
+        else:
+            buffer.sub_(sent.view(buffer.shape))
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "drains": self.drains,
-                "generator": self._generator.get_state()}
+        return {**super().state_dict(), "drains": self.drains, "seed": self.seed,
+                "updates": dict(self.updates)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.drains = state["drains"]
-        self._generator.set_state(state["generator"])
+        self.seed = state["seed"]
+        self.updates = dict(state["updates"])

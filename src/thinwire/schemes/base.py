@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -10,9 +11,11 @@ from typing import Any
 
 import torch
 
-from thinwire.comm import Meter, all_gather_bytes, all_reduce_mean, world
-from thinwire.comm.collectives import Future, Group, done
-from thinwire.compress import Compressor, DensePayload, Payload, SparsePayload, TensorInfo
+from thinwire.comm import Meter, all_reduce_mean, world
+from thinwire.comm.collectives import Future, Group, all_gather_fixed, done, split_flat
+from thinwire.compress import Compressor, Dense, Payload, Sparsifier, TensorInfo
+from thinwire.compress import decode as decode_payload
+from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.feedback import Memory, all_finite
 
 
@@ -48,6 +51,27 @@ class Scheme(ABC):
         result: dict[str, torch.Tensor] = self.launch(grads, group).wait()
         return result
 
+    def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
+                    group: Group = None) -> Future[Any]:
+        """Average the tensors laid out back to back in the 1-D ``buffer`` (a DDP bucket).
+
+        This default splits ``buffer`` into views, runs :meth:`launch` on them
+        and copies the results back; schemes with a flat engine override it.
+
+        Returns:
+            A future holding ``buffer``, overwritten with the mean over ranks.
+        """
+        views = split_flat(buffer, [info.numel for info in infos])
+        grads = {info.key: view.view(info.shape) for info, view in zip(infos, views)}
+
+        def write(fut: Future[Any]) -> torch.Tensor:
+            reduced = fut.value()
+            for info, view in zip(infos, views):
+                view.copy_(reduced[info.key].reshape(-1))
+            return buffer
+
+        return self.launch(grads, group).then(write)
+
     def _charge(self, seconds: float) -> None:
         with self._lock:
             self.overhead_s += seconds
@@ -60,8 +84,27 @@ class Scheme(ABC):
 
 
 class CompressedScheme(Scheme):
-    """Each tensor is compressed on its own; dense payloads are all-reduced together,
-    sparse ones all-gathered together (their sizes differ per rank) and summed.
+    """Each tensor is compressed on its own, the work done on one flat buffer.
+
+    The engine (:meth:`launch_flat`) takes a DDP bucket's flat buffer, or the
+    concatenated gradients of :meth:`launch`, and works on it in place:
+
+    1. one reduction decides whether the round is finite
+       (:func:`thinwire.feedback.all_finite`);
+    2. each tensor's error memory absorbs its gradient in place (DCT Alg. 1
+       line 3: ``p = g + e``);
+    3. per tensor, on views of one ``|p|`` scratch buffer, the compressor
+       picks the indices to send (its own threshold per layer, Alg. 1 lines
+       4-9); tensors the compressor keeps dense go by all-reduce instead;
+    4. the sparse entries of the whole buffer travel as one fixed-capacity
+       payload (:class:`~thinwire.compress.SparseLayout`) by one all-gather;
+    5. the residual is ``p`` with the sent entries zeroed, in the memory's
+       own buffer (Alg. 1 line 11, :meth:`~thinwire.feedback.Memory.update_sparse`);
+    6. the mean over ranks is decoded straight into the buffer, ranks summed
+       in rank order so every rank gets the same bits.
+
+    Error memory and compressor state stay keyed by tensor name, so they
+    survive DDP's re-bucketing.
 
     Args:
         compressor: the codec applied to each tensor.
@@ -75,59 +118,169 @@ class CompressedScheme(Scheme):
         self.compressor = compressor
         self.memory = memory
         self.nonfinite = nonfinite
-
-    def _encode(self, key: str, grad: torch.Tensor, info: TensorInfo, finite: bool) -> Payload:
-        if not finite:  # contribute nothing, keep memory and thresholds as they were
-            return self.compressor.empty(info)
-        if self.memory is None:
-            return self.compressor.compress(grad, info)
-        compensated = self.memory.compensate(key, grad)
-        payload = self.compressor.compress(compensated, info)
-        self.memory.update(key, compensated, self.compressor.decompress(payload, info))
-        return payload
+        self._scratch: torch.Tensor | None = None  # |p|, reused across launches
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
-        start = time.perf_counter()
-        _, n = world(group)
-        finite = all_finite(grads, self.nonfinite)
-        if not finite:
-            self.skipped += 1
-        infos = {key: TensorInfo.of(key, grad) for key, grad in grads.items()}
-        payloads = {key: self._encode(key, grad, infos[key], finite)
-                    for key, grad in grads.items()}
-        dense = [key for key, p in payloads.items() if isinstance(p, DensePayload)]
-        sparse = [key for key, p in payloads.items() if isinstance(p, SparsePayload)]
+        """Average ``grads`` (not modified): one flat buffer per dtype and device."""
+        groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+        for key, grad in grads.items():
+            groups.setdefault((grad.dtype, grad.device), []).append(key)
         futures = []
-        if dense:
-            flat = torch.cat([payloads[key].values for key in dense])  # type: ignore[union-attr]
-            self._record(dense, payloads, "all_reduce", n)
-            futures.append(all_reduce_mean(flat, group))
-        if sparse:
-            wire = torch.cat([payloads[key].to_bytes() for key in sparse])
-            segments = [(key, payloads[key].nbytes) for key in sparse]
-            futures.append(all_gather_bytes(wire, group, self.meter, segments))
-        self._charge(time.perf_counter() - start)
-        both = torch.futures.collect_all(futures) if futures else done([])
+        for keys in groups.values():
+            buffer = torch.cat([grads[key].reshape(-1) for key in keys])
+            futures.append(self.launch_flat(buffer, [TensorInfo.of(key, grads[key])
+                                                     for key in keys], group))
 
-        def decode(fut: Future[Any]) -> dict[str, torch.Tensor]:
-            begin = time.perf_counter()
-            results = [f.value() for f in fut.value()]
+        def split(fut: Future[Any]) -> dict[str, torch.Tensor]:
             out: dict[str, torch.Tensor] = {}
-            if dense:
-                out.update(unflatten(results.pop(0), [infos[key] for key in dense]))
-            if sparse:
-                out.update(sum_sparse(results.pop(0), [infos[key] for key in sparse],
-                                      n, self.compressor.value_dtype))
-            self._charge(time.perf_counter() - begin)
+            for keys, done_future in zip(groups.values(), fut.value()):
+                views = split_flat(done_future.value(), [grads[key].numel() for key in keys])
+                out.update({key: view.view(grads[key].shape) for key, view in zip(keys, views)})
             return {key: out[key] for key in grads}
 
+        both = torch.futures.collect_all(futures) if futures else done([])
+        return both.then(split)
+
+    def _magnitudes(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Room for ``|p|`` of ``buffer``: a scratch tensor kept between launches."""
+        scratch = self._scratch
+        if (scratch is None or scratch.numel() < buffer.numel() or scratch.dtype != buffer.dtype
+                or scratch.device != buffer.device):
+            scratch = self._scratch = torch.empty_like(buffer)
+        return scratch[: buffer.numel()]
+
+    def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
+                    group: Group = None) -> Future[Any]:
+        """Average ``infos``' tensors, laid out back to back in the 1-D ``buffer``.
+
+        Args:
+            buffer: the gradients, flat; modified in place and returned holding
+                the mean over ranks.
+            infos: the tensors of ``buffer`` in order (key, shape, dtype, device).
+
+        Returns:
+            A future holding ``buffer``.
+
+        Raises:
+            FloatingPointError: a non-finite gradient under ``nonfinite="raise"``.
+        """
+        start = time.perf_counter()
+        _, n = world(group)
+        views = dict(zip([info.key for info in infos],
+                         split_flat(buffer, [info.numel for info in infos])))
+        finite = all_finite(views, self.nonfinite, flat=buffer)
+        if not finite:
+            self.skipped += 1
+        compressor = self.compressor
+        sparse = [info for info in infos
+                  if isinstance(compressor, Sparsifier) and not compressor.is_dense(info)]
+        sparse_keys = {info.key for info in sparse}
+        dense = [info for info in infos if info.key not in sparse_keys]
+        if finite and self.memory is not None:  # sparse tensors: in the memory, below
+            for info in dense:
+                self.memory.compensate_(info.key, views[info.key])
+        futures = []
+        if dense and len(dense) == len(infos) and self.memory is None and isinstance(
+                compressor, Dense):
+            if not finite:
+                buffer.zero_()
+            self._record([(info.key, info.numel * buffer.element_size()) for info in dense],
+                         "all_reduce", n)
+            futures.append(all_reduce_mean(buffer, group))
+            dense = []
+        elif dense:
+            futures.append(self._launch_dense(dense, views, finite, group))
+        if sparse:
+            futures.append(self._launch_sparse(buffer, infos, sparse, views, finite, group))
+        self._charge(time.perf_counter() - start)
+
+        def decode(fut: Future[Any]) -> torch.Tensor:
+            begin = time.perf_counter()
+            results = [f.value() for f in fut.value()]
+            if sparse:
+                self._sum_sparse(buffer, results.pop(), n)
+            if dense:
+                for view, part in zip([views[info.key] for info in dense],
+                                      split_flat(results.pop(), [i.numel for i in dense])):
+                    view.copy_(part)
+            self._charge(time.perf_counter() - begin)
+            return buffer
+
+        both = torch.futures.collect_all(futures) if futures else done([])
         return both.then(decode)
 
-    def _record(self, keys: list[str], payloads: Mapping[str, Payload], collective: str,
-                n: int) -> None:
+    def _launch_dense(self, dense: Sequence[TensorInfo], views: Mapping[str, torch.Tensor],
+                      finite: bool, group: Group) -> Future[Any]:
+        """All-reduce the tensors the compressor keeps dense, as one concatenation."""
+        payloads: list[Payload] = []
+        for info in dense:
+            view = views[info.key]
+            if not finite:  # contribute nothing, keep memory and thresholds as they were
+                payloads.append(self.compressor.empty(info))
+                continue
+            payload = self.compressor.compress(view, info)
+            if self.memory is not None:
+                self.memory.update(info.key, view, decode_payload(payload, info).reshape(-1))
+            payloads.append(payload)
+        flat = torch.cat([p.values for p in payloads])  # type: ignore[union-attr]
+        self._record([(info.key, p.nbytes) for info, p in zip(dense, payloads)], "all_reduce",
+                     world(group)[1])
+        return all_reduce_mean(flat, group)
+
+    def _launch_sparse(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
+                       sparse: Sequence[TensorInfo], views: Mapping[str, torch.Tensor],
+                       finite: bool, group: Group) -> Future[Any]:
+        """Select, send and remember the sparse tensors of ``buffer`` in one all-gather."""
+        compressor = self.compressor
+        assert isinstance(compressor, Sparsifier)
+        offsets = dict(zip([info.key for info in infos],
+                           itertools.accumulate([0] + [info.numel for info in infos])))
+        layout = SparseLayout(buffer.numel(), sum(compressor.capacity(info.numel)
+                                                  for info in sparse),
+                              compressor.value_dtype, compressor.index_format)
+        chosen: list[torch.Tensor] = []  # per sparse tensor, indices into its own view
+        sent: list[torch.Tensor] = []
+        if finite:
+            scratch = self._magnitudes(buffer)
+            for info in sparse:
+                view = views[info.key]
+                # p = g + e, held by the memory when there is one (Residual: in its
+                # buffer, so the residual is p with the sent entries zeroed, in place).
+                p = view if self.memory is None else self.memory.absorb_(info.key, view)
+                offset = offsets[info.key]
+                magnitudes = torch.abs(p, out=scratch[offset: offset + info.numel])
+                local = compressor.indices(magnitudes, info)
+                values = p.index_select(0, local).to(layout.value_dtype)
+                if self.memory is not None:
+                    self.memory.update_sparse(info.key, p, local, values)
+                chosen.append(local)
+                sent.append(values)
+        else:
+            chosen = [torch.zeros(0, dtype=torch.int64, device=buffer.device) for _ in sparse]
+            sent = [torch.zeros(0, dtype=layout.value_dtype, device=buffer.device)]
+        indices = torch.cat([local + offsets[info.key] for info, local in zip(sparse, chosen)])
+        values = torch.cat(sent)
+        segments = layout_segments(layout, [(info.key, local.numel())
+                                            for info, local in zip(sparse, chosen)])
+        future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments)
+        return future.then(lambda f: (layout, f.value()))
+
+    @staticmethod
+    def _sum_sparse(buffer: torch.Tensor, gathered: tuple[SparseLayout, list[torch.Tensor]],
+                    n: int) -> None:
+        """Write the mean of every rank's sparse payload into ``buffer`` (rank order)."""
+        layout, rows = gathered
+        buffer.zero_()
+        for row in rows:
+            indices, values = layout.decode(row)
+            buffer.index_add_(0, indices, values.to(buffer.dtype))
+        if n > 1:  # x / 1 == x
+            buffer.div_(n)
+
+    def _record(self, segments: Sequence[tuple[str, int]], collective: str, n: int) -> None:
         if self.meter is not None:
-            for key in keys:
-                self.meter.record("W_grad", key, collective, payloads[key].nbytes, world_size=n)
+            for key, nbytes in segments:
+                self.meter.record("W_grad", key, collective, nbytes, world_size=n)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict(),
@@ -146,25 +299,3 @@ def unflatten(flat: torch.Tensor, infos: Sequence[TensorInfo]) -> dict[str, torc
         return {}
     parts = torch.split(flat, [info.numel for info in infos])
     return {info.key: part.to(info.dtype).reshape(info.shape) for info, part in zip(infos, parts)}
-
-
-def sum_sparse(buffers: Sequence[torch.Tensor], infos: Sequence[TensorInfo], n: int,
-               value_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Mean over ranks of all-gathered sparse payloads, one buffer per rank.
-
-    Each buffer holds one :class:`SparsePayload` per tensor of ``infos``, in
-    that order. Buffers are summed in rank order, so every rank gets the same
-    result bit for bit.
-
-    Args:
-        value_dtype: dtype the values travel in; None: each tensor's own dtype.
-    """
-    sums = [torch.zeros(info.numel, dtype=info.dtype, device=info.device) for info in infos]
-    for buffer in buffers:
-        offset = 0
-        for info, total in zip(infos, sums):
-            payload, used = SparsePayload.from_bytes(buffer[offset:], info.numel,
-                                                     value_dtype or info.dtype)
-            total.index_add_(0, payload.indices, payload.values.to(info.dtype))
-            offset += used
-    return {info.key: (total / n).reshape(info.shape) for info, total in zip(infos, sums)}

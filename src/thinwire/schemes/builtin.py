@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thinwire.compress import FP16, DCTThreshold, Dense, LaplaceThreshold, TopK
+from thinwire.compress.sparse import CAPACITY, MIN_NUMEL
 from thinwire.feedback import Residual
 from thinwire.schemes.base import CompressedScheme, Scheme
 from thinwire.schemes.registry import (
     register,
+    validate_capacity,
     validate_common,
     validate_ratio,
     validate_sparsity,
@@ -26,8 +28,9 @@ class DenseConfig:
 @dataclass(frozen=True)
 class TopKConfig:
     ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
-    min_numel: int = 0  # tensors smaller than this travel dense
+    min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
     error_feedback: bool = True  # keep what was not sent for the next step
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
@@ -41,9 +44,11 @@ class DCTConfig:
     sparsity: float = 0.99  # eta, fraction of each tensor's entries dropped, in [0, 1)
     life_span: int = 1000  # L, steps between threshold refreshes, >= 1
     refresh_above: float | None = 2.0  # recompute a stale tau passing > this x target; None: never
-    min_numel: int = 0  # tensors smaller than this travel dense
+    min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
     drain_every: int | None = None  # stochastic drain period of the error buffer
+    capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     include: tuple[str, ...] = ()  # fnmatch patterns of parameters to compress; others dense
 
@@ -58,18 +63,22 @@ class DCTConfig:
             raise ValueError(f"refresh_above={self.refresh_above!r} must be None or > 1")
         if self.drain_every is not None and self.drain_every < 1:
             raise ValueError(f"drain_every={self.drain_every!r} must be None or >= 1")
+        validate_capacity(self.capacity)
         validate_common(self)
 
 
 @dataclass(frozen=True)
 class LaplaceConfig:
     sparsity: float = 0.99  # target fraction of entries dropped, in [0, 1)
-    min_numel: int = 0  # tensors smaller than this travel dense
+    min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
+    capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
     def __post_init__(self) -> None:
         validate_sparsity(self.sparsity)
+        validate_capacity(self.capacity)
         validate_common(self)
 
 
@@ -85,7 +94,8 @@ def _fp16(config: DenseConfig) -> Scheme:
 
 @register("topk", TopKConfig)
 def _topk(config: TopKConfig) -> Scheme:
-    compressor = TopK(config.ratio, min_numel=config.min_numel, values=config.values)
+    compressor = TopK(config.ratio, min_numel=config.min_numel, values=config.values,
+                      indices=config.indices)
     memory = Residual() if config.error_feedback else None
     return CompressedScheme(compressor, memory, config.nonfinite)
 
@@ -94,6 +104,7 @@ def _topk(config: TopKConfig) -> Scheme:
 def _dct_dp(config: DCTConfig) -> Scheme:
     compressor = DCTThreshold(config.sparsity, config.life_span, config.refresh_above,
                               min_numel=config.min_numel, values=config.values,
+                              capacity=config.capacity, indices=config.indices,
                               include=config.include)
     return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
 
@@ -101,5 +112,6 @@ def _dct_dp(config: DCTConfig) -> Scheme:
 @register("laplace", LaplaceConfig)
 def _laplace(config: LaplaceConfig) -> Scheme:
     compressor = LaplaceThreshold(config.sparsity, min_numel=config.min_numel,
-                                  values=config.values)
+                                  values=config.values, capacity=config.capacity,
+                                  indices=config.indices)
     return CompressedScheme(compressor, Residual(), config.nonfinite)

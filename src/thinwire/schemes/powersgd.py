@@ -4,7 +4,10 @@ Per parameter (never per bucket, so DDP's re-bucketing cannot mix up state):
 ``M = grad + error`` as a matrix, ``P = M Q``, all-reduce P (blocking, in the
 caller's thread), ``P_hat = orthonormalize(P)``, ``Q = M^T P_hat``,
 all-reduce Q together with the dense tensors (the only asynchronous round),
-``G_hat = P_hat Q^T``, ``error <- M - G_hat``. Before ``start_iter``, and for
+``G_hat = P_hat Q^T``, ``error <- M - G_hat``. Through the DDP hook the
+error buffer holds ``M`` in place and ``G_hat`` is written straight into the
+bucket; the callback does elementwise maths only, so replicas stay bit
+identical whatever thread runs it. Before ``start_iter``, and for
 tensors that do not compress (1-D, or ``(n + m) r >= n m / 2``), gradients
 are all-reduced dense. The maths is :mod:`thinwire.compress.powersgd`; the
 rounds are :func:`thinwire.comm.lowrank_rounds.two_round_all_reduce`.
@@ -17,7 +20,7 @@ works through the DDP hook with any number of buckets on gloo, where torch
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -25,12 +28,12 @@ from typing import Any
 import torch
 
 from thinwire.comm import done, world
-from thinwire.comm.collectives import Future, Group
+from thinwire.comm.collectives import Future, Group, split_flat
 from thinwire.comm.lowrank_rounds import two_round_all_reduce
 from thinwire.compress import TensorInfo
 from thinwire.compress.powersgd import PowerSGD, as_matrix, orthonormalize, right
 from thinwire.feedback import Residual, all_finite
-from thinwire.schemes.base import Scheme, unflatten
+from thinwire.schemes.base import Scheme
 from thinwire.schemes.registry import register, validate_common
 
 
@@ -85,9 +88,21 @@ class PowerSGDScheme(Scheme):
         """Average ``grads`` (not modified) with PowerSGD; the future holds a dict."""
         if not grads:
             return done({})
+        return self._launch(grads, group, None)
+
+    def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
+                    group: Group = None) -> Future[Any]:
+        """Average a flat buffer (a DDP bucket) in place; ``G_hat`` is written straight into it."""
+        views = split_flat(buffer, [info.numel for info in infos])
+        grads = {info.key: view.view(info.shape) for info, view in zip(infos, views)}
+        return self._launch(grads, group, buffer)
+
+    def _launch(self, grads: Mapping[str, torch.Tensor], group: Group,
+                buffer: torch.Tensor | None) -> Future[Any]:
+        """Both front ends: with ``buffer``, ``grads`` are views of it and receive the mean."""
         start = time.perf_counter()
         _, n = world(group)
-        finite = all_finite(grads, self.config.nonfinite)
+        finite = all_finite(grads, self.config.nonfinite, flat=buffer)
         if not finite:
             self.skipped += 1
         step = self.steps.get(next(iter(grads)), 0)
@@ -97,13 +112,15 @@ class PowerSGDScheme(Scheme):
         dense = [key for key in grads if key not in set(low)]
         dtype = reduce(torch.promote_types, (grad.dtype for grad in grads.values()))
         rank = self.config.rank
-        compensated: dict[str, torch.Tensor] = {}
+        matrices: dict[str, torch.Tensor] = {}  # M = grad + error, (n, m), in dtype
         for key in low:
-            grad = grads[key] if finite else torch.zeros_like(grads[key])
-            # A skipped (non-finite) step contributes zeros; the memory is kept for later.
-            compensated[key] = (grad if self.memory is None or not finite
-                                else self.memory.compensate(key, grad))
-        matrices = {key: as_matrix(compensated[key]).to(dtype) for key in low}
+            if not finite:  # contributes zeros; the memory is kept for later
+                matrix = torch.zeros_like(grads[key])
+            elif self.memory is None:
+                matrix = grads[key]
+            else:  # M lives in the error buffer until the callback leaves M - G_hat there
+                matrix = self.memory.absorb_(key, grads[key])
+            matrices[key] = as_matrix(matrix).to(dtype)
         ps = [self.codec.left(key, matrices[key]).reshape(-1) for key in low]
         first = torch.cat(ps) if ps else torch.zeros(0, dtype=dtype)
         p_hats: dict[str, torch.Tensor] = {}
@@ -132,24 +149,33 @@ class PowerSGDScheme(Scheme):
             second_segments=[(key, matrices[key].shape[1] * rank * size) for key in low]
             + [(key, grads[key].numel() * size) for key in dense])
 
-        def decompress(fut: Future[Any]) -> dict[str, torch.Tensor]:
+        def decompress(fut: Future[Any]) -> Any:
+            # Elementwise maths only (see reconstruct): identical bits on every rank
+            # whichever thread runs this callback.
             begin = time.perf_counter()
             mean = fut.value()
             out: dict[str, torch.Tensor] = {}
             offset = 0
             for key in low:
                 grad = grads[key]
-                cols = matrices[key].shape[1]
+                rows, cols = matrices[key].shape
                 q_mean = mean[offset: offset + cols * rank].view(cols, rank)
                 offset += cols * rank
-                approx = self.codec.finish(key, p_hats[key], q_mean).reshape(grad.shape)
+                into = grad.view(rows, cols) if buffer is not None and grad.dtype == dtype \
+                    else None
+                approx = self.codec.finish(key, p_hats[key], q_mean, out=into)
                 if self.memory is not None and finite:
-                    self.memory.update(key, compensated[key], approx)  # e <- M - G_hat
-                out[key] = approx.to(grad.dtype)
-            out.update(unflatten(mean[offset:], [TensorInfo.of(key, grads[key])
-                                                 for key in dense]))
+                    self.memory.subtract_(key, approx)  # e <- M - G_hat
+                out[key] = approx.view(grad.shape).to(grad.dtype)
+            dense_means = split_flat(mean[offset:], [grads[key].numel() for key in dense])
+            for key, part in zip(dense, dense_means):
+                out[key] = part.view(grads[key].shape).to(grads[key].dtype)
+            if buffer is not None:
+                for key in grads:
+                    if out[key].data_ptr() != grads[key].data_ptr():
+                        grads[key].copy_(out[key])
             self._charge(time.perf_counter() - begin)
-            return {key: out[key] for key in grads}
+            return buffer if buffer is not None else {key: out[key] for key in grads}
 
         return future.then(decompress)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -84,6 +85,8 @@ def validate_common(config: Any) -> None:
         raise ValueError(f"min_numel={config.min_numel!r} must be an integer >= 0")
     if hasattr(config, "values") and config.values not in ("fp32", "fp16"):
         raise ValueError(f"values={config.values!r} must be 'fp32' or 'fp16'")
+    if hasattr(config, "indices") and config.indices not in ("int32", "delta16"):
+        raise ValueError(f"indices={config.indices!r} must be 'int32' or 'delta16'")
 
 
 def validate_sparsity(sparsity: float) -> None:
@@ -92,3 +95,9 @@ def validate_sparsity(sparsity: float) -> None:
 
 def validate_ratio(ratio: float) -> None:
     check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
+
+
+def validate_capacity(capacity: float) -> None:
+    if not (isinstance(capacity, (int, float)) and not isinstance(capacity, bool)
+            and math.isfinite(capacity) and capacity >= 1.0):
+        raise ValueError(f"capacity={capacity!r} must be a number >= 1")

@@ -25,6 +25,7 @@ same leader.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,11 +35,11 @@ from typing import Any
 
 import torch
 
-from thinwire.comm import all_gather_bytes, all_reduce_mean, done, world
+from thinwire.comm import all_reduce_mean, done, world
 from thinwire.comm._metered import record_segments
-from thinwire.comm.collectives import Future, Group
+from thinwire.comm.collectives import Future, Group, all_gather_fixed, split_flat
 from thinwire.comm.shared_index import shared_index_all_reduce
-from thinwire.compress import SparsePayload, TensorInfo
+from thinwire.compress import TensorInfo
 from thinwire.compress.base import check_fraction
 from thinwire.compress.cltk import (
     SELECTIONS,
@@ -49,8 +50,9 @@ from thinwire.compress.cltk import (
     select,
     sparsify,
 )
+from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.feedback import LowPass, all_finite
-from thinwire.schemes.base import Scheme, sum_sparse, unflatten
+from thinwire.schemes.base import Scheme, unflatten
 from thinwire.schemes.registry import register, validate_common, validate_ratio
 
 
@@ -223,6 +225,7 @@ class CyclicLocalTopK(_SelectedTopK):
             + [(key, grads[key].numel() * size) for key in dense])
 
         def scatter(fut: Future[Any]) -> dict[str, torch.Tensor]:
+            begin = time.perf_counter()  # codec time: the decode, not the wait before it
             mean = fut.value()
             out: dict[str, torch.Tensor] = {}
             offset = 0
@@ -234,6 +237,7 @@ class CyclicLocalTopK(_SelectedTopK):
                 out[key] = flat.reshape(grad.shape)
             out.update(unflatten(mean[offset:], [TensorInfo.of(key, grads[key])
                                                  for key in dense]))
+            self._charge(time.perf_counter() - begin)
             return {key: out[key] for key in grads}
 
         return future.then(scatter)
@@ -249,8 +253,10 @@ class CyclicLocalTopK(_SelectedTopK):
 class LocalTopK(_SelectedTopK):
     """Local top-k with error feedback: each rank's own indices, exchanged by sparse all-gather.
 
-    Sparse payloads (``k`` values + int32 indices or a bitmap, with a header)
-    travel through :func:`thinwire.comm.all_gather_bytes`; each rank sums all
+    The sparse tensors of a launch travel as one fixed-capacity payload (``k``
+    values + int32 indices per layer, or a bitmap, with a count header:
+    :class:`~thinwire.compress.payload.SparseLayout`) through one all-gather
+    (:func:`thinwire.comm.collectives.all_gather_fixed`); each rank sums all
     n payloads in rank order and divides by n. Dense tensors are all-reduced.
     """
 
@@ -264,16 +270,16 @@ class LocalTopK(_SelectedTopK):
         step = self._begin(grads)
         sparse, dense = self._split(grads, step)
         infos = {key: TensorInfo.of(key, grad) for key, grad in grads.items()}
-        payloads: dict[str, SparsePayload] = {}
+        chosen: dict[str, torch.Tensor] = {}  # per sparse key, indices into its own tensor
+        values: dict[str, torch.Tensor] = {}
         for key in sparse:
             p = self._compensated(key, grads[key], finite)
-            flat = p.reshape(-1)
             if finite:
-                chosen = select(p, self.k(p.numel()), self.config.selection)
-                self.memory.update(key, p, sparsify(p, chosen))
+                chosen[key] = select(p, self.k(p.numel()), self.config.selection)
+                self.memory.update(key, p, sparsify(p, chosen[key]))
             else:  # contribute nothing, leave the memory as it was
-                chosen = torch.zeros(0, dtype=torch.int64, device=flat.device)
-            payloads[key] = SparsePayload(flat[chosen], chosen, flat.numel())
+                chosen[key] = torch.zeros(0, dtype=torch.int64, device=p.device)
+            values[key] = p.reshape(-1)[chosen[key]]
         futures = []
         if dense:
             dtype = _common_dtype({key: grads[key] for key in dense})
@@ -284,10 +290,18 @@ class LocalTopK(_SelectedTopK):
             record_segments(self.meter, "W_grad", "all_reduce",
                             [(key, grads[key].numel() * size) for key in dense], n)
             futures.append(all_reduce_mean(flat, group))
-        if sparse:
-            wire = torch.cat([payloads[key].to_bytes() for key in sparse])
-            segments = [(key, payloads[key].nbytes) for key in sparse]
-            futures.append(all_gather_bytes(wire, group, self.meter, segments))
+        sparse_dtype = _common_dtype({key: grads[key] for key in sparse}) if sparse else None
+        offsets = dict(zip(sparse, itertools.accumulate(
+            [0] + [grads[key].numel() for key in sparse])))
+        if sparse:  # one fixed-capacity payload (k per layer), one all-gather round
+            assert sparse_dtype is not None
+            layout = SparseLayout(sum(grads[key].numel() for key in sparse),
+                                  sum(self.k(grads[key].numel()) for key in sparse), sparse_dtype)
+            wire = layout.encode(torch.cat([chosen[key] + offsets[key] for key in sparse]),
+                                 torch.cat([values[key].to(sparse_dtype) for key in sparse]))
+            futures.append(all_gather_fixed(wire, group, self.meter,
+                                            layout_segments(layout, [(key, chosen[key].numel())
+                                                                     for key in sparse])))
         self._charge(time.perf_counter() - start)
 
         def total(fut: Future[Any]) -> dict[str, torch.Tensor]:
@@ -296,8 +310,16 @@ class LocalTopK(_SelectedTopK):
             out: dict[str, torch.Tensor] = {}
             if dense:
                 out.update(unflatten(results.pop(0), [infos[key] for key in dense]))
-            if sparse:  # values travel in each gradient's own dtype
-                out.update(sum_sparse(results.pop(0), [infos[key] for key in sparse], n))
+            if sparse:  # summed in rank order, so every rank gets the same bits
+                assert sparse_dtype is not None
+                summed = torch.zeros(layout.numel, dtype=sparse_dtype, device=wire.device)
+                for row in results.pop(0):
+                    indices, received = layout.decode(row)
+                    summed.index_add_(0, indices, received)
+                summed.div_(n)
+                parts = split_flat(summed, [grads[key].numel() for key in sparse])
+                out.update({key: part.view(grads[key].shape).to(grads[key].dtype)
+                            for key, part in zip(sparse, parts)})
             self._charge(time.perf_counter() - begin)
             return {key: out[key] for key in grads}
 
