@@ -218,7 +218,7 @@ class SparseLayout:
 
     @property
     def value_size(self) -> int:
-        return torch.empty((), dtype=self.value_dtype).element_size()
+        return self.value_dtype.itemsize
 
     @property
     def value_start(self) -> int:
