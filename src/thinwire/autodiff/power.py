@@ -193,6 +193,7 @@ def _peel(operator: _Operator, max_rank: int, start: Callable[[int], torch.Tenso
 
 def repeat(previous: torch.Tensor, g: torch.Tensor) -> float:
     """§3.4.1's ``‖g^j − g^{j+1}‖₂ / ‖g^j‖₂``, up to the sign of ``g^{j+1}``."""
+    previous, g = previous.detach(), g.detach()
     scale = torch.linalg.vector_norm(previous)
     return float(torch.minimum(torch.linalg.vector_norm(previous - g),
                                torch.linalg.vector_norm(previous + g)) / scale)
