@@ -37,9 +37,9 @@ brief, written down here:
   - ``"residual"``: with ``g_j = UᵀG`` the approximation after j
     components, a new component changes it by ``‖g_{j+1} − g_j‖ = ‖u‖``.
     It is accepted when ``‖u‖ ≥ θ·‖g_j‖`` (the first one when
-    ``‖u‖ > θ·‖M‖_F``), with the deflation of ``M`` above. It stops at the
-    true rank in one more component's work, where the paper's rule needs
-    the deflation error to show.
+    ``‖u‖ > θ·‖M‖_F``), with the deflation of ``M`` above. A gradient of
+    rank q stops at q; under the paper's rule at q or q + 1 (the repeat can
+    show one component late).
 
   Peeling stops at the first rejected component or after ``max_rank``;
   every accepted component is returned (the reference code dropped its
@@ -193,6 +193,7 @@ def _peel(operator: _Operator, max_rank: int, start: Callable[[int], torch.Tenso
 
 def repeat(previous: torch.Tensor, g: torch.Tensor) -> float:
     """§3.4.1's ``‖g^j − g^{j+1}‖₂ / ‖g^j‖₂``, up to the sign of ``g^{j+1}``."""
+    previous, g = previous.detach(), g.detach()
     scale = torch.linalg.vector_norm(previous)
     return float(torch.minimum(torch.linalg.vector_norm(previous - g),
                                torch.linalg.vector_norm(previous + g)) / scale)
