@@ -41,6 +41,7 @@ class DCTConfig:
     sparsity: float = 0.99  # eta, fraction of each tensor's entries dropped, in [0, 1)
     life_span: int = 1000  # L, steps between threshold refreshes, >= 1
     refresh_above: float | None = 2.0  # recompute a stale tau passing > this x target; None: never
+    tolerance: float | None = 0.25  # keep each layer's density within 1 +- this of the target
     min_numel: int = 0  # tensors smaller than this travel dense
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     drain_every: int | None = None  # stochastic drain period of the error buffer
@@ -52,6 +53,8 @@ class DCTConfig:
             raise ValueError(f"life_span={self.life_span!r} must be an integer >= 1")
         if self.refresh_above is not None and not self.refresh_above > 1.0:
             raise ValueError(f"refresh_above={self.refresh_above!r} must be None or > 1")
+        if self.tolerance is not None and not 0.0 < self.tolerance < 1.0:
+            raise ValueError(f"tolerance={self.tolerance!r} must be None or in (0, 1)")
         if self.drain_every is not None and self.drain_every < 1:
             raise ValueError(f"drain_every={self.drain_every!r} must be None or >= 1")
         validate_common(self)
@@ -89,7 +92,7 @@ def _topk(config: TopKConfig) -> Scheme:
 @register("dct-dp", DCTConfig)
 def _dct_dp(config: DCTConfig) -> Scheme:
     compressor = DCTThreshold(config.sparsity, config.life_span, config.refresh_above,
-                              min_numel=config.min_numel, values=config.values)
+                              config.tolerance, min_numel=config.min_numel, values=config.values)
     return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
 
 
