@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from thinwire import optim
 from thinwire.comm import Meter
 from thinwire.comm.collectives import Future, Group
 from thinwire.schemes.base import Scheme
@@ -59,4 +60,5 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
     names = {id(p): name for name, p in ddp_model.module.named_parameters()}
     state = HookState(scheme, names, group if group is not None else ddp_model.process_group)
     ddp_model.register_comm_hook(state, comm_hook)
+    optim.watch(scheme, ddp_model.module.parameters())  # warns if SGD momentum is not coupled
     return state
