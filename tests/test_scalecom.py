@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.compress.cltk import (
+    bounded_topk,
     captured_energy,
     chunk_topk,
     decode_indices,
@@ -19,7 +20,6 @@ from thinwire.compress.cltk import (
     exact_topk,
     index_nbytes,
     layer_k,
-    bounded_topk,
     select,
     sparsify,
 )

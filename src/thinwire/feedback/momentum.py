@@ -54,8 +54,8 @@ class MomentumCorrection(Memory):
         self.nesterov = nesterov
         self.velocity: dict[str, torch.Tensor] = {}
 
-    @property  # type: ignore[override]
-    def buffers(self) -> dict[str, torch.Tensor]:
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The error buffers, which the inner memory owns."""
         return self.inner.buffers
 
