@@ -1,7 +1,7 @@
 """thinwire: distributed deep learning that is cheap on the wire."""
 
-from thinwire import compress, ddp, feedback, schemes
+from thinwire import compress, ddp, feedback, optim, schemes
 from thinwire.comm import Meter
 
 __version__ = "0.1.0"
-__all__ = ["Meter", "compress", "ddp", "feedback", "schemes"]
+__all__ = ["Meter", "compress", "ddp", "feedback", "optim", "schemes"]
