@@ -3,7 +3,7 @@
 Each workload is what ``thinwire compare --workload NAME`` and the
 convergence benchmark train. The recipe is the one a user starts from
 (SGD with momentum 0.9 at a dense-tuned learning rate, AdamW at its usual
-1e-3 for the transformer); the target is a test accuracy that dense
+1e-3 for the transformer; ``RECIPES``); the target is a test accuracy that dense
 training reaches well inside the default step budget on every seed, so
 steps-to-target compares schemes on the part of training where they
 differ, not on noise at a plateau.
@@ -14,7 +14,9 @@ differ, not on noise at a plateau.
   package when it is missing).
 * ``dlrm-click``: the DLRM-style model with 26 embedding tables on the
   synthetic Criteo-shaped click data (embedding gradients are row-sparse:
-  the case the DCT paper targets). Accuracy of the 0/1 click label.
+  the case the DCT paper targets). Accuracy of the 0/1 click label: 76 %
+  by always answering "no click", 86 % for the teacher that drew the
+  labels; the target is 78 %.
 * ``transformer-digits``: the small pre-norm transformer encoder on digits
   as 8-token sequences (no text corpus ships in the package lists this
   project may install from at run time; see docs/convergence.md).
@@ -151,7 +153,8 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 RECIPES: dict[str, dict[str, Any]] = {
     "digits-mlp": {**SGD, "lr": 0.05, "batch_size": 32, "steps": 500},
     "fashion-convnet": {**SGD, "lr": 0.05, "batch_size": 32, "steps": 600},
-    "dlrm-click": {**SGD, "lr": 0.05, "batch_size": 64, "steps": 600},
+    # lr 0.05 never left the 76 % base rate in 600 dense steps; 0.3 reaches 78 % in ~300.
+    "dlrm-click": {**SGD, "lr": 0.3, "batch_size": 64, "steps": 800},
     "transformer-digits": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3,
                            "batch_size": 32, "steps": 600},
 }
