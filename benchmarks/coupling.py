@@ -43,7 +43,8 @@ RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
 
 
 def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers: int,
-             steps: int, warmup: int, eval_every: int = 10) -> int | None:
+             steps: int, warmup: int, eval_every: int = 10,
+             selection: str = "bounded") -> int | None:
     """Steps until the digits MLP reaches its target test accuracy (None: not in ``steps``)."""
     work = workloads.load("digits-mlp", seed=seed)
     shards = [work.train.shard(r, workers) for r in range(workers)]
@@ -82,7 +83,8 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
                 continue
             compensated = [memories[r].compensate(key, grads[r][key]) for r in range(workers)]
             k = layer_k(param.numel(), density)
-            leader = select(compensated[step % workers], k) if scheme == "clt-k" else None
+            leader = (select(compensated[step % workers], k, selection) if scheme == "clt-k"
+                      else None)
             total = torch.zeros_like(param)
             for r, p in enumerate(compensated):
                 if leader is not None:
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizers", default="sgd,nesterov,adamw")
     parser.add_argument("--schemes", default="dense,topk,dct-dp,clt-k")
     parser.add_argument("--variants", default="plain,coupled,masked,warmup")
+    parser.add_argument("--selection", default="bounded", help="clt-k's leader selection")
     parser.add_argument("--out", type=Path, default=Path("docs/data/coupling.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         for scheme in args.schemes.split(","):
             for variant in args.variants.split(",") if scheme != "dense" else ["plain"]:
                 steps = [simulate(scheme, variant, optimizer_name, seed, args.workers,
-                                  args.steps, args.warmup) for seed in range(args.seeds)]
+                                  args.steps, args.warmup, selection=args.selection)
+                         for seed in range(args.seeds)]
                 runs.append({"optimizer": optimizer_name, "scheme": scheme, "variant": variant,
                              "steps_to_target": steps})
                 print(optimizer_name, scheme, variant, steps, flush=True)

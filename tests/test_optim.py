@@ -81,7 +81,7 @@ def test_momentum_correction_resumes_exactly_from_its_state() -> None:
 def test_couple_leaves_dense_schemes_and_other_optimisers_alone() -> None:
     params = [nn.Parameter(torch.zeros(3))]
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    for name in ("dense", "fp16", "powersgd"):
+    for name in ("dense", "fp16", "powersgd", "clt-k"):
         assert not optim.couple(sgd, schemes.build(name)).coupled
     assert sgd.param_groups[0]["momentum"] == 0.9
     topk = schemes.build("topk")
@@ -100,7 +100,7 @@ def test_couple_moves_adams_first_moment_into_the_workers(make: type) -> None:
     assert isinstance(memory, MomentumCorrection) and memory.dampening == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("name", ["topk", "dct-dp", "clt-k", "local-topk"])
+@pytest.mark.parametrize("name", ["topk", "dct-dp", "laplace", "local-topk"])
 def test_couple_wraps_every_sparse_scheme_once(name: str) -> None:
     scheme = schemes.build(name)
     sgd = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9, nesterov=True)

@@ -21,8 +21,9 @@ averaged first moment rather than from the gradient -- smaller, as the
 momentum averages noise out -- which is the price of moving beta1 (the
 measured gain is in docs/convergence.md).
 
-Schemes without sparsification (dense, fp16, PowerSGD) and optimisers
-without momentum are left exactly as they were, so ``couple`` is safe to
+Schemes without sparsification (dense, fp16, PowerSGD), CLT-k (see
+:func:`sparse_memory`) and optimisers without momentum are left exactly as
+they were, so ``couple`` is safe to
 call always. Call it before loading checkpoints, right after building both.
 SGD's ``weight_decay`` stays in the optimiser and so acts without momentum
 once coupled (1 / (1 - mu) weaker than in plain SGD with momentum).
@@ -46,7 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from thinwire.compress import Sparsifier
 from thinwire.feedback import Memory, MomentumCorrection
 from thinwire.schemes.base import CompressedScheme, Scheme
-from thinwire.schemes.scalecom import CyclicLocalTopK, LocalTopK
+from thinwire.schemes.scalecom import LocalTopK
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,15 @@ class Coupling:
 
 
 def sparse_memory(scheme: Scheme) -> Memory | None:
-    """The error-feedback memory of a sparsifying scheme, or None for any other scheme."""
+    """The error-feedback memory of a scheme that :func:`couple` couples, else None.
+
+    Those are the local sparsifiers (topk, dct-dp, laplace, local-topk). CLT-k is left
+    alone: coupled it was no faster under SGD and slower under Nesterov
+    (docs/convergence.md), as its shared index set, not the momentum, limits it.
+    """
     if isinstance(scheme, CompressedScheme) and isinstance(scheme.compressor, Sparsifier):
         return scheme.memory
-    if isinstance(scheme, (CyclicLocalTopK, LocalTopK)):
+    if isinstance(scheme, LocalTopK):
         return scheme.memory
     return None
 
