@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from thinwire.compress import DCTThreshold, TensorInfo, TopK
 from thinwire.compress.cltk import layer_k, select, sparsify
