@@ -161,7 +161,7 @@ def section(record: dict[str, Any], figures: Path, docs: Path) -> str:
              "seeds of the per-seed ratio to dense's steps (inf: target not reached in the "
              "budget). Density: achieved fraction of entries sent over its target "
              "(ceil(0.01 N) / N), averaged over steps, then over layers (1.00 = on target). "
-             "Last run: {meta.get('when', '?')}, load average "
+             f"Last run: {meta.get('when', '?')}, load average "
              f"{meta.get('load', '?')} on {meta.get('cpu', '?')}.", "",
              "| workload (target, optimiser) | workers | scheme | momentum | seeds reached | "
              "median steps | x dense | bytes/step | x less than dense | density / target |",
