@@ -80,11 +80,11 @@ class Workload:
         return right / max(1, len(data))
 
 
-def class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits, labels)
 
 
-def class_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _class_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (logits.argmax(dim=1) == labels).sum()
 
 
@@ -109,8 +109,8 @@ SGD = {"optimizer": "sgd", "momentum": 0.9}
 def digits_mlp(seed: int, hidden: int = 256) -> Workload:
     train, test = load_digits(seed=seed)
     return Workload("digits-mlp", _seeded(lambda: mlp(64, hidden, classes=10)),
-                    Data(train.x, {}, train.y), Data(test.x, {}, test.y), class_loss,
-                    class_correct, 0.92)
+                    Data(train.x, {}, train.y), Data(test.x, {}, test.y), _class_loss,
+                    _class_correct, 0.92)
 
 
 def fashion_convnet(seed: int, hidden: int = 256) -> Workload:
@@ -118,7 +118,7 @@ def fashion_convnet(seed: int, hidden: int = 256) -> Workload:
     order = torch.randperm(len(images.y_train), generator=torch.Generator().manual_seed(seed))
     return Workload("fashion-convnet", _seeded(lambda: convnet.SmallConvNet(images.classes)),
                     Data(images.x_train[order], {}, images.y_train[order]),
-                    Data(images.x_test, {}, images.y_test), class_loss, class_correct,
+                    Data(images.x_test, {}, images.y_test), _class_loss, _class_correct,
                     0.80)
 
 
@@ -137,8 +137,8 @@ def transformer_digits(seed: int, hidden: int = 256) -> Workload:
     (train_x, train_y), (test_x, test_y) = transformer.digits_sequences(seed=seed)
     return Workload("transformer-digits",
                     lambda s: transformer.encoder(layers=2, seed=s),
-                    Data(train_x, {}, train_y), Data(test_x, {}, test_y), class_loss,
-                    class_correct, 0.90)
+                    Data(train_x, {}, train_y), Data(test_x, {}, test_y), _class_loss,
+                    _class_correct, 0.90)
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
