@@ -1,11 +1,12 @@
 """Couple the user's optimiser to a sparse scheme: its momentum moves into the workers.
 
 Error-feedback sparsification releases what it held back in delayed
-bursts; ``torch.optim.SGD``'s momentum, applied after the all-reduce,
-amplifies each burst by ``1 / (1 - mu)`` again on top of the velocity the
-entry already built, and training needs about twice dense's steps
-(``docs/convergence.md``). :func:`couple` moves the momentum in front of
-error feedback (DGC's momentum correction, :class:`MomentumCorrection`):
+bursts, and ``torch.optim.SGD``'s momentum, applied after the all-reduce,
+carries each burst on for ``1 / (1 - mu)`` steps more; measured, 99 %-sparse
+topk and dct-dp then need 2.5-3.3x dense's steps (``docs/convergence.md``).
+:func:`couple` moves the momentum in front of error feedback (DGC's
+momentum correction, :class:`MomentumCorrection`), which brings them to
+1.3-1.7x:
 
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     state = thinwire.ddp.register(net, thinwire.schemes.build("topk"))
@@ -23,8 +24,8 @@ measured gain is in docs/convergence.md).
 
 Schemes without sparsification (dense, fp16, PowerSGD), CLT-k (see
 :func:`sparse_memory`) and optimisers without momentum are left exactly as
-they were, so ``couple`` is safe to
-call always. Call it before loading checkpoints, right after building both.
+they were, so ``couple`` is safe to call always. Call it right after
+building both, before loading checkpoints.
 SGD's ``weight_decay`` stays in the optimiser and so acts without momentum
 once coupled (1 / (1 - mu) weaker than in plain SGD with momentum).
 
