@@ -98,8 +98,8 @@ def _key(row: dict[str, Any]) -> tuple[Any, ...]:
 def save(rows: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Merge ``rows`` into the data file (replacing records with the same key)."""
     record = json.loads(path.read_text()) if path.exists() else {"runs": [], "meta": []}
-    fresh = {_key(row) for row in rows}
-    record["runs"] = [r for r in record["runs"] if _key(r) not in fresh] + rows
+    merged = {_key(r): r for r in record["runs"] + rows}  # a key measured twice: the last
+    record["runs"] = list(merged.values())
     record["meta"].append(meta)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
