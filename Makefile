@@ -13,6 +13,12 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch, pinned exactly: any looser spec pulls CUDA wheels.
 	$(BIN)/python -m pip install --progress-bar on torch==2.13.0
 	$(BIN)/python -m pip install --progress-bar on -e '.[dev]'
+	# Fashion-MNIST for the fashion-convnet workload, where root or password-less sudo can
+	# install it; never fatal (the workload then says what is missing).
+	@[ -d /usr/share/datasets/fashion-mnist ] || \
+	  ( [ "$$(id -u)" = 0 ] && apt-get install -y -q dataset-fashion-mnist ) || \
+	  sudo -n apt-get install -y -q dataset-fashion-mnist || \
+	  echo "note: dataset-fashion-mnist not installed; the fashion-convnet workload is skipped"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import convergence
 from benchmarks.netem.summary import FRAME_OVERHEAD, fmt_seconds, speedups
 
 BASELINES = ("torch-dense", "torch-powersgd")  # time-to-target ratios are taken against these
@@ -424,6 +425,9 @@ def render(netem: tuple[dict[str, Any], Path] | None,
                   "again.", ""]
     else:
         parts.append(overhead_section(overhead[0], overhead[1], figures, docs))
+    if (docs / "data" / "convergence.json").exists():  # written by benchmarks.convergence
+        record = json.loads((docs / "data" / "convergence.json").read_text())
+        parts.append(convergence.section(record, figures, docs))
     return "\n".join(parts).rstrip() + "\n"
 
 

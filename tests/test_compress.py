@@ -191,3 +191,50 @@ def test_threshold_trace_keeps_a_bounded_window() -> None:
     for _ in range(TRACE_LENGTH + 5):
         dct.compress(grad, info_of(grad))
     assert len(dct.trace["w"]) == TRACE_LENGTH and dct.trace["w"][-1][0] == TRACE_LENGTH + 4
+def _drifting_grads(steps: int, numel: int = 4000) -> list[torch.Tensor]:
+    """A gradient whose scale swings by 10x and whose large entries move: a stale tau both
+    over- and under-sends on such a sequence."""
+    generator = torch.Generator().manual_seed(0)
+    grads = []
+    for step in range(steps):
+        scale = 10.0 ** math.sin(step / 15.0)
+        heavy = torch.zeros(numel)
+        heavy[(step * 37) % numel:(step * 37) % numel + 40] = 5.0
+        grads.append(scale * (torch.randn(numel, generator=generator) + heavy))
+    return grads
+
+
+@pytest.mark.parametrize("tolerance", [0.25, 0.1])
+def test_dct_density_guard_keeps_the_average_density_in_band(tolerance: float) -> None:
+    # Room for everything, so the payload capacity cannot hide what the thresholds pass.
+    dct, unguarded, memories = (
+        DCTThreshold(0.99, life_span=1000, tolerance=tolerance, capacity=100.0),
+        DCTThreshold(0.99, life_span=1000, capacity=100.0), (Residual(), Residual()))
+    for grad in _drifting_grads(300):
+        for compressor, memory in zip((dct, unguarded), memories):
+            compensated = memory.compensate("w", grad)
+            payload = compressor.compress(compensated, info_of(grad))
+            memory.update("w", compensated, compressor.decompress(payload, info_of(grad)))
+    guarded = sum(d for _, _, d in dct.trace["w"]) / 300
+    stale = sum(d for _, _, d in unguarded.trace["w"]) / 300
+    assert abs(guarded / 0.01 - 1) <= tolerance
+    assert abs(stale / 0.01 - 1) > 0.25  # the sequence does defeat a stale threshold
+    assert 1 < dct.refreshes["w"] < 300  # reuse still happens
+    resumed = DCTThreshold(0.99, life_span=1000, tolerance=tolerance, capacity=100.0)
+    resumed.load_state_dict(dct.state_dict())
+    assert resumed.window == dct.window
+
+
+def test_dct_density_guard_targets_what_a_sparse_gradient_can_send() -> None:
+    dct = DCTThreshold(0.9, life_span=1000, tolerance=0.25, min_numel=0)
+    grad = torch.zeros(1000)
+    grad[:20] = torch.arange(1.0, 21.0)  # 20 non-zeros against k = 100
+    for _ in range(5):
+        assert dct.compress(grad, info_of(grad)).count == 20
+    assert dct.refreshes["w"] == 1
+
+
+def test_dct_density_guard_rejects_a_bad_tolerance() -> None:
+    for bad in (0.0, 1.0, -0.5, float("nan")):
+        with pytest.raises(ValueError, match="tolerance"):
+            DCTThreshold(0.9, tolerance=bad)

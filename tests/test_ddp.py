@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire import ddp
+from thinwire import ddp, optim
 from thinwire.comm import Meter
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import DensePayload, TensorInfo
@@ -46,15 +47,21 @@ def _train(net: nn.Module, rank: int, steps: range, optimizer: torch.optim.Optim
 
 
 def _ddp_run(rank: int, world_size: int, scheme: str | None, config: dict[str, Any],
-             bucket_cap_mb: float, poison: tuple[int, int] | None = None) -> dict[str, Any]:
+             bucket_cap_mb: float, poison: tuple[int, int] | None = None,
+             couple: bool = False) -> dict[str, Any]:
     model = _model()
     net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     state = None
     if scheme is not None:
         state = ddp.register(net, build(scheme, **config), meter=Meter(rank, world_size))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    _train(net, rank, range(STEPS), optimizer, poison)
-    out: dict[str, Any] = {"params": [p.detach().clone() for p in model.parameters()]}
+    if couple:
+        optim.couple(optimizer, state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(net, rank, range(STEPS), optimizer, poison)
+    out: dict[str, Any] = {"params": [p.detach().clone() for p in model.parameters()],
+                           "warnings": [str(w.message) for w in caught]}
     if state is not None:
         out["scheme"] = state.scheme.state_dict()
         out["skipped"] = state.scheme.skipped
@@ -209,6 +216,10 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "plain": _ddp_run(rank, world_size, None, {}, 25.0),
         "dense": _ddp_run(rank, world_size, "dense", {}, 0.001),
+        "dense-coupled": _ddp_run(rank, world_size, "dense", {}, 0.001, couple=True),
+        "topk-all-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 1.0}, 0.001,
+                                     couple=True),
+        "topk-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 0.1}, 0.001, couple=True),
         "dct-small-buckets": _ddp_run(rank, world_size, "dct-dp", DCT, 0.001),
         "dct-one-bucket": _ddp_run(rank, world_size, "dct-dp", DCT, 25.0),
         "manual": _manual_run(rank, world_size, DCT),
@@ -236,6 +247,29 @@ def test_dense_hook_is_bit_identical_to_ddp_without_hook(runs: list[dict[str, An
     for a, b in zip(runs[0]["plain"]["params"], runs[0]["dense"]["params"]):
         assert torch.equal(a, b)
     assert not torch.equal(runs[0]["plain"]["params"][0], _model()[0].weight)  # it trained
+
+
+def test_coupling_leaves_dense_bit_identical_to_ddp_without_hook(
+        runs: list[dict[str, Any]]) -> None:
+    for a, b in zip(runs[0]["plain"]["params"], runs[0]["dense-coupled"]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_coupled_topk_sending_everything_is_sgd_momentum_up_to_rounding(
+        runs: list[dict[str, Any]]) -> None:
+    """The mean of the workers' velocities is plain SGD's velocity (summed in another order)."""
+    for a, b in zip(runs[0]["plain"]["params"], runs[0]["topk-all-coupled"]["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_forgetting_to_couple_warns_once_and_coupling_silences_it(
+        runs: list[dict[str, Any]]) -> None:
+    for rank in range(2):
+        assert len([w for w in runs[rank]["dct-one-bucket"]["warnings"] if "couple" in w]) == 1
+        for label in ("topk-coupled", "dense", "plain"):
+            assert not [w for w in runs[rank][label]["warnings"] if "couple" in w]
+    for a, b in zip(runs[0]["topk-coupled"]["params"], runs[1]["topk-coupled"]["params"]):
+        assert torch.equal(a, b)  # replicas agree
 
 
 @pytest.mark.parametrize("bucketing", ["dct-small-buckets", "dct-one-bucket"])

@@ -13,6 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.compress.cltk import (
+    bounded_topk,
+    captured_energy,
     chunk_topk,
     decode_indices,
     encode_indices,
@@ -151,7 +153,7 @@ def test_one_worker_with_beta_one_is_topk_with_error_feedback(name: str) -> None
 
 
 def test_one_worker_chunk_selection_with_lowpass_matches_a_reference() -> None:
-    scheme = schemes.build("clt-k", ratio=0.05, beta=0.5)
+    scheme = schemes.build("clt-k", ratio=0.05, beta=0.5, selection="chunk")
     memory = {key: torch.zeros_like(g) for key, g in _grads(0).items()}
     for step in range(4):
         grads = _grads(step)
@@ -236,9 +238,9 @@ def _worker_grads(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 CONFIGS = {  # name -> (scheme, options)
-    "chunk": ("clt-k", {"ratio": 0.02, "beta": 1.0}),  # int32 indices
+    "chunk": ("clt-k", {"ratio": 0.02, "beta": 1.0, "selection": "chunk"}),  # int32 indices
     "exact": ("clt-k", {"ratio": 0.2, "beta": 0.5, "selection": "exact"}),  # bitmaps
-    "local": ("local-topk", {"ratio": 0.02}),
+    "local": ("local-topk", {"ratio": 0.02, "selection": "chunk"}),
 }
 
 
@@ -418,3 +420,42 @@ def test_cltk_through_the_ddp_hook_with_several_buckets_keeps_replicas_equal(
     start = [p.detach().double() for p in torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)).parameters()]
     assert all(not torch.equal(a, b) for a, b in zip(start, params, strict=True))
+
+
+@pytest.mark.parametrize("numel,k", [(1, 1), (10, 3), (10, 10), (97, 7), (1001, 13),
+                                     (5000, 50), (4096, 1)])
+def test_bounded_topk_returns_k_valid_distinct_indices(numel: int, k: int) -> None:
+    values = torch.randn(numel, dtype=torch.float64)
+    chosen = bounded_topk(values.abs(), k)
+    assert chosen.numel() == k and torch.unique(chosen).numel() == k
+    assert torch.equal(chosen, torch.sort(chosen).values)
+    assert 0 <= int(chosen.min()) and int(chosen.max()) < numel
+
+
+@pytest.mark.parametrize("numel,k", [(10, 3), (1000, 10), (1001, 13), (64, 64), (5000, 50)])
+def test_bounded_topk_is_exact_topk(numel: int, k: int) -> None:
+    values = torch.randn(numel, dtype=torch.float64)
+    values[: numel // 4] *= 20  # the largest entries crowd into the first chunks
+    assert torch.equal(bounded_topk(values.abs(), k), exact_topk(values.abs(), k))
+
+
+def test_captured_energy_against_exact_topk_on_a_known_input() -> None:
+    # Chunks of 4 entries for k = 2: chunk 0 holds the top three (4, 3, 2), chunk 1 only 1s.
+    values = torch.tensor([4.0, -3.0, 2.0, 0.0, 1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    assert exact_topk(values.abs(), 2).tolist() == [0, 1]
+    chunk = chunk_topk(values.abs(), 2)
+    assert chunk.tolist() == [0, 4]
+    assert captured_energy(values, chunk) == pytest.approx((16 + 1) / (16 + 9), abs=1e-15)
+    assert bounded_topk(values.abs(), 2).tolist() == [0, 1]
+    assert captured_energy(values, bounded_topk(values.abs(), 2)) == 1.0
+    assert captured_energy(torch.zeros(8), torch.tensor([1, 2])) == 1.0
+
+
+def test_bounded_selection_keeps_the_energy_that_chunks_lose() -> None:
+    # Heavy entries clustered in a few rows, as in a layer whose inputs are sparse.
+    values = torch.randn(256, 64, dtype=torch.float64) * 0.01
+    values[torch.arange(0, 256, 16)] += torch.randn(16, 64, dtype=torch.float64)
+    k = layer_k(values.numel(), 0.01)
+    bounded = captured_energy(values, select(values, k, "bounded"))
+    chunk = captured_energy(values, select(values, k, "chunk"))
+    assert bounded == pytest.approx(1.0, abs=1e-12) and chunk < 0.9

@@ -203,26 +203,47 @@ class DCTThreshold(Sparsifier):
     would send a large share of the tensor for a whole life-span; the guard
     costs one selection on the steps where it fires and nothing otherwise.
 
+    Density guard (off by default): with ``tolerance=t``, a reused tau is
+    also recomputed when the entries it has sent since its last refresh,
+    this call included, leave ``[(1 - t), (1 + t)] * k * calls``. A stale
+    tau drifts both ways -- set at a magnitude peak it under-sends for the
+    rest of its life-span (layers sending nothing for many steps), set in a
+    lull it over-sends -- so a one-sided cap cannot hold the density on
+    target. After a refresh the call sends about k, so the running count of
+    every window, and hence the per-layer average over a run, stays within
+    ``1 +- t`` of the target (ties at tau aside). When zeros leave fewer
+    than k entries to send, the window's target is what the refresh could
+    send, so a sparse gradient (an embedding's untouched rows) does not
+    trigger a refresh on every call.
+
     Args:
         sparsity: fraction eta of entries dropped, in [0, 1); 0 sends dense.
         life_span: L, calls between threshold refreshes, >= 1.
         refresh_above: recompute a reused tau that keeps more than this many
             times the target count; None (default) never does. Must be > 1.
+        tolerance: relative band t of the density guard, in (0, 1); None
+            (default) never refreshes for it.
     """
 
     def __init__(self, sparsity: float, life_span: int = 1000,
-                 refresh_above: float | None = None, **kwargs: Any) -> None:
+                 refresh_above: float | None = None, tolerance: float | None = None,
+                 **kwargs: Any) -> None:
         check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
         if not isinstance(life_span, int) or life_span < 1:
             raise ValueError(f"life_span={life_span!r} must be an integer >= 1")
         if refresh_above is not None and not refresh_above > 1.0:
             raise ValueError(f"refresh_above={refresh_above!r} must be None or > 1")
+        if tolerance is not None:
+            check_fraction("tolerance", tolerance, 0.0, 1.0, closed_low=False, closed_high=False)
         super().__init__(**kwargs)
         self.sparsity = sparsity
         self.life_span = life_span
         self.refresh_above = refresh_above
+        self.tolerance = tolerance
         self.tau: dict[str, float] = {}
         self.refreshes: dict[str, int] = {}
+        # key -> [calls, entries sent, target per call] since the last refresh.
+        self.window: dict[str, list[int]] = {}
 
     @property
     def density(self) -> float:
@@ -232,13 +253,31 @@ class DCTThreshold(Sparsifier):
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int
     ) -> tuple[torch.Tensor, float]:
         k = keep_count(magnitudes.numel(), self.density)
-        if call % self.life_span == 0 or info.key not in self.tau:
-            self._refresh(magnitudes, info.key, k)
-        indices = _above(magnitudes, self.tau[info.key])
-        if self.refresh_above is not None and indices.numel() > self.refresh_above * k:
-            self._refresh(magnitudes, info.key, k)
-            indices = _above(magnitudes, self.tau[info.key])
-        return indices, self.tau[info.key]
+        key = info.key
+        fresh = call % self.life_span == 0 or key not in self.tau
+        if fresh:
+            self._refresh(magnitudes, key, k)
+        indices = _above(magnitudes, self.tau[key])
+        if not fresh and self._off_target(key, indices.numel(), k):
+            self._refresh(magnitudes, key, k)
+            indices = _above(magnitudes, self.tau[key])
+            fresh = True
+        if fresh:
+            self.window[key] = [0, 0, min(k, indices.numel())]
+        window = self.window[key]
+        window[0] += 1
+        window[1] += indices.numel()
+        return indices, self.tau[key]
+
+    def _off_target(self, key: str, count: int, k: int) -> bool:
+        """Whether a reused tau's ``count`` calls for a refresh (cap, or density band)."""
+        if self.refresh_above is not None and count > self.refresh_above * k:
+            return True
+        if self.tolerance is None:
+            return False
+        calls, sent, target = self.window[key]
+        expected = (calls + 1) * target
+        return abs(sent + count - expected) > self.tolerance * expected
 
     def _refresh(self, magnitudes: torch.Tensor, key: str, k: int) -> None:
         """tau = the k-th largest magnitude (Alg. 1 lines 5-6), by selection."""
@@ -246,12 +285,14 @@ class DCTThreshold(Sparsifier):
         self.refreshes[key] = self.refreshes.get(key, 0) + 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "tau": dict(self.tau), "refreshes": dict(self.refreshes)}
+        return {**super().state_dict(), "tau": dict(self.tau), "refreshes": dict(self.refreshes),
+                "window": {key: list(w) for key, w in self.window.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.tau = dict(state["tau"])
         self.refreshes = dict(state["refreshes"])
+        self.window = {key: list(w) for key, w in state.get("window", {}).items()}
 
 
 class LaplaceThreshold(Sparsifier):

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from thinwire import optim
 from thinwire._version import __version__
 from thinwire.comm import Meter
 from thinwire.comm.collectives import Future, Group
@@ -77,6 +78,7 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
     parameter = next(ddp_model.module.parameters(), None)
     agree(state, parameter.device if parameter is not None else None)
     ddp_model.register_comm_hook(state, comm_hook)
+    optim.watch(scheme, ddp_model.module.parameters())  # warns if SGD momentum is not coupled
     return state
 
 

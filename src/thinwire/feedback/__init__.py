@@ -1,7 +1,9 @@
-"""Error-feedback memories: residual (DCT), low-pass (ScaleCom), stochastic drain."""
+"""Error-feedback memories: residual (DCT), low-pass (ScaleCom), stochastic drain, momentum."""
 
 from thinwire.feedback.base import NONFINITE_POLICIES, Memory, all_finite, check_policy
 from thinwire.feedback.lowpass import LowPass
+from thinwire.feedback.momentum import MomentumCorrection
 from thinwire.feedback.residual import Residual
 
-__all__ = ["NONFINITE_POLICIES", "LowPass", "Memory", "Residual", "all_finite", "check_policy"]
+__all__ = ["NONFINITE_POLICIES", "LowPass", "Memory", "MomentumCorrection", "Residual",
+           "all_finite", "check_policy"]

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from thinwire import schemes
 from thinwire.train.dataparallel import RunOptions, run_scheme
 from thinwire.train.launch import DEFAULT_TIMEOUT_S, add_timeout, spawn
+from thinwire.train.workloads import OPTIMIZERS, RECIPES, WORKLOADS
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3, "mbps": 1e6,
           "gbps": 1e9}
@@ -30,7 +31,7 @@ _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3
 DEFAULT_SCHEMES = ("dense", "fp16", "topk", "dct-dp", "powersgd", "clt-k")
 # Fields the summary table and --json carry, in order.
 TABLE = ("scheme", "test_accuracy", "final_loss", "bytes_sent_per_step", "compression_ratio",
-         "overhead_ms_per_step", "wall_s", "modelled_s")
+         "overhead_ms_per_step", "wall_s", "modelled_s", "steps_to_target")
 
 
 def parse_bandwidth(text: str) -> float:
@@ -155,13 +156,14 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
 
 def markdown_table(results: list[dict[str, Any]], bandwidth: str) -> str:
     header = ["scheme", "test acc", "final loss", "bytes/step/worker", "ratio vs dense",
-              "overhead ms/step", "wall s", f"modelled s @ {bandwidth}"]
+              "overhead ms/step", "wall s", f"modelled s @ {bandwidth}", "steps to target"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         rows.append(
             f"| {r['scheme']} | {r['test_accuracy']:.4f} | {r['final_loss']:.4f} | "
             f"{r['bytes_sent_per_step']:,.0f} | {r['compression_ratio']:.1f}x | "
-            f"{r['overhead_ms_per_step']:.3f} | {r['wall_s']:.2f} | {r['modelled_s']:.2f} |")
+            f"{r['overhead_ms_per_step']:.3f} | {r['wall_s']:.2f} | {r['modelled_s']:.2f} | "
+            f"{r['steps_to_target'] or 'not reached'} |")
     return "\n".join(rows)
 
 
@@ -211,9 +213,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated scheme names, from `thinwire schemes` "
                              f"(default: {','.join(DEFAULT_SCHEMES)})")
     parser.add_argument("--workers", type=int, default=4, help="local ranks (default 4)")
-    parser.add_argument("--steps", type=int, default=RunOptions.steps)
-    parser.add_argument("--batch-size", type=int, default=RunOptions.batch_size)
-    parser.add_argument("--lr", type=float, default=RunOptions.lr)
+    parser.add_argument("--workload", default=RunOptions.workload, choices=sorted(WORKLOADS),
+                        help=f"model and data set (default {RunOptions.workload})")
+    parser.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                        help="the user's optimiser (default: the workload's recipe)")
+    parser.add_argument("--momentum", type=float, default=None,
+                        help="SGD momentum, or AdamW's beta1 (default: the workload's recipe)")
+    parser.add_argument("--no-couple", dest="couple", action="store_false",
+                        help="leave the momentum in the optimiser (see thinwire.optim.couple)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimiser steps per scheme (default: the workload's recipe)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="samples per worker per step (default: the workload's recipe)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate (default: the workload's recipe)")
     parser.add_argument("--hidden", type=int, default=RunOptions.hidden)
     parser.add_argument("--seed", type=int, default=RunOptions.seed)
     parser.add_argument("--sparsity", type=float, default=0.99,
@@ -229,10 +242,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_timeout(parser)
 
 
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """RunOptions from the command line; unset recipe options come from the workload."""
+    recipe = RECIPES[args.workload]
+    chosen = {key: getattr(args, key) for key in ("optimizer", "momentum", "lr", "steps",
+                                                  "batch_size")}
+    resolved = {key: recipe[key] if value is None else value for key, value in chosen.items()}
+    return RunOptions(hidden=args.hidden, seed=args.seed, workload=args.workload,
+                      couple=args.couple, **resolved)
+
+
 def run(args: argparse.Namespace) -> int:
     names = [name.strip() for name in args.schemes.split(",") if name.strip()]
-    options = RunOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                         hidden=args.hidden, seed=args.seed)
+    options = run_options(args)
     bandwidth_bps = parse_bandwidth(args.bandwidth)
     results = compare(names, args.workers, options, bandwidth_bps, args.sparsity,
                       args.life_span, args.option, args.timeout)
@@ -244,7 +266,9 @@ def run(args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps({"runs": results, "options": vars(args)},
                                                  indent=2, default=str))
     (out / "results.md").write_text(
-        f"# thinwire compare\n\n{args.workers} workers, {options.steps} steps, "
+        f"# thinwire compare\n\n{options.workload}, {options.optimizer} (lr {options.lr}, "
+        f"momentum {options.momentum}, coupled {options.couple}), target test accuracy "
+        f"{results[0]['target']}; {args.workers} workers, {options.steps} steps, "
         f"sparsity {args.sparsity}, life-span {args.life_span}.\n\n{table}\n")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""One data-parallel training run: DDP + a scheme's hook on the embedded dataset.
+"""One data-parallel training run: DDP + a scheme's hook on one of the workloads.
 
 Shared by ``thinwire compare`` (local ranks) and ``thinwire train`` (torchrun).
 """
@@ -6,6 +6,7 @@ Shared by ``thinwire compare`` (local ranks) and ``thinwire train`` (torchrun).
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -17,13 +18,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire import ddp, schemes
+from thinwire import ddp, optim, schemes
 from thinwire.comm import Meter
 from thinwire.compress import Sparsifier
 from thinwire.schemes import CompressedScheme
-from thinwire.train.digits import Split, batches, load_digits, shard
+from thinwire.train import workloads
+from thinwire.train.digits import Split, batches
 from thinwire.train.launch import phase
-from thinwire.train.mlp import mlp
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class RunOptions:
     hidden: int = 256  # width of the MLP's two hidden layers
     seed: int = 0  # model initialisation, data order and split
     eval_every: int = 25  # steps between test-accuracy points of the curves
+    workload: str = "digits-mlp"  # a name of thinwire.train.workloads.WORKLOADS
+    optimizer: str = "sgd"  # "sgd", "nesterov" or "adamw" (beta1 = momentum)
+    couple: bool = True  # move the optimiser's momentum into sparse schemes (thinwire.optim)
+    eval_rows: int | None = 2000  # test rows per evaluation point (None: all)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "hidden", "eval_every"):
@@ -45,6 +50,12 @@ class RunOptions:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum={self.momentum!r} must be in [0, 1)")
+        if self.workload not in workloads.WORKLOADS:
+            raise ValueError(f"workload={self.workload!r} must be one of "
+                             f"{sorted(workloads.WORKLOADS)}")
+        if self.optimizer not in workloads.OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} must be one of "
+                             f"{list(workloads.OPTIMIZERS)}")
 
 
 def accuracy(model: nn.Module, split: Split) -> float:
@@ -67,51 +78,84 @@ def compute_seconds(model: nn.Module, data: Split, batch_size: int, repeats: int
     return statistics.median(times)
 
 
+def step_seconds(model: nn.Module, work: workloads.Workload, data: workloads.Data,
+                 batch_size: int, repeats: int = 15) -> float:
+    """:func:`compute_seconds` for any workload's model and loss."""
+    probe = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(probe.parameters(), lr=0.0)
+    batch = data.rows(slice(0, batch_size))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loss = work.loss(probe(batch.inputs, **batch.side), batch.targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                progress: Callable[[int], None] | None = None,
                group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-    """Train the MLP under scheme ``name`` in the current process group.
+    """Train ``options.workload`` under scheme ``name`` in the current process group.
 
-    Every rank calls this with the same arguments. Returns this rank's
-    results: accuracy, loss, bytes, overhead, timings, curves, final weights.
+    The optimiser is the user's (``options.optimizer``, ``lr``, ``momentum``);
+    with ``options.couple`` its momentum moves into sparse schemes
+    (:func:`thinwire.optim.couple`, a no-op for the others). Every rank calls
+    this with the same arguments. Returns this rank's results: accuracy,
+    loss, bytes, overhead, timings, curves, steps to the workload's target,
+    achieved density per layer, final weights.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     phase(f"{name} setup")
-    train, test = load_digits(seed=options.seed)
-    local = shard(train, rank, world_size)
-    torch.manual_seed(options.seed)
-    model = mlp(train.x.shape[1], options.hidden, classes=10)
-    compute_s = compute_seconds(model, local, options.batch_size)
+    work = workloads.load(options.workload, seed=options.seed, hidden=options.hidden)
+    local = work.train.shard(rank, world_size)
+    model = work.model(options.seed)
+    compute_s = step_seconds(model, work, local, options.batch_size)
     net = DistributedDataParallel(model, process_group=group)
     meter = Meter(rank, world_size)
     scheme = schemes.build(name, **config)
-    ddp.register(net, scheme, meter=meter)
-    optimizer = torch.optim.SGD(net.parameters(), lr=options.lr, momentum=options.momentum)
+    state = ddp.register(net, scheme, meter=meter)
+    optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
+                                    options.momentum)
+    coupled = optim.couple(optimizer, state).coupled if options.couple else False
     stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)
     curve: list[tuple[int, float, float]] = []  # (step, cumulative bytes, test accuracy)
     losses = []
+    steps_to_target = None
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
         phase(f"{name} step {step}")
-        index = next(stream)
-        loss = nn.functional.cross_entropy(net(local.x[index]), local.y[index])
+        batch = local.rows(next(stream))
+        loss = work.loss(net(batch.inputs, **batch.side), batch.targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         meter.next_step()
         losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            break
         if step % options.eval_every == 0 or step == options.steps:
             handed = meter.bytes_per_step().get("total", 0.0) * meter.step
-            curve.append((step, handed, accuracy(model, test)))
+            curve.append((step, handed, work.accuracy(model, options.eval_rows)))
+            if steps_to_target is None and curve[-1][2] >= work.target:
+                steps_to_target = step
         if progress is not None:
             progress(1)
     wall_s = time.perf_counter() - start
     tail = losses[-options.eval_every:]
     summary = meter.summary()
+    trace = threshold_trace(scheme)
     result: dict[str, Any] = {
         "scheme": name,
+        "workload": work.name,
+        "optimizer": options.optimizer,
+        "coupled": coupled,
+        "target": work.target,
+        "steps_to_target": steps_to_target,
         "config": asdict(schemes.config_class(name)(**config)),
-        "test_accuracy": accuracy(model, test),
+        "test_accuracy": work.accuracy(model),
         "final_loss": statistics.fmean(tail),
         **summary,
         "overhead_ms_per_step": 1000.0 * scheme.overhead_s / options.steps,
@@ -120,8 +164,10 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         "skipped_steps": scheme.skipped,
         "curve": curve,
         "weights": [p.detach().clone() for p in model.parameters()],
+        "density_per_layer": {key: statistics.fmean(d for _, _, d in points)
+                              for key, points in trace.items() if points},
     }
-    result["threshold_trace"] = threshold_trace(scheme)
+    result["threshold_trace"] = trace
     return result
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +39,7 @@ def shard(split: Split, rank: int, world_size: int) -> Split:
     return Split(split.x[part], split.y[part])
 
 
-def batches(split: Split, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+def batches(split: Sized, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
     """An endless stream of batch index tensors, reshuffled each epoch, reproducible."""
     generator = torch.Generator().manual_seed(seed)
     while True:

@@ -1,0 +1,158 @@
+"""Which optimiser coupling makes 99 %-sparse error feedback converge like dense?
+
+n data-parallel workers are simulated in one process: each computes its
+gradient on its own shard, compresses it with its own compressor and
+error-feedback memory (the library's), and the optimiser steps on the mean
+of what was sent -- what the DDP hook computes, without processes, so a
+sweep over candidates and seeds fits a busy machine. Candidates:
+
+* ``plain``: the optimiser's momentum after the all-reduce (the user's code unchanged);
+* ``coupled``: momentum correction, :class:`thinwire.feedback.MomentumCorrection`
+  (what ``thinwire.optim.couple`` installs; DGC §3.2);
+* ``masked``: coupled plus DGC's factor masking (velocity zeroed where sent);
+* ``warmup``: plain with DGC's exponential sparsity warm-up (density 25 %,
+  6.25 %, 1.6 %, then 1 % over the first ``--warmup`` steps).
+
+Usage: ``python -m benchmarks.coupling [--seeds 3] [--workers 4] [--out docs/data/coupling.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from thinwire.compress import DCTThreshold, TensorInfo, TopK
+from thinwire.compress.cltk import layer_k, select, sparsify
+from thinwire.feedback import LowPass, Memory, MomentumCorrection, Residual
+from thinwire.train import workloads
+from thinwire.train.digits import batches
+
+RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
+    "sgd": (0.05, 0.9),
+    "nesterov": (0.05, 0.9),
+    "adamw": (1e-3, 0.9),
+}
+
+
+def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers: int,
+             steps: int, warmup: int, eval_every: int = 10,
+             selection: str = "bounded") -> int | None:
+    """Steps until the digits MLP reaches its target test accuracy (None: not in ``steps``)."""
+    work = workloads.load("digits-mlp", seed=seed)
+    shards = [work.train.shard(r, workers) for r in range(workers)]
+    streams = [batches(s, 32, seed * 1000 + r) for r, s in enumerate(shards)]
+    model = work.model(seed)
+    params = dict(model.named_parameters())
+    lr, momentum = RECIPES[optimizer_name]
+    optimizer = workloads.optimizer(optimizer_name, model.parameters(), lr, momentum)
+    coupled = variant in ("coupled", "masked") and scheme != "dense"
+    memories: list[Memory] = [LowPass(1.0) if scheme == "clt-k" else Residual()
+                              for _ in range(workers)]
+    if coupled:
+        adam = optimizer_name == "adamw"
+        memories = [MomentumCorrection(m, momentum, 1 - momentum if adam else 0.0,
+                                       optimizer_name == "nesterov") for m in memories]
+        for group in optimizer.param_groups:
+            if adam:
+                group["betas"] = (0.0, group["betas"][1])
+            else:
+                group.update(momentum=0.0, nesterov=False)
+    compressors = [DCTThreshold(0.99, 1000, 2.0, 0.25) if scheme == "dct-dp" else TopK(0.01)
+                   for _ in range(workers)]
+    for step in range(steps):
+        grads = []
+        for r in range(workers):
+            batch = shards[r].rows(next(streams[r]))
+            model.zero_grad()
+            work.loss(model(batch.inputs), batch.targets).backward()
+            grads.append({k: p.grad.detach().clone() for k, p in params.items()})  # type: ignore[union-attr]
+        density = 0.01
+        if variant == "warmup" and step < warmup:
+            density = max(0.01, 0.25 ** (1 + 4 * step // warmup))
+        for key, param in params.items():
+            if scheme == "dense":
+                param.grad = sum(g[key] for g in grads) / workers  # type: ignore[assignment]
+                continue
+            compensated = [memories[r].compensate(key, grads[r][key]) for r in range(workers)]
+            k = layer_k(param.numel(), density)
+            leader = (select(compensated[step % workers], k, selection) if scheme == "clt-k"
+                      else None)
+            total = torch.zeros_like(param)
+            for r, p in enumerate(compensated):
+                if leader is not None:
+                    chosen = leader
+                elif scheme == "topk" or density > 0.01:
+                    chosen = select(p, k, "exact")
+                else:
+                    chosen = compressors[r].compress(p, TensorInfo.of(key, p)).indices
+                sent = sparsify(p, chosen)
+                memories[r].update(key, p, sent)
+                if variant == "masked":
+                    memories[r].velocity[key].view(-1)[chosen] = 0  # type: ignore[attr-defined]
+                total += sent
+            param.grad = total / workers
+        optimizer.step()
+        if (step + 1) % eval_every == 0 and work.accuracy(model) >= work.target:
+            return step + 1
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--optimizers", default="sgd,nesterov,adamw")
+    parser.add_argument("--schemes", default="dense,topk,dct-dp,clt-k")
+    parser.add_argument("--variants", default="plain,coupled,masked,warmup")
+    parser.add_argument("--selection", default="bounded", help="clt-k's leader selection")
+    parser.add_argument("--out", type=Path, default=Path("docs/data/coupling.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    runs: list[dict[str, Any]] = []
+    for optimizer_name in args.optimizers.split(","):
+        for scheme in args.schemes.split(","):
+            for variant in args.variants.split(",") if scheme != "dense" else ["plain"]:
+                steps = [simulate(scheme, variant, optimizer_name, seed, args.workers,
+                                  args.steps, args.warmup, selection=args.selection)
+                         for seed in range(args.seeds)]
+                runs.append({"optimizer": optimizer_name, "scheme": scheme, "variant": variant,
+                             "steps_to_target": steps})
+                print(optimizer_name, scheme, variant, steps, flush=True)
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout
+    record = {"config": vars(args) | {"out": str(args.out)}, "runs": runs,
+              "when": time.strftime("%Y-%m-%d %H:%M %Z"),
+              "load": load.split("load average:")[-1].strip()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(table(record))
+    return 0
+
+
+def table(record: dict[str, Any]) -> str:
+    """Markdown: steps to target per seed, and the median ratio to dense's steps."""
+    dense = {r["optimizer"]: r["steps_to_target"] for r in record["runs"]
+             if r["scheme"] == "dense"}
+    lines = ["| optimiser | scheme | variant | steps to target per seed | median x dense |",
+             "|---|---|---|---|---|"]
+    for r in record["runs"]:
+        base = dense.get(r["optimizer"], [])
+        ratios = [float("inf") if s is None else s / b
+                  for s, b in zip(r["steps_to_target"], base) if b]
+        shown = ", ".join("-" if s is None else str(s) for s in r["steps_to_target"])
+        ratio = f"{statistics.median(ratios):.2f}" if ratios else "-"
+        lines.append(f"| {r['optimizer']} | {r['scheme']} | {r['variant']} | {shown} | "
+                     f"{ratio} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""Optimiser coupling: momentum correction keeps the user's SGD and error feedback exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from thinwire import optim, schemes
+from thinwire.compress import TensorInfo, TopK
+from thinwire.feedback import LowPass, MomentumCorrection, Residual
+
+
+def _grads(steps: int, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn((40, 25), generator=generator, dtype=dtype) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_uncompressed_momentum_correction_is_bit_identical_to_sgd_momentum(
+        nesterov: bool) -> None:
+    """One worker, everything sent (in fp32, the wire's dtype): exactly SGD's steps."""
+    torch.manual_seed(0)
+    reference, coupled = nn.Linear(25, 40), nn.Linear(25, 40)
+    coupled.load_state_dict(reference.state_dict())
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, nesterov=nesterov)
+    scheme = schemes.build("topk", ratio=1.0)
+    optimizer = torch.optim.SGD(coupled.parameters(), lr=0.1, momentum=0.9, nesterov=nesterov)
+    assert optim.couple(optimizer, scheme).coupled
+    assert optimizer.param_groups[0]["momentum"] == 0.0
+    memory = scheme.memory  # type: ignore[attr-defined]
+    for grad in _grads(6, torch.float32):
+        reference.weight.grad = grad.clone()
+        plain.step()
+        info = TensorInfo.of("w", grad)
+        compensated = memory.compensate("w", grad)
+        sent = scheme.compressor.decompress(  # type: ignore[attr-defined]
+            scheme.compressor.compress(compensated, info), info)  # type: ignore[attr-defined]
+        memory.update("w", compensated, sent)
+        coupled.weight.grad = sent
+        optimizer.step()
+        assert torch.equal(coupled.weight, reference.weight)
+
+
+@pytest.mark.parametrize("inner", [Residual, lambda: LowPass(1.0)])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_error_feedback_invariant_is_exact_on_the_velocity(inner: type, nesterov: bool) -> None:
+    """v + e_old == sent + e_new exactly, with v the velocity (or Nesterov's g + mu u)."""
+    memory = MomentumCorrection(inner(), 0.9, nesterov=nesterov)
+    compressor = TopK(0.05)
+    velocity = torch.zeros(40, 25, dtype=torch.float64)
+    for grad in _grads(8):
+        velocity = 0.9 * velocity + grad if memory.velocity else grad.clone()
+        expected = grad.add(velocity, alpha=0.9) if nesterov else velocity
+        old_error = memory.buffers.get("w", torch.zeros_like(grad))
+        compensated = memory.compensate("w", grad)
+        assert torch.equal(compensated, expected + old_error)
+        info = TensorInfo.of("w", grad)
+        sent = compressor.decompress(compressor.compress(compensated, info), info)
+        memory.update("w", compensated, sent)
+        assert torch.equal(compensated, sent + memory.buffers["w"])
+        assert torch.equal(memory.velocity["w"], velocity)
+
+
+def test_momentum_correction_resumes_exactly_from_its_state() -> None:
+    grads = _grads(6)
+    first, second = MomentumCorrection(Residual(), 0.9), MomentumCorrection(Residual(), 0.9)
+    compressor = TopK(0.1)
+    for index, grad in enumerate(grads):
+        if index == 3:
+            second.load_state_dict(first.state_dict())
+        for memory in ((first,) if index < 3 else (first, second)):
+            info = TensorInfo.of("w", grad)
+            compensated = memory.compensate("w", grad)
+            memory.update("w", compensated,
+                          compressor.decompress(compressor.compress(compensated, info), info))
+    assert torch.equal(first.buffers["w"], second.buffers["w"])
+    assert torch.equal(first.velocity["w"], second.velocity["w"])
+
+
+def test_couple_leaves_dense_schemes_and_other_optimisers_alone() -> None:
+    params = [nn.Parameter(torch.zeros(3))]
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for name in ("dense", "fp16", "powersgd", "clt-k"):
+        assert not optim.couple(sgd, schemes.build(name)).coupled
+    assert sgd.param_groups[0]["momentum"] == 0.9
+    topk = schemes.build("topk")
+    for plain in (torch.optim.SGD(params, lr=0.1), torch.optim.Adagrad(params),
+                  torch.optim.AdamW(params, betas=(0.0, 0.99))):
+        assert not optim.couple(plain, topk).coupled
+    assert isinstance(topk.memory, Residual)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW])
+def test_couple_moves_adams_first_moment_into_the_workers(make: type) -> None:
+    adam, scheme = make([nn.Parameter(torch.zeros(3))], lr=1e-3), schemes.build("dct-dp")
+    assert optim.couple(adam, scheme).momentum == 0.9
+    assert adam.param_groups[0]["betas"] == (0.0, 0.999)
+    memory = scheme.memory  # type: ignore[attr-defined]
+    assert isinstance(memory, MomentumCorrection) and memory.dampening == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("name", ["topk", "dct-dp", "laplace", "local-topk"])
+def test_couple_wraps_every_sparse_scheme_once(name: str) -> None:
+    scheme = schemes.build(name)
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9, nesterov=True)
+    coupling = optim.couple(sgd, scheme)
+    assert coupling.coupled and coupling.nesterov and coupling.momentum == 0.9
+    memory = scheme.memory  # type: ignore[attr-defined]
+    assert isinstance(memory, MomentumCorrection) and memory.nesterov
+    assert optim.couple(sgd, scheme).reason == "already coupled"
+    assert scheme.memory is memory  # type: ignore[attr-defined]
+
+
+def test_couple_rejects_mixed_momentum_and_bad_targets() -> None:
+    groups = [{"params": [nn.Parameter(torch.zeros(2))], "momentum": 0.9},
+              {"params": [nn.Parameter(torch.zeros(2))], "momentum": 0.5}]
+    with pytest.raises(ValueError, match="different"):
+        optim.couple(torch.optim.SGD(groups, lr=0.1), schemes.build("topk"))
+    with pytest.raises(TypeError, match="Scheme"):
+        optim.couple(torch.optim.SGD(groups, lr=0.1), object())
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="momentum"):
+            MomentumCorrection(Residual(), bad)
+    with pytest.raises(ValueError, match="dampening"):
+        MomentumCorrection(Residual(), 0.9, dampening=1.5)

@@ -1,0 +1,65 @@
+"""Workloads: every one builds, trains a step offline, and the CLI resolves its recipe."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from thinwire.train import compare, workloads
+from thinwire.train.dataparallel import RunOptions
+from thinwire.train.imagesets import FASHION_MNIST_DIR
+
+NAMES = [name for name in workloads.WORKLOADS
+         if name != "fashion-convnet" or os.path.isdir(FASHION_MNIST_DIR)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_workload_builds_the_same_model_per_seed_and_learns_a_step(name: str) -> None:
+    work = workloads.load(name, seed=0)
+    first, second = work.model(0), work.model(0)
+    for a, b in zip(first.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+    assert set(workloads.RECIPES[name]) == {"optimizer", "momentum", "lr", "batch_size",
+                                            "steps"}
+    assert 0.5 < work.target < 1.0
+    shard = work.train.shard(1, 3)
+    assert len(shard) == len(work.train) // 3
+    batch = shard.rows(slice(0, 16))
+    recipe = workloads.RECIPES[name]
+    optimizer = workloads.optimizer(recipe["optimizer"], first.parameters(), recipe["lr"],
+                                    recipe["momentum"])
+    losses = []
+    for _ in range(2):
+        loss = work.loss(first(batch.inputs, **batch.side), batch.targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[1] < losses[0]
+    assert 0.0 <= work.accuracy(first, rows=64) <= 1.0
+
+
+def test_recipe_fills_what_the_command_line_leaves_unset() -> None:
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    options = compare.run_options(parser.parse_args(["--workload", "transformer-digits"]))
+    assert (options.optimizer, options.lr, options.momentum, options.couple) == (
+        "adamw", 1e-3, 0.9, True)
+    options = compare.run_options(parser.parse_args(
+        ["--optimizer", "nesterov", "--lr", "0.1", "--momentum", "0.5", "--no-couple"]))
+    assert (options.workload, options.optimizer, options.lr, options.momentum,
+            options.couple) == ("digits-mlp", "nesterov", 0.1, 0.5, False)
+
+
+def test_bad_workload_and_optimizer_names_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="workload='cifar'"):
+        workloads.load("cifar")
+    with pytest.raises(ValueError, match="optimizer='lamb'"):
+        workloads.optimizer("lamb", [torch.nn.Parameter(torch.zeros(1))], 0.1, 0.9)
+    with pytest.raises(ValueError, match="workload='cifar'"):
+        RunOptions(workload="cifar")
+    with pytest.raises(ValueError, match="optimizer='lamb'"):
+        RunOptions(optimizer="lamb")
