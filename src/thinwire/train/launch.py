@@ -78,7 +78,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, tim
     _phase_file = os.path.join(workdir, f"phase{rank}")
     torch.set_num_threads(threads)  # several ranks share few cores
     phase("waiting for every rank to start")
-    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+    store = dist.FileStore(os.path.join(workdir, "store"), world_size)  # type: ignore[attr-defined]
     # A slow start (imports on a busy machine) is not a stalled peer: wait for every rank
     # under the start-up guard, so that the short timeout only bounds waits in training.
     store.set_timeout(timedelta(seconds=max(timeout_s, _START_S)))
