@@ -43,7 +43,7 @@ RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
 
 def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers: int,
              steps: int, warmup: int, eval_every: int = 10,
-             selection: str = "bounded") -> int | None:
+             selection: str = "exact") -> int | None:
     """Steps until the digits MLP reaches its target test accuracy (None: not in ``steps``)."""
     work = workloads.load("digits-mlp", seed=seed)
     shards = [work.train.shard(r, workers) for r in range(workers)]
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizers", default="sgd,nesterov,adamw")
     parser.add_argument("--schemes", default="dense,topk,dct-dp,clt-k")
     parser.add_argument("--variants", default="plain,coupled,masked,warmup")
-    parser.add_argument("--selection", default="bounded", help="clt-k's leader selection")
+    parser.add_argument("--selection", default="exact",
+                        help="clt-k's leader selection (default: exact)")
     parser.add_argument("--out", type=Path, default=Path("docs/data/coupling.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -102,7 +102,8 @@ def test_diverged_replicas_fail_the_compare_job(tmp_path: Path, capsys: pytest.C
              "bytes_sent_per_step": 8.0, "wire_sent_per_step": 8.0,
              "bytes_received_per_step": 8.0, "compute_ms_per_step": 1.0,
              "overhead_ms_per_step": 0.1, "wall_s": 1.0, "curve": [(1, 8.0, 0.5)],
-             "threshold_trace": {}, "weights": [torch.zeros(2)]}
+             "threshold_trace": {}, "weights": [torch.zeros(2)], "steps_to_target": None,
+             "target": 0.9, "coupled": False, "density_per_layer": {}}
 
     def diverging(*args: object, **kwargs: object) -> list[list[dict[str, object]]]:
         return [[rank0], [{"weights": [torch.ones(2)]}]]

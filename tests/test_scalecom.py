@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.compress.cltk import (
-    bounded_topk,
     captured_energy,
     chunk_topk,
     decode_indices,
@@ -423,20 +422,15 @@ def test_cltk_through_the_ddp_hook_with_several_buckets_keeps_replicas_equal(
 
 
 @pytest.mark.parametrize("numel,k", [(1, 1), (10, 3), (10, 10), (97, 7), (1001, 13),
-                                     (5000, 50), (4096, 1)])
-def test_bounded_topk_returns_k_valid_distinct_indices(numel: int, k: int) -> None:
+                                     (5000, 50), (4096, 1), (50_000, 500)])
+def test_exact_selection_returns_k_valid_distinct_indices(numel: int, k: int) -> None:
     values = torch.randn(numel, dtype=torch.float64)
-    chosen = bounded_topk(values.abs(), k)
+    values[: numel // 4] *= 20  # the largest entries crowd into the first chunks
+    chosen = exact_topk(values.abs(), k)
     assert chosen.numel() == k and torch.unique(chosen).numel() == k
     assert torch.equal(chosen, torch.sort(chosen).values)
     assert 0 <= int(chosen.min()) and int(chosen.max()) < numel
-
-
-@pytest.mark.parametrize("numel,k", [(10, 3), (1000, 10), (1001, 13), (64, 64), (5000, 50)])
-def test_bounded_topk_is_exact_topk(numel: int, k: int) -> None:
-    values = torch.randn(numel, dtype=torch.float64)
-    values[: numel // 4] *= 20  # the largest entries crowd into the first chunks
-    assert torch.equal(bounded_topk(values.abs(), k), exact_topk(values.abs(), k))
+    assert captured_energy(values, chosen) == pytest.approx(1.0, abs=1e-12)
 
 
 def test_captured_energy_against_exact_topk_on_a_known_input() -> None:
@@ -446,16 +440,15 @@ def test_captured_energy_against_exact_topk_on_a_known_input() -> None:
     chunk = chunk_topk(values.abs(), 2)
     assert chunk.tolist() == [0, 4]
     assert captured_energy(values, chunk) == pytest.approx((16 + 1) / (16 + 9), abs=1e-15)
-    assert bounded_topk(values.abs(), 2).tolist() == [0, 1]
-    assert captured_energy(values, bounded_topk(values.abs(), 2)) == 1.0
+    assert captured_energy(values, exact_topk(values.abs(), 2)) == 1.0
     assert captured_energy(torch.zeros(8), torch.tensor([1, 2])) == 1.0
 
 
-def test_bounded_selection_keeps_the_energy_that_chunks_lose() -> None:
+def test_exact_selection_keeps_the_energy_that_chunks_lose() -> None:
     # Heavy entries clustered in a few rows, as in a layer whose inputs are sparse.
     values = torch.randn(256, 64, dtype=torch.float64) * 0.01
     values[torch.arange(0, 256, 16)] += torch.randn(16, 64, dtype=torch.float64)
     k = layer_k(values.numel(), 0.01)
-    bounded = captured_energy(values, select(values, k, "bounded"))
+    exact = captured_energy(values, select(values, k, "exact"))
     chunk = captured_energy(values, select(values, k, "chunk"))
-    assert bounded == pytest.approx(1.0, abs=1e-12) and chunk < 0.9
+    assert exact == pytest.approx(1.0, abs=1e-12) and chunk < 0.9

@@ -9,15 +9,6 @@ Because every worker uses the same index set ``I``,
 
 Selection (the leader only), per layer of ``N`` entries keeping ``k``:
 
-* ``"bounded"`` (default): exact top-k found the way chunk-wise
-  quasi-sorting would, without a sort of ``N``. The flat tensor is cut into
-  ``min(N, 2k)`` near-equal contiguous chunks; the k-th largest chunk
-  maximum ``b`` is a lower bound of the k-th largest ``|p|`` (k distinct
-  entries reach it), so every top-k entry is among those with ``|p| >= b``,
-  and ``torch.topk`` of those candidates is exact top-k (ties at the k-th
-  magnitude broken by ``torch.topk``). Cost: one batched max over short
-  rows, a top-k of ``2k`` maxima, one comparison pass and a top-k of the
-  candidates (a few k on real layers; at most ``k`` chunks' worth).
 * ``"chunk"``: the "chunk-wise quasi-sorting" of App. E / Fig. A2, as the
   appendix draws it.
   The flat tensor is cut into ``k`` contiguous chunks whose sizes differ by
@@ -27,7 +18,12 @@ Selection (the leader only), per layer of ``N`` entries keeping ``k``:
   exactly ``k`` chunks keeps exactly ``k`` entries, so the bytes equal exact
   top-k's and the two selections compare at the same compression. One
   vectorised argmax, no sort.
-* ``"exact"``: the exact top-k of ``|p|`` (:func:`~thinwire.compress._select.topk_indices`).
+* ``"exact"`` (default): the exact top-k of ``|p|``, found among the entries
+  above a sampled lower bound of the k-th magnitude, without a sort of ``N``
+  (:func:`~thinwire.compress._select.topk_indices`). One-per-chunk selection
+  keeps only part of top-k's energy on layers whose large entries cluster
+  (:func:`captured_energy`), and CLT-k then converges far slower
+  (docs/convergence.md), so exact is the default.
 
 Indices are returned ascending, so every rank gathers in the same order.
 An index set travels as ``k`` int32 or as a bitmap of ``N`` bits, whichever
@@ -73,35 +69,6 @@ def chunk_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-CHUNKS_PER_K = 2  # chunks of the "bounded" selection per entry kept
-
-
-def bounded_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact top-k of ``magnitudes``: candidates above the k-th largest of ``2k`` chunk maxima.
-
-    Args:
-        magnitudes: flat tensor of ``|p|`` (non-negative).
-        k: entries kept, ``0 <= k <= magnitudes.numel()``.
-
-    Returns:
-        ``k`` distinct int64 indices, ascending.
-    """
-    numel = magnitudes.numel()
-    _check_k(k, numel)
-    if k == 0:
-        return torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
-    chunks = min(numel, CHUNKS_PER_K * k)
-    size = -(-numel // chunks)
-    # Padding with -1 (below every magnitude) fills only part of the last chunk, which keeps
-    # at least one real entry, so no chunk maximum is padding.
-    rows = torch.nn.functional.pad(magnitudes, (0, chunks * size - numel), value=-1.0)
-    maxima = rows.reshape(chunks, size).amax(dim=1)
-    bound = torch.topk(maxima, k, sorted=False).values.min()
-    candidates = (magnitudes >= bound).nonzero().squeeze(1)
-    best = torch.topk(magnitudes[candidates], k, sorted=False).indices
-    return torch.sort(candidates[best]).values
-
-
 def captured_energy(tensor: torch.Tensor, indices: torch.Tensor) -> float:
     """Share of exact top-k's energy that ``indices`` capture: ``sum p[I]^2 / sum topk(p)^2``.
 
@@ -123,13 +90,12 @@ def exact_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
 
 
 SELECTIONS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-    "bounded": bounded_topk,
     "chunk": chunk_topk,
     "exact": exact_topk,
 }
 
 
-def select(tensor: torch.Tensor, k: int, selection: str = "bounded") -> torch.Tensor:
+def select(tensor: torch.Tensor, k: int, selection: str = "exact") -> torch.Tensor:
     """The leader's CLT-k index set of ``tensor`` (any shape; indices into its flat view).
 
     Raises:

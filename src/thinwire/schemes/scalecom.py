@@ -62,7 +62,7 @@ class CLTkConfig:
 
     ratio: float = 0.01  # fraction of each layer's entries sent, in (0, 1]; ~100x
     k: int | None = None  # entries sent per layer instead of ratio (>= 1, capped at the size)
-    selection: str = "bounded"  # "bounded"/"exact": top-k; "chunk": top of each of k chunks
+    selection: str = "exact"  # "exact": top-k; "chunk": top of each of k equal chunks
     beta: float = 1.0  # low-pass factor of the memory, in (0, 1]; 1 is plain error feedback
     warmup_steps: int = 0  # steps all-reduced dense before compression starts
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
