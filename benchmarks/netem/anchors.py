@@ -43,6 +43,7 @@ class Installed:
     after_step: Callable[[], None]  # metering that has no hook to live in
     overhead_s: Callable[[], float]  # compression seconds measured so far (0 if unknown)
     details: Callable[[], dict[str, Any]] = dict  # scheme-specific counters for the results
+    scheme: Any = None  # the thinwire scheme behind the hook (None for PyTorch's anchors)
 
 
 def powersgd_bytes(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float,

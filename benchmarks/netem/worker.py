@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.netem.anchors import ANCHORS, Installed
 from benchmarks.netem.net import port
-from thinwire import ddp, schemes
+from thinwire import ddp, optim, schemes
 from thinwire.comm import Meter
 from thinwire.train.dataparallel import accuracy, compute_seconds
 from thinwire.train.digits import batches, load_digits, shard
@@ -98,7 +98,7 @@ def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int) ->
         return {"skipped_steps": scheme.skipped,
                 **({"threshold_refreshes": dict(refreshes)} if refreshes is not None else {})}
 
-    return Installed(net, lambda: None, lambda: scheme.overhead_s, details)
+    return Installed(net, lambda: None, lambda: scheme.overhead_s, details, scheme)
 
 
 def window_traffic(meter: Meter, first_step: int) -> dict[str, float]:
@@ -122,6 +122,8 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     installed = install(entry, model, meter, options["rank"])
     optimizer = torch.optim.SGD(installed.net.parameters(), lr=options["lr"],
                                 momentum=options["momentum"])
+    if installed.scheme is not None:  # as the README's quick start: momentum into the workers
+        optim.couple(optimizer, installed.scheme)
     stream = batches(local, options["batch_size"], seed=options["seed"] * 1000 + rank)
     wire = WireMeter(options["interface"], options.get("bridge_namespace"), rank)
     warmup, target = options["warmup"], options["target"]
