@@ -36,7 +36,8 @@ lint: $(STAMP)
 SUDO ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 bench: $(STAMP)
-	@echo "Regenerating docs/results.md from results/. To measure first: make bench-run"
+	@echo "Regenerating docs/results.md from results/ (else the data shipped in docs/data/)."
+	@echo "To measure first: make bench-run"
 	@echo "  (runs $(BIN)/python -m benchmarks.overhead, then, as root,"
 	@echo "   $(BIN)/python -m benchmarks.netem: needs ip and tc (iproute2), ~10 min on 2 cores)"
 	$(BIN)/python -m benchmarks.report

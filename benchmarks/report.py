@@ -4,7 +4,8 @@
 
 Reads the newest ``results/netem/*/results.json`` (from ``python -m
 benchmarks.netem``, needs root) and ``results/overhead/overhead.json`` (from
-``python -m benchmarks.overhead``). Writes ``docs/results.md``, PNG figures
+``python -m benchmarks.overhead``); where ``results/`` has none (a fresh
+clone), the copies shipped under ``docs/data/``. Writes ``docs/results.md``, PNG figures
 under ``docs/figures/`` and a copy of both files under ``docs/data/``; every
 table and figure states the command, machine and date that produced its
 numbers, and every number comes from those files.
@@ -441,18 +442,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="an overhead.json (default: results/overhead/overhead.json)")
     parser.add_argument("--docs", type=Path, default=Path("docs"))
     args = parser.parse_args(argv)
+    shipped = args.docs / "data"  # a fresh clone has no results/: use what the page ships
     netem_path = args.netem or newest_netem(args.results)
+    if netem_path is None and (shipped / "netem.json").exists():
+        netem_path = shipped / "netem.json"
     overhead_path = args.overhead or args.results / "overhead" / "overhead.json"
+    if not overhead_path.exists() and (shipped / "overhead.json").exists():
+        overhead_path = shipped / "overhead.json"
     netem = (json.loads(netem_path.read_text()), netem_path) if netem_path else None
     overhead = ((json.loads(overhead_path.read_text()), overhead_path)
                 if overhead_path.exists() else None)
     page = render(netem, overhead, args.docs)
     (args.docs / "results.md").write_text(page)
-    data = args.docs / "data"  # the page's numbers travel with it
-    data.mkdir(parents=True, exist_ok=True)
+    shipped.mkdir(parents=True, exist_ok=True)  # the page's numbers travel with it
     for loaded, name in ((netem, "netem.json"), (overhead, "overhead.json")):
-        if loaded is not None:
-            (data / name).write_text(json.dumps(loaded[0], indent=1))
+        if loaded is not None and loaded[1].resolve() != (shipped / name).resolve():
+            (shipped / name).write_text(json.dumps(loaded[0], indent=1))
     print(f"wrote {args.docs / 'results.md'} from {netem_path or 'no netem results'} and "
           f"{overhead_path if overhead else 'no overhead results'}")
     return 0

@@ -369,3 +369,15 @@ def test_overhead_times_registered_schemes_and_skips_the_rest() -> None:
     assert overhead.scheme_available("topk") is None
     assert "not registered" in (overhead.scheme_available("no-such-scheme") or "")
     assert overhead.measure_scheme("dct-dp", 4096, 0.99, 10, 2, repeats=2) > 0
+
+
+def test_report_falls_back_to_the_data_the_page_ships(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    (docs / "data").mkdir(parents=True)
+    shipped = json.dumps(_netem_record(load=0.2), indent=1)
+    (docs / "data" / "netem.json").write_text(shipped)
+    (docs / "data" / "overhead.json").write_text(json.dumps(_overhead_record()))
+    assert report.main(["--results", str(tmp_path / "empty"), "--docs", str(docs)]) == 0
+    page = (docs / "results.md").read_text()
+    assert "| dct-dp | 10.00 m @200" in page and "| scheme clt-k | 12.00 (1.20x) |" in page
+    assert (docs / "data" / "netem.json").read_text() == shipped  # read, not rewritten
