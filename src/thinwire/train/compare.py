@@ -104,16 +104,26 @@ def _parse_value(value: str) -> Any:
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
             options: RunOptions) -> list[dict[str, Any]]:
-    bar = tqdm(total=len(runs) * options.steps, disable=rank != 0, unit="step",
-               dynamic_ncols=True, mininterval=1.0)
+    bar: tqdm[Any] | None = None
+
+    def advance(steps: int) -> None:
+        # The bar starts at the first training step, so data loading, the compute
+        # probe and the peers' check do not count as a step (nor inflate its ETA).
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=len(runs) * options.steps, disable=rank != 0, unit="step",
+                       dynamic_ncols=True, mininterval=1.0)
+        bar.set_description(name)
+        bar.update(steps)
+
     results = []
     for name, config in runs:
-        bar.set_description(name)
-        result = run_scheme(name, config, options, progress=bar.update)
+        result = run_scheme(name, config, options, progress=advance)
         if rank != 0:  # the other ranks only report their weights, to check replicas
             result = {"weights": result["weights"]}
         results.append(result)
-    bar.close()
+    if bar is not None:
+        bar.close()
     return results
 
 
