@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -68,26 +69,6 @@ def _ddp_run(rank: int, world_size: int, scheme: str | None, config: dict[str, A
     return out
 
 
-def _manual_run(rank: int, world_size: int, config: dict[str, Any]) -> list[torch.Tensor]:
-    """The same training without DDP: local gradients through ``scheme.reduce``."""
-    model = _model()
-    for p in model.parameters():  # DDP broadcasts rank 0's weights; all equal here anyway
-        dist.broadcast(p.data, 0)
-    scheme = build("dct-dp", **config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = _batch(rank, step)
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        named = {name: p.grad for name, p in model.named_parameters()}
-        reduced = scheme.reduce(named)  # type: ignore[arg-type]
-        for name, p in model.named_parameters():
-            p.grad = reduced[name]
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def _reference_reduce(scheme: Any, grads: dict[str, torch.Tensor],
                       world_size: int) -> dict[str, torch.Tensor]:
     """The per-tensor path the flat engine must match bit for bit: compensate, compress,
@@ -117,24 +98,37 @@ def _reference_reduce(scheme: Any, grads: dict[str, torch.Tensor],
     return out
 
 
-def _reference_run(rank: int, world_size: int, scheme_name: str,
-                   config: dict[str, Any]) -> dict[str, Any]:
-    """The training of ``_ddp_run`` without DDP, through ``_reference_reduce``."""
+def _train_without_ddp(rank: int, scheme: Any,
+                       reduce: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+                       ) -> list[torch.Tensor]:
+    """The training of ``_ddp_run`` without DDP: local gradients through ``reduce``."""
     model = _model()
-    scheme = build(scheme_name, **config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         x, y = _batch(rank, step)
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()
-        named = {name: p.grad for name, p in model.named_parameters()}
-        reduced = _reference_reduce(scheme, named, world_size)  # type: ignore[arg-type]
+        reduced = reduce({name: p.grad for name, p in model.named_parameters()})
         for name, p in model.named_parameters():
             p.grad = reduced[name]
         optimizer.step()
-    return {"params": [p.detach().clone() for p in model.parameters()],
-            "scheme": scheme.state_dict()}
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _manual_run(rank: int, world_size: int, config: dict[str, Any]) -> list[torch.Tensor]:
+    """The same training through ``scheme.reduce`` (every rank starts from equal weights)."""
+    scheme = build("dct-dp", **config)
+    return _train_without_ddp(rank, scheme, scheme.reduce)
+
+
+def _reference_run(rank: int, world_size: int, scheme_name: str,
+                   config: dict[str, Any]) -> dict[str, Any]:
+    """The same training through the per-tensor path, :func:`_reference_reduce`."""
+    scheme = build(scheme_name, **config)
+    params = _train_without_ddp(rank, scheme,
+                                lambda grads: _reference_reduce(scheme, grads, world_size))
+    return {"params": params, "scheme": scheme.state_dict()}
 
 
 def _resume_run(rank: int, world_size: int, split: int,
