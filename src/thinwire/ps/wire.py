@@ -20,6 +20,7 @@ reject and count.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,9 @@ class PushCodec:
         self.raw = type(compressor) is Dense and self.memory is None
         self.infos = layout.infos()
         self.nonfinite = 0
+        # A worker's streams share one codec: error memory and thresholds are
+        # read-modify-write state, so encoding is serialised (gradients are not).
+        self._lock = threading.Lock()
 
     # Worker side ------------------------------------------------------------
 
@@ -113,7 +117,12 @@ class PushCodec:
         """Compensate, compress and serialise one flat gradient (``grad`` is not modified).
 
         Records each segment's bytes as entity ``"push"``, collective ``"send"``.
+        Thread-safe: the streams of one worker may call it concurrently.
         """
+        with self._lock:
+            return self._encode(grad, meter)
+
+    def _encode(self, grad: torch.Tensor, meter: Meter | None) -> Encoded:
         if self.raw or not bool(torch.isfinite(grad).all()):
             if not self.raw:
                 self.nonfinite += 1
@@ -147,14 +156,16 @@ class PushCodec:
         return payload
 
     def state_dict(self) -> dict[str, Any]:
-        return {"compressor": self.compressor.state_dict(), "nonfinite": self.nonfinite,
-                "memory": None if self.memory is None else self.memory.state_dict()}
+        with self._lock:  # a snapshot between two pushes, never inside one
+            return {"compressor": self.compressor.state_dict(), "nonfinite": self.nonfinite,
+                    "memory": None if self.memory is None else self.memory.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.compressor.load_state_dict(state["compressor"])
-        self.nonfinite = state["nonfinite"]
-        if self.memory is not None:
-            self.memory.load_state_dict(state["memory"])
+        with self._lock:
+            self.compressor.load_state_dict(state["compressor"])
+            self.nonfinite = state["nonfinite"]
+            if self.memory is not None:
+                self.memory.load_state_dict(state["memory"])
 
     # Server side ------------------------------------------------------------
 
