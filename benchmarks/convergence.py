@@ -1,6 +1,6 @@
 """Steps to target and bytes per step of every data-parallel scheme on every workload.
 
-For each workload (``thinwire.train.workloads``), world size and seed, one
+For each workload (``thinwire.jobs.workloads``), world size and seed, one
 spawned process group trains every scheme through the DDP hook with the
 workload's own recipe (SGD momentum 0.9, AdamW for the transformer) and
 records the first evaluation step whose test accuracy reaches the
@@ -34,10 +34,10 @@ from typing import Any
 
 from benchmarks.machine import CpuWatch, cpu_model
 from thinwire.compress import keep_count
-from thinwire.train.compare import compare
-from thinwire.train.dataparallel import RunOptions
-from thinwire.train.imagesets import FASHION_MNIST_DIR
-from thinwire.train.workloads import RECIPES, WORKLOADS, load
+from thinwire.data.imagesets import FASHION_MNIST_DIR
+from thinwire.jobs.compare import compare
+from thinwire.jobs.dataparallel import RunOptions
+from thinwire.jobs.workloads import RECIPES, WORKLOADS, load
 
 SCHEMES = ("dense", "fp16", "powersgd", "topk", "dct-dp", "clt-k")
 SPARSE = ("topk", "dct-dp", "clt-k")

@@ -30,9 +30,9 @@ import torch
 
 from thinwire.compress import DCTThreshold, TensorInfo, TopK
 from thinwire.compress.cltk import layer_k, select, sparsify
+from thinwire.data.digits import batches
 from thinwire.feedback import LowPass, Memory, MomentumCorrection, Residual
-from thinwire.train import workloads
-from thinwire.train.digits import batches
+from thinwire.jobs import workloads
 
 RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
     "sgd": (0.05, 0.9),

@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from thinwire.train.dct_mp import TASKS, RunConfig, Task, train_engine, train_local  # noqa: E402
+from thinwire.jobs.dct_mp import TASKS, RunConfig, Task, train_engine, train_local  # noqa: E402
 
 TABLE1 = {2: (0.75, 0.9, 0.95, 0.98), 3: (0.75, 0.9, 0.95)}  # stages -> sparsities (Table 1)
 TABLE3 = (0.75, 0.9, 0.95)  # Table 3 sparsities (both DCT-DP and DCT-MP)

@@ -155,7 +155,7 @@ def scheme_step(name: str, grad: torch.Tensor, sparsity: float, life_span: int,
                 rank: int) -> Step:
     """One step of scheme ``name`` on ``grad`` in one process (no collectives)."""
     from thinwire import schemes
-    from thinwire.train.compare import scheme_config
+    from thinwire.jobs.compare import scheme_config
 
     scheme = schemes.build(name, **scheme_config(name, sparsity, life_span, [f"rank={rank}"]))
     return lambda: scheme.reduce({"w": grad})

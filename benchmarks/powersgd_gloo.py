@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import ddp, schemes
-from thinwire.train.launch import spawn
+from thinwire.launch import spawn
 
 
 def _model() -> torch.nn.Module:

@@ -16,7 +16,7 @@ import json
 import os
 
 from benchmarks._digits import train
-from thinwire.train.launch import spawn
+from thinwire.launch import spawn
 
 
 def main() -> None:

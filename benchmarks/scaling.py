@@ -28,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks._digits import train
-from thinwire.train.launch import spawn
+from thinwire.launch import spawn
 
 FIELDS = ("bytes_sent_per_step", "bytes_received_per_step", "result_bytes_per_step")
 

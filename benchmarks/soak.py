@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
-from thinwire.train.launch import spawn
-from thinwire.train.mlp import mlp
+from thinwire.launch import spawn
+from thinwire.models.mlp import mlp
 
 
 def resident_bytes() -> int:

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from thinwire.autodiff import cli, sitedata
+from thinwire.cli import dad as cli
+from thinwire.data import sitedata
 
 
 def test_no_class_is_on_two_sites() -> None:

@@ -15,8 +15,8 @@ from thinwire.autodiff.power import reconstruct, structured_power_iterations
 from thinwire.comm import Meter
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress.lowrank import seeded_normal
-from thinwire.train.gru import GRUClassifier
-from thinwire.train.launch import spawn
+from thinwire.launch import spawn
+from thinwire.models.gru import GRUClassifier
 
 MLP = (6, 8, 7, 4)  # input, two hidden layers, four classes
 WIDE = (20, 32, 4)  # a first layer that PowerSGD compresses at rank 4

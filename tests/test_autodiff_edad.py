@@ -9,7 +9,7 @@ from torch import nn
 
 from thinwire.autodiff import DistributedAutodiff
 from thinwire.autodiff.edad import DERIVATIVES, derivative
-from thinwire.train.gru import GRUClassifier
+from thinwire.models.gru import GRUClassifier
 
 ACTIVATIONS = [nn.ReLU(), nn.ReLU(inplace=True), nn.LeakyReLU(0.1), nn.LeakyReLU(0.0), nn.Tanh(),
                nn.Sigmoid(), nn.Identity()]

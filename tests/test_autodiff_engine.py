@@ -11,7 +11,7 @@ from torch import nn
 
 from thinwire.autodiff import MODES, DistributedAutodiff
 from thinwire.comm import Meter
-from thinwire.train.gru import GRUClassifier
+from thinwire.models.gru import GRUClassifier
 
 
 def _mlp(*sizes: int, bias: bool = True) -> nn.Sequential:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from thinwire.cli import main
-from thinwire.train import compare
-from thinwire.train.compare import parse_bandwidth, scheme_config
+from thinwire.jobs import compare
+from thinwire.jobs.compare import parse_bandwidth, scheme_config
 
 
 def test_parse_bandwidth() -> None:

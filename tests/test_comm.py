@@ -12,8 +12,8 @@ from thinwire.comm import Meter, all_gather_bytes
 from thinwire.comm.fingerprint import check_peers, describe, digest, flatten
 from thinwire.comm.meter import TRAFFIC
 from thinwire.compress import SparsePayload
+from thinwire.launch import spawn
 from thinwire.schemes import build
-from thinwire.train.launch import spawn
 
 
 def test_traffic_model_of_each_collective() -> None:

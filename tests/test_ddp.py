@@ -17,8 +17,8 @@ from thinwire import ddp, optim
 from thinwire.comm import Meter
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import DensePayload, TensorInfo
+from thinwire.launch import spawn
 from thinwire.schemes import build
-from thinwire.train.launch import spawn
 
 STEPS = 6
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from thinwire.train.launch import RankFailed, phase, spawn
+from thinwire.launch import RankFailed, phase, spawn
 
 TIMEOUT_S = 10.0  # the process group's timeout under test: short, so the test stays quick
 

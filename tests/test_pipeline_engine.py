@@ -17,9 +17,9 @@ from thinwire.cli import main
 from thinwire.comm import Meter
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import keep_count
+from thinwire.launch import spawn
+from thinwire.models.dlrm import dlrm
 from thinwire.pipeline import Pipeline, build_schedule, build_stage, split
-from thinwire.train.dlrm import dlrm
-from thinwire.train.launch import spawn
 
 MICROBATCHES = 4
 ROWS = 16

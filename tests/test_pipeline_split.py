@@ -12,11 +12,11 @@ from torch import nn
 
 from thinwire.comm import Meter
 from thinwire.compress import keep_count
+from thinwire.models.dlrm import dlrm
+from thinwire.models.transformer import encoder
 from thinwire.pipeline import Chain, Pipeline, select, split, split_positions, stage_metadata
 from thinwire.pipeline.sketch import XGradTopKReceiver, sketch_matrix
 from thinwire.pipeline.stages import build_stage
-from thinwire.train.dlrm import dlrm
-from thinwire.train.transformer import encoder
 
 
 def _tiny_dlrm() -> Chain:

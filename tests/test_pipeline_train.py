@@ -12,9 +12,9 @@ import torch
 from thinwire.cli import main
 from thinwire.comm import Meter
 from thinwire.compress import keep_count
-from thinwire.train.criteo import CARDINALITIES, breast_cancer, synthetic_criteo
-from thinwire.train.dct_mp import RunConfig, SimulatedReplicas, train_local
-from thinwire.train.dlrm import dlrm
+from thinwire.data.criteo import CARDINALITIES, breast_cancer, synthetic_criteo
+from thinwire.jobs.dct_mp import RunConfig, SimulatedReplicas, train_local
+from thinwire.models.dlrm import dlrm
 
 
 def test_synthetic_criteo_is_criteo_shaped_deterministic_and_learnable() -> None:

@@ -14,7 +14,7 @@ from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.compress.lowrank import compressible, seeded_normal
 from thinwire.compress.powersgd import PowerSGD, orthonormalize, reconstruct, right
-from thinwire.train.launch import spawn
+from thinwire.launch import spawn
 
 # ---------------------------------------------------------------- an independent reference
 

@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
+from thinwire.cli import async_ as ps_cli
 from thinwire.ps import AsyncConfig, ClassifierTask, TaskSpec, build_rule, load_checkpoint, run
-from thinwire.ps import cli as ps_cli
 from thinwire.ps.config import updates_per_pass
 
 SPEC = TaskSpec(model="linear", batch_size=16, train_limit=160)

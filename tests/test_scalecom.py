@@ -24,7 +24,7 @@ from thinwire.compress.cltk import (
     sparsify,
 )
 from thinwire.feedback import LowPass, Residual
-from thinwire.train.launch import spawn
+from thinwire.launch import spawn
 
 # ---------------------------------------------------------------- selection maths
 

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from thinwire.train import compare, workloads
-from thinwire.train.dataparallel import RunOptions
-from thinwire.train.imagesets import FASHION_MNIST_DIR
+from thinwire.data.imagesets import FASHION_MNIST_DIR
+from thinwire.jobs import compare, workloads
+from thinwire.jobs.dataparallel import RunOptions
 
 NAMES = [name for name in workloads.WORKLOADS
          if name != "fashion-convnet" or os.path.isdir(FASHION_MNIST_DIR)]

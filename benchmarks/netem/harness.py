@@ -38,7 +38,7 @@ from benchmarks.netem import net
 from benchmarks.netem.anchors import ANCHORS
 from benchmarks.netem.summary import derive, fmt_seconds
 from thinwire import schemes
-from thinwire.train.compare import parse_bandwidth, scheme_config
+from thinwire.jobs.compare import parse_bandwidth, scheme_config
 
 # The line-up: PyTorch's own anchors, then thinwire's schemes (skipped until registered).
 DEFAULT_SCHEMES = ("torch-dense", "torch-fp16", "torch-powersgd", "dct-dp", "topk", "clt-k",

@@ -33,9 +33,9 @@ from benchmarks.netem.anchors import ANCHORS, Installed
 from benchmarks.netem.net import port
 from thinwire import ddp, optim, schemes
 from thinwire.comm import Meter
-from thinwire.train.dataparallel import accuracy, compute_seconds
-from thinwire.train.digits import batches, load_digits, shard
-from thinwire.train.mlp import mlp
+from thinwire.data.digits import batches, load_digits, shard
+from thinwire.jobs.dataparallel import accuracy, compute_seconds
+from thinwire.models.mlp import mlp
 
 
 def shaper_bytes(interface: str, namespace: str | None = None) -> int | None:

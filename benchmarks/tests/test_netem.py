@@ -24,8 +24,8 @@ from benchmarks.netem.summary import derive, floor_s, same_trajectory, speedups
 from benchmarks.netem.worker import WireMeter, shaper_bytes, train, window_traffic
 from thinwire import schemes
 from thinwire.comm import Meter
-from thinwire.train.launch import spawn
-from thinwire.train.mlp import mlp
+from thinwire.launch import spawn
+from thinwire.models.mlp import mlp
 
 PREFIX = "tw-4242"
 

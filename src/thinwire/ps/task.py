@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from thinwire.data.imagesets import ImageSet, load_image_set
+from thinwire.models.convnet import SmallConvNet, SoftmaxRegression
 from thinwire.ps.layout import Layout
-from thinwire.train.convnet import SmallConvNet, SoftmaxRegression
-from thinwire.train.imagesets import ImageSet, load_image_set
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

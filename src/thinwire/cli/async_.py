@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from thinwire.data.imagesets import IMAGE_SETS
 from thinwire.ps import launch
 from thinwire.ps.config import METHODS, AsyncConfig
 from thinwire.ps.task import MODELS, TaskSpec
-from thinwire.train.imagesets import IMAGE_SETS
 
 
 def _option(text: str) -> tuple[str, Any]:

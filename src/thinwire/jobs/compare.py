@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from thinwire import schemes
-from thinwire.train.dataparallel import RunOptions, run_scheme
-from thinwire.train.launch import DEFAULT_TIMEOUT_S, add_timeout, spawn
-from thinwire.train.workloads import OPTIMIZERS, RECIPES, WORKLOADS
+from thinwire.jobs.dataparallel import RunOptions, run_scheme
+from thinwire.jobs.workloads import OPTIMIZERS, RECIPES, WORKLOADS
+from thinwire.launch import DEFAULT_TIMEOUT_S, add_timeout, spawn
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3, "mbps": 1e6,
           "gbps": 1e9}

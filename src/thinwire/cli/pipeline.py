@@ -15,10 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from thinwire.pipeline.boundary import THRESHOLDS
-from thinwire.pipeline.registry import boundary_kinds
-from thinwire.pipeline.stages import SCHEDULES
-from thinwire.train.dct_mp import (
+from thinwire.jobs.dct_mp import (
     OPTIMIZERS,
     TASK_DEFAULTS,
     TASKS,
@@ -26,7 +23,10 @@ from thinwire.train.dct_mp import (
     train_engine,
     train_local,
 )
-from thinwire.train.launch import add_timeout
+from thinwire.launch import add_timeout
+from thinwire.pipeline.boundary import THRESHOLDS
+from thinwire.pipeline.registry import boundary_kinds
+from thinwire.pipeline.stages import SCHEDULES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,6 +34,9 @@ from torch import nn
 from thinwire import schemes
 from thinwire.comm import Meter
 from thinwire.compress import DensePayload, TensorInfo
+from thinwire.data import criteo
+from thinwire.launch import DEFAULT_TIMEOUT_S, phase, spawn
+from thinwire.models import dlrm, transformer
 from thinwire.pipeline import (
     Layout,
     Pipeline,
@@ -46,8 +49,6 @@ from thinwire.pipeline import (
     split,
 )
 from thinwire.pipeline.split import split_positions, steps
-from thinwire.train import criteo, dlrm, transformer
-from thinwire.train.launch import DEFAULT_TIMEOUT_S, phase, spawn
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,16 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from thinwire.train.launch import RankFailed
+from thinwire.launch import RankFailed
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, str] = {
-    "compare": "thinwire.train.compare",
-    "train": "thinwire.train.torchrun",
-    "schemes": "thinwire.train.listing",
-    "async": "thinwire.ps.cli",
-    "pipeline": "thinwire.pipeline.cli",
-    "dad": "thinwire.autodiff.cli",
+    "compare": "thinwire.jobs.compare",
+    "train": "thinwire.cli.train",
+    "schemes": "thinwire.cli.schemes",
+    "async": "thinwire.cli.async_",
+    "pipeline": "thinwire.cli.pipeline",
+    "dad": "thinwire.cli.dad",
 }
 
 

@@ -21,10 +21,10 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire import ddp, optim, schemes
 from thinwire.comm import Meter
 from thinwire.compress import Sparsifier
+from thinwire.data.digits import Split, batches
+from thinwire.jobs import workloads
+from thinwire.launch import phase
 from thinwire.schemes import CompressedScheme
-from thinwire.train import workloads
-from thinwire.train.digits import Split, batches
-from thinwire.train.launch import phase
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class RunOptions:
     hidden: int = 256  # width of the MLP's two hidden layers
     seed: int = 0  # model initialisation, data order and split
     eval_every: int = 25  # steps between test-accuracy points of the curves
-    workload: str = "digits-mlp"  # a name of thinwire.train.workloads.WORKLOADS
+    workload: str = "digits-mlp"  # a name of thinwire.jobs.workloads.WORKLOADS
     optimizer: str = "sgd"  # "sgd", "nesterov" or "adamw" (beta1 = momentum)
     couple: bool = True  # move the optimiser's momentum into sparse schemes (thinwire.optim)
     eval_rows: int | None = 2000  # test rows per evaluation point (None: all)

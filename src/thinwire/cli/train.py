@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from thinwire import schemes
-from thinwire.train.compare import parse_options, scheme_config
-from thinwire.train.dataparallel import RunOptions, run_scheme
-from thinwire.train.launch import RankFailed, add_timeout, current_phase
+from thinwire.jobs.compare import parse_options, scheme_config
+from thinwire.jobs.dataparallel import RunOptions, run_scheme
+from thinwire.launch import RankFailed, add_timeout, current_phase
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

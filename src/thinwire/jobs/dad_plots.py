@@ -1,4 +1,4 @@
-"""Figures of the dAD paper from :func:`thinwire.autodiff.experiment.run_all` results."""
+"""Figures of the dAD paper from :func:`thinwire.jobs.dad.run_all` results."""
 
 from __future__ import annotations
 

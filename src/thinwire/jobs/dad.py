@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from thinwire.autodiff.engine import DistributedAutodiff
-from thinwire.autodiff.sitedata import Data, split_by_label
 from thinwire.comm import Meter
-from thinwire.train.gru import GRUClassifier
-from thinwire.train.launch import DEFAULT_TIMEOUT_S, phase, spawn
+from thinwire.data.sitedata import Data, split_by_label
+from thinwire.launch import DEFAULT_TIMEOUT_S, phase, spawn
+from thinwire.models.gru import GRUClassifier
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

@@ -14,11 +14,12 @@ import json
 import os
 from typing import Any
 
-from thinwire.autodiff import plots, sitedata
 from thinwire.autodiff.engine import MODES
-from thinwire.autodiff.experiment import Run, run_all
 from thinwire.autodiff.power import STOPPING
-from thinwire.train.launch import add_timeout
+from thinwire.data import sitedata
+from thinwire.jobs import dad_plots as plots
+from thinwire.jobs.dad import Run, run_all
+from thinwire.launch import add_timeout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

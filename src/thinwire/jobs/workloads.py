@@ -9,7 +9,7 @@ steps-to-target compares schemes on the part of training where they
 differ, not on noise at a plateau.
 
 * ``digits-mlp``: the two-hidden-layer MLP on scikit-learn's 8x8 digits.
-* ``fashion-convnet``: :class:`~thinwire.train.convnet.SmallConvNet` on
+* ``fashion-convnet``: :class:`~thinwire.models.convnet.SmallConvNet` on
   Fashion-MNIST (Debian ``dataset-fashion-mnist``; a clear error names the
   package when it is missing).
 * ``dlrm-click``: the DLRM-style model with 26 embedding tables on the
@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from thinwire.train import convnet, criteo, dlrm, imagesets, transformer
-from thinwire.train.digits import load_digits
-from thinwire.train.mlp import mlp
+from thinwire.data import criteo, imagesets
+from thinwire.data.digits import load_digits
+from thinwire.models import convnet, dlrm, transformer
+from thinwire.models.mlp import mlp
 
 
 @dataclass(frozen=True)

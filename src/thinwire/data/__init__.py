@@ -1,0 +1,1 @@
+"""Offline data sets shared by jobs, tests and benchmarks."""

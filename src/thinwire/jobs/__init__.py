@@ -1,0 +1,1 @@
+"""The experiments behind the command line and the benchmarks."""

@@ -1,0 +1,1 @@
+"""Models shared by jobs, tests and benchmarks."""
