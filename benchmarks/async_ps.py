@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from thinwire.ps import AsyncConfig, ClassifierTask, ParameterServerCore, TaskSpec, build_rule, run
+from thinwire.jobs.ps_task import ClassifierTask, TaskSpec
+from thinwire.ps import AsyncConfig, ParameterServerCore, build_rule, run
 from thinwire.ps.config import METHODS, run_fingerprint
 from thinwire.ps.rules import PAPER_LAMBDA
 from thinwire.ps.server import build_server

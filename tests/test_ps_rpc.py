@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from thinwire.cli import async_ as ps_cli
-from thinwire.ps import AsyncConfig, ClassifierTask, TaskSpec, build_rule, load_checkpoint, run
+from thinwire.jobs.ps_task import ClassifierTask, TaskSpec
+from thinwire.ps import AsyncConfig, build_rule, load_checkpoint, run
 from thinwire.ps.config import updates_per_pass
 
 SPEC = TaskSpec(model="linear", batch_size=16, train_limit=160)

@@ -11,7 +11,8 @@ import torch
 
 from thinwire.cli import main
 from thinwire.comm import Meter
-from thinwire.ps import AsyncConfig, ClassifierTask, TaskSpec, launch, load_checkpoint, run
+from thinwire.jobs.ps_task import ClassifierTask, TaskSpec
+from thinwire.ps import AsyncConfig, launch, load_checkpoint, run
 from thinwire.ps.server import build_server
 from thinwire.ps.wire import PushCodec
 from thinwire.ps.worker import LocalTransport, run_worker

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from benchmarks import async_ps
-from thinwire.ps import ClassifierTask, TaskSpec
-from thinwire.ps import task as task_module
+from thinwire.jobs import ps_task as task_module
+from thinwire.jobs.ps_task import ClassifierTask, TaskSpec
 from thinwire.ps.rules import PAPER_LAMBDA
 
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from thinwire.data.imagesets import IMAGE_SETS
+from thinwire.jobs.ps_task import MODELS, TaskSpec
 from thinwire.ps import launch
 from thinwire.ps.config import METHODS, AsyncConfig
-from thinwire.ps.task import MODELS, TaskSpec
 
 
 def _option(text: str) -> tuple[str, Any]:

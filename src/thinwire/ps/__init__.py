@@ -7,7 +7,7 @@ processes talking TensorPipe RPC over loopback.
 """
 
 from thinwire.ps.checkpoint import load_checkpoint, save_checkpoint
-from thinwire.ps.config import METHODS, AsyncConfig
+from thinwire.ps.config import METHODS, AsyncConfig, Task, TaskBuilder
 from thinwire.ps.core import AuditEntry, ParameterServerCore, PushResult, Snapshot
 from thinwire.ps.launch import RunResult, run
 from thinwire.ps.layout import Layout
@@ -23,7 +23,6 @@ from thinwire.ps.rules import (
 )
 from thinwire.ps.server import ParameterServer
 from thinwire.ps.staleness import OUTCOMES, StalenessRecord
-from thinwire.ps.task import ClassifierTask, TaskSpec
 from thinwire.ps.wire import MalformedPush, PushCodec
 
 __all__ = [
@@ -32,7 +31,6 @@ __all__ = [
     "OUTCOMES",
     "AsyncConfig",
     "AuditEntry",
-    "ClassifierTask",
     "DCConfig",
     "Layout",
     "MalformedPush",
@@ -44,7 +42,8 @@ __all__ = [
     "SGDConfig",
     "Snapshot",
     "StalenessRecord",
-    "TaskSpec",
+    "Task",
+    "TaskBuilder",
     "UpdateRule",
     "build_rule",
     "load_checkpoint",

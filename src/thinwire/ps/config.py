@@ -1,13 +1,22 @@
-"""One run of the parameter server: method, workers, rule, pushes, faults and files."""
+"""One run of the parameter server: method, workers, rule, pushes, faults and files.
+
+And what the run trains: any :class:`Task`, rebuilt in every process from a
+:class:`TaskBuilder`, a small frozen dataclass that pickles across process
+starts. The front door holds no model or data set; the experiments' concrete
+task is :class:`thinwire.jobs.ps_task.TaskSpec`.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
+
+import torch
 
 from thinwire._version import __version__
+from thinwire.ps.layout import Layout
 from thinwire.ps.rules import make_config
 from thinwire.ps.wire import build_push
 
@@ -99,28 +108,58 @@ class AsyncConfig:
                 "synchronous": self.synchronous, "thinwire": __version__}
 
 
-class _Steps(Protocol):
-    """What planning needs of a task."""
+class Task(Protocol):
+    """A model's flat weights, its per-stream batches, its gradient and its evaluation.
+
+    Batches are opaque to the server and workers: they pass each one from
+    :meth:`batches` to :meth:`gradient` unchanged.
+    """
+
+    layout: Layout  # how the flat weights split into named parameters
+
+    def initial_weights(self) -> torch.Tensor:
+        """w_0, the flat initial weights (a new tensor)."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What every worker must share with the server (checked at join)."""
 
     def steps(self, stream: int, streams: int, passes: int) -> int:
         """Gradients stream ``stream`` of ``streams`` computes in ``passes`` passes."""
 
-    def fingerprint(self) -> dict[str, Any]:
-        """What a worker must share with the server."""
+    def batches(self, stream: int, streams: int, passes: int,
+                first_pass: int = 0) -> Iterator[Any]:
+        """The stream's mini-batches, ``passes`` times over its shard, passes numbered from
+        ``first_pass`` (resumed runs)."""
+
+    def gradient(self, weights: torch.Tensor, batch: Any) -> torch.Tensor:
+        """The flat gradient of the loss at ``weights`` on ``batch`` (``weights`` unchanged)."""
+
+    def evaluate(self, weights: torch.Tensor) -> dict[str, float]:
+        """Error and loss of the model with flat ``weights``, keyed ``<split>_error`` and
+        ``<split>_loss``."""
 
 
-def pushes_per_pass(config: AsyncConfig, task: _Steps) -> int:
+class TaskBuilder(Protocol):
+    """A frozen dataclass every process rebuilds the same :class:`Task` from."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: results files list its fields
+
+    def build(self) -> Task:
+        """A new task from these fields (every process gets the same one)."""
+
+
+def pushes_per_pass(config: AsyncConfig, task: Task) -> int:
     """Gradients pushed by all streams together in one pass over the training set."""
     return sum(task.steps(s, config.streams, 1) for s in range(config.streams))
 
 
-def updates_per_pass(config: AsyncConfig, task: _Steps) -> int:
+def updates_per_pass(config: AsyncConfig, task: Task) -> int:
     """Server updates in one pass: one per push, or one per round (the longest stream) in SSGD."""
     if config.synchronous:
         return max(task.steps(s, config.streams, 1) for s in range(config.streams))
     return pushes_per_pass(config, task)
 
 
-def run_fingerprint(config: AsyncConfig, task: _Steps) -> dict[str, Any]:
+def run_fingerprint(config: AsyncConfig, task: Task) -> dict[str, Any]:
     """What a worker must share with the server to join: the task, the model, the pushes."""
     return {**task.fingerprint(), **config.fingerprint()}

@@ -25,10 +25,9 @@ from tqdm import tqdm
 
 from thinwire.comm import Meter
 from thinwire.ps.checkpoint import load_checkpoint
-from thinwire.ps.config import AsyncConfig, pushes_per_pass
+from thinwire.ps.config import AsyncConfig, Task, TaskBuilder, pushes_per_pass
 from thinwire.ps.core import Snapshot
 from thinwire.ps.server import build_server, serve, server_results
-from thinwire.ps.task import ClassifierTask, TaskSpec
 from thinwire.ps.wire import PushCodec
 from thinwire.ps.worker import LocalTransport, run_worker, work
 
@@ -41,7 +40,7 @@ class RunResult:
     """The outcome of one run: the global model, its learning curve and the server's records."""
 
     config: AsyncConfig
-    spec: TaskSpec
+    spec: TaskBuilder  # the task every process rebuilt
     weights: torch.Tensor  # the final global model (flat)
     final: dict[str, float]  # test error and loss of the final model
     curve: list[dict[str, float]]  # per snapshot: version, passes, seconds since the first
@@ -67,14 +66,16 @@ class RunResult:
                 "bytes": self.bytes, "workers": self.workers, "membership": self.membership}
 
 
-def run(config: AsyncConfig, spec: TaskSpec | None = None, *,
+def run(config: AsyncConfig, spec: TaskBuilder, *,
         kill_after: Mapping[int, int] | None = None,
-        worker_specs: Mapping[int, TaskSpec] | None = None, progress: bool = False) -> RunResult:
+        worker_specs: Mapping[int, TaskBuilder] | None = None,
+        progress: bool = False) -> RunResult:
     """Train ``spec``'s model with ``config.method`` and evaluate the global model.
 
     Args:
         config: method, workers, rule, pushes, checkpoints, deadline.
-        spec: the task every process rebuilds (default: the conv net on digits).
+        spec: the task every process rebuilds, e.g.
+            :class:`thinwire.jobs.ps_task.TaskSpec`.
         kill_after: fault injection: ``{m: n}`` makes worker ``m`` send its
             ``n + 1``-th push and kill its own process (SIGKILL) while that push
             is in flight.
@@ -88,8 +89,7 @@ def run(config: AsyncConfig, spec: TaskSpec | None = None, *,
         ValueError: a bad configuration or ``kill_after`` (before any process starts).
     """
     check_kill_after(config, kill_after or {})
-    spec = spec if spec is not None else TaskSpec()
-    task = ClassifierTask(spec)
+    task = spec.build()
     per_pass = pushes_per_pass(config, task)
     first_pass = 0
     if config.resume is not None:
@@ -129,8 +129,8 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _run(config: AsyncConfig, spec: TaskSpec, task: ClassifierTask, per_pass: int,
-         first_pass: int, kill_after: Mapping[int, int], worker_specs: Mapping[int, TaskSpec],
+def _run(config: AsyncConfig, spec: TaskBuilder, task: Task, per_pass: int,
+         first_pass: int, kill_after: Mapping[int, int], worker_specs: Mapping[int, TaskBuilder],
          progress: bool) -> RunResult:
     start = time.monotonic()
     if config.method == "sequential":
@@ -159,7 +159,7 @@ def _received(state: Mapping[str, Any]) -> int:
     return sum(n for k, n in state["staleness"]["outcomes"].items() if k != "closed")
 
 
-def _run_local(config: AsyncConfig, task: ClassifierTask, first_pass: int,
+def _run_local(config: AsyncConfig, task: Task, first_pass: int,
                progress: bool) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     server = build_server(config, task)
     meter = Meter()
@@ -188,8 +188,8 @@ def _context() -> Any:
     return context
 
 
-def _run_processes(config: AsyncConfig, spec: TaskSpec, per_pass: int, first_pass: int,
-                   kill_after: Mapping[int, int], worker_specs: Mapping[int, TaskSpec],
+def _run_processes(config: AsyncConfig, spec: TaskBuilder, per_pass: int, first_pass: int,
+                   kill_after: Mapping[int, int], worker_specs: Mapping[int, TaskBuilder],
                    progress: bool) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     context = _context()
     with tempfile.TemporaryDirectory(prefix="thinwire-ps-") as workdir:

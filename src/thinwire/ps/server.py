@@ -28,11 +28,10 @@ import torch.distributed.rpc as rpc
 
 from thinwire.comm import Meter, done
 from thinwire.ps.checkpoint import load_checkpoint, save_checkpoint
-from thinwire.ps.config import AsyncConfig, run_fingerprint, updates_per_pass
+from thinwire.ps.config import AsyncConfig, Task, TaskBuilder, run_fingerprint, updates_per_pass
 from thinwire.ps.core import ParameterServerCore, PushResult
 from thinwire.ps.rules import build_rule
 from thinwire.ps.staleness import MALFORMED, PENDING
-from thinwire.ps.task import ClassifierTask, TaskSpec
 from thinwire.ps.wire import MalformedPush, PushCodec
 
 Future = torch.futures.Future[dict[str, Any]]  # what a push answers
@@ -201,7 +200,7 @@ def backend_options(config: AsyncConfig, init_method: str) -> rpc.TensorPipeRpcB
         num_worker_threads=max(16, 2 * config.streams + 4))
 
 
-def build_server(config: AsyncConfig, task: ClassifierTask) -> ParameterServer:
+def build_server(config: AsyncConfig, task: Task) -> ParameterServer:
     """The server of ``config`` for ``task`` (resumed from ``config.resume`` if set)."""
     per_pass = updates_per_pass(config, task)
     rule = build_rule(config.rule_name, **config.rule_options(per_pass))
@@ -226,7 +225,7 @@ def server_results(server: ParameterServer) -> dict[str, Any]:
             "meter": server.meter.summary() if server.meter else {}, "status": list(core.status)}
 
 
-def serve(config: AsyncConfig, spec: TaskSpec, workdir: str, init_method: str,
+def serve(config: AsyncConfig, spec: TaskBuilder, workdir: str, init_method: str,
           deaths: Any, stop: Any) -> None:
     """Server process: serve until every stream has left, died or been refused.
 
@@ -242,7 +241,7 @@ def serve(config: AsyncConfig, spec: TaskSpec, workdir: str, init_method: str,
     global _SERVER
     prepare_process(config.interface)
     try:
-        task = ClassifierTask(spec)
+        task = spec.build()
         _SERVER = server = build_server(config, task)
         rpc.init_rpc(
             SERVER_NAME, rank=0, world_size=config.workers + 1,

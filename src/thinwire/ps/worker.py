@@ -24,10 +24,9 @@ import torch.distributed.rpc as rpc
 
 from thinwire.comm import Meter
 from thinwire.ps import server as ps_server
-from thinwire.ps.config import AsyncConfig, run_fingerprint
+from thinwire.ps.config import AsyncConfig, Task, TaskBuilder, run_fingerprint
 from thinwire.ps.layout import Layout
 from thinwire.ps.staleness import CLOSED
-from thinwire.ps.task import ClassifierTask, TaskSpec
 from thinwire.ps.wire import Encoded, PushCodec
 
 
@@ -145,7 +144,7 @@ def _journal(folder: str, stream: int, seq: int, sent: torch.Tensor) -> None:
     os.replace(temporary, path)
 
 
-def run_stream(stream: int, config: AsyncConfig, task: ClassifierTask, codec: PushCodec,
+def run_stream(stream: int, config: AsyncConfig, task: Task, codec: PushCodec,
                transport: Transport, meter: Meter | None = None,
                on_push: Callable[[], None] | None = None, first_pass: int = 0) -> Counter[str]:
     """One stream's loop over its shard: pull, gradient, encode, push; then leave.
@@ -175,7 +174,7 @@ def run_stream(stream: int, config: AsyncConfig, task: ClassifierTask, codec: Pu
     return outcomes
 
 
-def run_worker(worker: int, config: AsyncConfig, task: ClassifierTask, codec: PushCodec,
+def run_worker(worker: int, config: AsyncConfig, task: Task, codec: PushCodec,
                transport: Transport, meter: Meter | None = None,
                on_push: Callable[[], None] | None = None, first_pass: int = 0) -> dict[str, Any]:
     """Join, run every stream of ``worker`` (threads when more than one), report.
@@ -221,7 +220,7 @@ def _bytes_by_entity(meter: Meter | None) -> dict[str, int]:
     return {entity: int(nbytes) for entity, nbytes in meter.totals(by="entity").items()}
 
 
-def work(worker: int, config: AsyncConfig, spec: TaskSpec, workdir: str, init_method: str,
+def work(worker: int, config: AsyncConfig, spec: TaskBuilder, workdir: str, init_method: str,
          counter: Any, first_pass: int = 0, die_after: int | None = None) -> None:
     """Worker process: join the RPC group as ``worker{m}``, train, report, shut down.
 
@@ -231,7 +230,7 @@ def work(worker: int, config: AsyncConfig, spec: TaskSpec, workdir: str, init_me
     """
     ps_server.prepare_process(config.interface)
     try:
-        task = ClassifierTask(spec)
+        task = spec.build()
         codec = PushCodec(task.layout, config.push, **config.push_options)
         meter = Meter(worker + 1, config.workers + 1)
         rpc.init_rpc(

@@ -1,4 +1,8 @@
-"""What workers train: a model, its data shards, its gradient and its test error."""
+"""What the parameter-server runs train: a small classifier on an image set.
+
+:class:`TaskSpec` meets :class:`thinwire.ps.config.TaskBuilder` and
+:class:`ClassifierTask` meets :class:`thinwire.ps.config.Task`.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +53,10 @@ class TaskSpec:
             raise ValueError(f"train_limit={self.train_limit!r} must be None or an integer >= 1")
         if isinstance(self.holdout, bool) or not isinstance(self.holdout, int) or self.holdout < 0:
             raise ValueError(f"holdout={self.holdout!r} must be an integer >= 0")
+
+    def build(self) -> ClassifierTask:
+        """The task these fields describe (loads the image set, initialises the model)."""
+        return ClassifierTask(self)
 
 
 @functools.lru_cache(maxsize=4)
