@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
+from thinwire.cli import compare
 from thinwire.data.imagesets import FASHION_MNIST_DIR
-from thinwire.jobs import compare, workloads
+from thinwire.jobs import workloads
 from thinwire.jobs.dataparallel import RunOptions
 
 NAMES = [name for name in workloads.WORKLOADS

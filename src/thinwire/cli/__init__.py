@@ -11,7 +11,7 @@ from thinwire.launch import RankFailed
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, str] = {
-    "compare": "thinwire.jobs.compare",
+    "compare": "thinwire.cli.compare",
     "train": "thinwire.cli.train",
     "schemes": "thinwire.cli.schemes",
     "async": "thinwire.cli.async_",
