@@ -30,6 +30,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy src/thinwire
+	$(BIN)/lint-imports --no-cache
 
 # `make bench` regenerates docs/results.md from the newest results/ files; `make bench-run`
 # measures first. The shaped-link benchmark needs root (network namespaces, tc).
