@@ -7,6 +7,8 @@ Every wait is bounded by the process group's timeout: a rank whose peer
 stalls (stopped, swapped out, dead) fails its collective after ``timeout_s``,
 and the launcher then reports which rank failed, what each rank was last
 doing (see :func:`phase`) and whether a process is stopped.
+
+Floor: core, beside comm and feedback; it imports no other part of thinwire.
 """
 
 from __future__ import annotations

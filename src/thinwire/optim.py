@@ -32,6 +32,8 @@ once coupled (1 / (1 - mu) weaker than in plain SGD with momentum).
 Forgetting it: training is still correct, only slower. The first
 ``step()`` of a momentum optimiser over parameters whose DDP hook runs an
 uncoupled sparse scheme warns once (see :func:`watch`).
+
+Floor: above schemes, below the front doors (the DDP hook couples through it).
 """
 
 from __future__ import annotations

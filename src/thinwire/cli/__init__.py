@@ -1,4 +1,8 @@
-"""The ``thinwire`` command line: one subcommand per module, listed in COMMANDS."""
+"""The ``thinwire`` command line: one subcommand per module, listed in COMMANDS.
+
+Floor: the top. A subcommand's module parses its flags and calls a job
+(:mod:`thinwire.jobs`) or a front door; nothing in the package imports this one.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Pure tensor maths: tensor (+ state) -> payload -> tensor. No collectives."""
+"""Pure tensor maths: tensor (+ state) -> payload -> tensor. No collectives.
+
+Floor: the lowest; it imports no other part of thinwire.
+"""
 
 from thinwire.compress.base import Compressor, TensorInfo, decode, keep_count
 from thinwire.compress.dense import FP16, Dense

@@ -1,4 +1,8 @@
-"""Front door 1: synchronous data parallel through DDP communication hooks."""
+"""Front door 1: synchronous data parallel through DDP communication hooks.
+
+Floor: the lowest front door (the hybrid pipeline builds on it). Library code
+only: no model, data set, job or command line.
+"""
 
 from thinwire.ddp.hook import HookState, comm_hook, hook_state, register
 

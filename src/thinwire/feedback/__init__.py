@@ -1,4 +1,7 @@
-"""Error-feedback memories: residual (DCT), low-pass (ScaleCom), stochastic drain, momentum."""
+"""Error-feedback memories: residual (DCT), low-pass (ScaleCom), stochastic drain, momentum.
+
+Floor: core, above compress, beside comm and launch (which it does not import).
+"""
 
 from thinwire.feedback.base import NONFINITE_POLICIES, Memory, all_finite, check_policy
 from thinwire.feedback.lowpass import LowPass

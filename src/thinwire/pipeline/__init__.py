@@ -4,6 +4,9 @@
 sequential model into stages with a boundary pair at each cut;
 ``build_stage`` / ``build_schedule`` run those stages on
 ``torch.distributed.pipelining``; ``hybrid`` adds data-parallel replicas.
+
+Floor: front door, beside autodiff and ps (neither imported), above ddp.
+Library code only: models, data and jobs come in as arguments.
 """
 
 from thinwire.pipeline import sketch as _sketch  # noqa: F401  (registers sketch, xgrad-topk)

@@ -4,6 +4,10 @@
 :class:`ParameterServerCore` is the transport-free server; :func:`run` runs a
 method of the comparison (sequential, ssgd, asgd, dc-asgd) with workers in
 processes talking TensorPipe RPC over loopback.
+
+Floor: front door, beside pipeline and autodiff (neither imported). Library
+code only: the task comes in as a :class:`TaskBuilder`; the experiments'
+concrete task is :mod:`thinwire.jobs.ps_task`.
 """
 
 from thinwire.ps.checkpoint import load_checkpoint, save_checkpoint

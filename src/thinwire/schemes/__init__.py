@@ -1,4 +1,7 @@
-"""Schemes registered by name: ``build("dct-dp", sparsity=0.99)``, ``names()``."""
+"""Schemes registered by name: ``build("dct-dp", sparsity=0.99)``, ``names()``.
+
+Floor: above the core (compress, feedback, comm); below optim and the front doors.
+"""
 
 from thinwire.schemes import builtin as _builtin  # noqa: F401  (registers the schemes)
 from thinwire.schemes import powersgd as _powersgd  # noqa: F401
