@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from thinwire.cli.dad import table
 from thinwire.data import sitedata
 from thinwire.jobs import dad_plots as plots
-from thinwire.jobs.dad import Run, run_all
+from thinwire.jobs.dad import Run, run_all, table
 
 QUICK = {"ranks": [2, 4], "epochs": 3, "seeds": 2}  # --quick: what fits a busy 2-core machine
 

@@ -18,7 +18,7 @@ from thinwire.autodiff.engine import MODES
 from thinwire.autodiff.power import STOPPING
 from thinwire.data import sitedata
 from thinwire.jobs import dad_plots as plots
-from thinwire.jobs.dad import Run, run_all
+from thinwire.jobs.dad import Run, run_all, table
 from thinwire.launch import add_timeout
 
 
@@ -82,22 +82,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-steps={args.max_steps} must be >= 0")
     if any(w < 1 for w in args.hidden):
         raise ValueError(f"--hidden={args.hidden} must all be >= 1")
-
-
-def table(results: list[dict[str, Any]]) -> str:
-    """One line per run: bytes per step, max gradient error, final AUC and accuracy."""
-    lines = [f"{'mode':16s} {'bytes/step':>12s} {'vs dsgd':>8s} {'max|g-pooled|':>14s} "
-             f"{'AUC':>7s} {'acc':>7s}"]
-    dense = next((max(r["bytes_per_site"]) for r in results if r["mode"] == "dsgd"), None)
-    for r in results:
-        sent = max(r["bytes_per_site"])
-        ratio = f"{sent / dense:8.3f}" if dense else f"{'-':>8s}"
-        error = max(r["max_grad_error"].values()) if r["max_grad_error"] else float("nan")
-        last = r["history"][-1] if r["history"] else {"auc": float("nan"),
-                                                      "accuracy": float("nan")}
-        lines.append(f"{r['label']:16s} {sent:12.0f} {ratio} {error:14.3e} "
-                     f"{last['auc']:7.4f} {last['accuracy']:7.4f}")
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:

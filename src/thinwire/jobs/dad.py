@@ -176,3 +176,19 @@ def run_all(data: Data, runs: list[Run], sites: int = 2,
         result["wire_per_site"] = [r[i]["meter"]["wire_sent_per_step"] for r in per_rank]
         results.append(result)
     return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """One line per run: bytes per step, max gradient error, final AUC and accuracy."""
+    lines = [f"{'mode':16s} {'bytes/step':>12s} {'vs dsgd':>8s} {'max|g-pooled|':>14s} "
+             f"{'AUC':>7s} {'acc':>7s}"]
+    dense = next((max(r["bytes_per_site"]) for r in results if r["mode"] == "dsgd"), None)
+    for r in results:
+        sent = max(r["bytes_per_site"])
+        ratio = f"{sent / dense:8.3f}" if dense else f"{'-':>8s}"
+        error = max(r["max_grad_error"].values()) if r["max_grad_error"] else float("nan")
+        last = r["history"][-1] if r["history"] else {"auc": float("nan"),
+                                                      "accuracy": float("nan")}
+        lines.append(f"{r['label']:16s} {sent:12.0f} {ratio} {error:14.3e} "
+                     f"{last['auc']:7.4f} {last['accuracy']:7.4f}")
+    return "\n".join(lines)
