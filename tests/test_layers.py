@@ -1,4 +1,5 @@
-"""The package's floors hold: import-linter checks the contract in pyproject.toml.
+"""The package's floors hold and it has no import cycles: import-linter checks the
+contracts in pyproject.toml.
 
 Each check runs in a child process whose path holds only the tree under test:
 the linter finds ``thinwire`` through the import system, which in this
@@ -29,41 +30,50 @@ def _lint(source_root: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_the_package_keeps_its_floors() -> None:
+def test_the_package_keeps_its_floors_and_has_no_cycles() -> None:
     result = _lint(ROOT / "src")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "thinwire floors KEPT" in result.stdout
+    assert "thinwire has no import cycles KEPT" in result.stdout
 
 
-@pytest.mark.parametrize(("module", "line", "reported"), [
-    # a front door reaching up to the command line
-    ("ps/core.py", "import thinwire.cli", "thinwire.ps.core -> thinwire.cli"),
-    # a front door taking a model
-    ("autodiff/engine.py", "from thinwire.models import gru", "thinwire.autodiff.engine -> "
-                                                               "thinwire.models.gru"),
-    # the codec floor reaching a scheme
-    ("compress/base.py", "import thinwire.schemes", "thinwire.compress.base -> thinwire.schemes"),
-    # side-by-side packages of one floor stay apart
-    ("data/digits.py", "import thinwire.models.mlp", "thinwire.data.digits -> "
-                                                     "thinwire.models.mlp"),
-])
-def test_an_import_up_a_floor_breaks_the_contract(tmp_path: Path, module: str, line: str,
-                                                  reported: str) -> None:
+def _copy(tmp_path: Path) -> Path:
     shutil.copytree(ROOT / "src" / "thinwire", tmp_path / "thinwire",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    with open(tmp_path / "thinwire" / module, "a") as handle:
+    return tmp_path / "thinwire"
+
+
+@pytest.mark.parametrize(("module", "line", "contract", "reported"), [
+    # a front door reaching up to the command line
+    ("ps/core.py", "import thinwire.cli", "floors", "thinwire.ps.core -> thinwire.cli"),
+    # a front door taking a model
+    ("autodiff/engine.py", "from thinwire.models import gru", "floors",
+     "thinwire.autodiff.engine -> thinwire.models.gru"),
+    # the codec floor reaching a scheme
+    ("compress/base.py", "import thinwire.schemes", "floors",
+     "thinwire.compress.base -> thinwire.schemes"),
+    # side-by-side packages of one floor stay apart
+    ("data/digits.py", "import thinwire.models.mlp", "floors",
+     "thinwire.data.digits -> thinwire.models.mlp"),
+    # a cycle inside one floor: sparse imports payload already
+    ("compress/payload.py", "import thinwire.compress.sparse", "has no import cycles",
+     ".payload -> .sparse"),
+])
+def test_an_injected_import_breaks_its_contract(tmp_path: Path, module: str, line: str,
+                                                contract: str, reported: str) -> None:
+    with open(_copy(tmp_path) / module, "a") as handle:
         handle.write(f"\n{line}  # noqa\n")
     result = _lint(tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "thinwire floors BROKEN" in result.stdout
+    assert f"thinwire {contract} BROKEN" in result.stdout
     assert reported in result.stdout
 
 
 def test_a_package_outside_every_floor_breaks_the_contract(tmp_path: Path) -> None:
-    shutil.copytree(ROOT / "src" / "thinwire", tmp_path / "thinwire",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "thinwire" / "extras").mkdir()
-    (tmp_path / "thinwire" / "extras" / "__init__.py").write_text('"""Not on any floor."""\n')
+    extras = _copy(tmp_path) / "extras"
+    extras.mkdir()
+    (extras / "__init__.py").write_text('"""Not on any floor."""\n')
     result = _lint(tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "thinwire.extras" in result.stdout
+    assert "thinwire floors BROKEN" in result.stdout
+    assert "- thinwire.extras" in result.stdout
