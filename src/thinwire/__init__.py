@@ -13,7 +13,8 @@ package and from floors below, and packages side by side do not import each othe
     jobs
     cli
 
-The contract in pyproject.toml (``[tool.importlinter]``) holds this; the tests run it.
+The contracts in pyproject.toml (``[tool.importlinter]``) hold this and forbid import
+cycles inside packages; the tests run them.
 """
 
 from thinwire import compress, ddp, feedback, optim, schemes
