@@ -25,7 +25,8 @@ def _lint(source_root: Path) -> subprocess.CompletedProcess[str]:
     code = ("import sys; from importlinter.cli import lint_imports; "
             f"sys.exit(lint_imports(config_filename={str(CONFIG)!r}, no_cache=True, "
             "no_logo=True))")
-    env = {**os.environ, "PYTHONPATH": str(source_root)}
+    # wide lines, so that a reported import is never wrapped whatever the terminal
+    env = {**os.environ, "PYTHONPATH": str(source_root), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-c", code], cwd=source_root, env=env,
                           capture_output=True, text=True, timeout=300)
 
