@@ -1,10 +1,15 @@
 """The server facade and the worker loop in one process: the sequential reference, SSGD
-futures, refusal, hogwild threads, periodic checkpoints (no RPC, no processes)."""
+futures, refusal, hogwild threads, periodic checkpoints, a task of the caller's own (no RPC,
+no processes)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,7 +17,7 @@ import torch
 from thinwire.cli import main
 from thinwire.comm import Meter
 from thinwire.jobs.ps_task import ClassifierTask, TaskSpec
-from thinwire.ps import AsyncConfig, launch, load_checkpoint, run
+from thinwire.ps import AsyncConfig, Layout, launch, load_checkpoint, run
 from thinwire.ps.server import build_server
 from thinwire.ps.wire import PushCodec
 from thinwire.ps.worker import LocalTransport, run_worker
@@ -49,6 +54,71 @@ def test_sequential_reference_is_torch_sgd_exactly() -> None:
     assert result.bytes == {"pull": 12 * 650 * 4, "push": 12 * 650 * 4}
     assert [round(point["passes"], 6) for point in result.curve] == [0.0, 1.0, 2.0]
     assert result.curve[-1]["test_error"] == result.final["test_error"]
+
+
+@dataclass(frozen=True)
+class LeastSquares:
+    """A task that is no classifier: least squares on fixed rows (meets TaskBuilder)."""
+
+    rows: int = 10
+    batch_size: int = 4
+
+    def build(self) -> _LeastSquaresTask:
+        return _LeastSquaresTask(self)
+
+
+class _LeastSquaresTask:
+    """Meets ps.Task with nothing of the experiments' models or data sets."""
+
+    def __init__(self, spec: LeastSquares) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.spec = spec
+        self.x = torch.randn(spec.rows, 3, generator=generator)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5])
+        self.layout = Layout.of({"w": torch.zeros(3)})
+
+    def initial_weights(self) -> torch.Tensor:
+        return torch.zeros(3)
+
+    def fingerprint(self) -> dict[str, object]:
+        return dataclasses.asdict(self.spec)
+
+    def steps(self, stream: int, streams: int, passes: int) -> int:
+        rows = len(range(stream, self.spec.rows, streams))
+        return passes * math.ceil(rows / self.spec.batch_size)
+
+    def batches(self, stream: int, streams: int, passes: int,
+                first_pass: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        rows = list(range(stream, self.spec.rows, streams))
+        for _ in range(passes):
+            for start in range(0, len(rows), self.spec.batch_size):
+                chosen = rows[start:start + self.spec.batch_size]
+                yield self.x[chosen], self.y[chosen]
+
+    def gradient(self, weights: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
+                 ) -> torch.Tensor:
+        x, y = batch
+        return 2 * x.T @ (x @ weights - y) / len(y)
+
+    def evaluate(self, weights: torch.Tensor) -> dict[str, float]:
+        loss = float(((self.x @ weights - self.y) ** 2).mean())
+        return {"test_error": loss, "test_loss": loss}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_server_trains_any_task_it_is_given() -> None:
+    """The front door holds no model: a least-squares task runs the sequential method, and
+    its weights are plain SGD's on the same batches, exactly."""
+    spec = LeastSquares()
+    result = run(AsyncConfig(method="sequential", passes=3, rule={"lr": 0.05}), spec)
+    task = spec.build()
+    weights = task.initial_weights()
+    for batch in task.batches(0, 1, 3):
+        weights.add_(task.gradient(weights, batch), alpha=-0.05)
+    assert result.updates == task.steps(0, 1, 3) == 9
+    assert torch.equal(result.weights, weights)
+    assert result.final["test_loss"] < task.evaluate(task.initial_weights())["test_loss"]
+    assert result.summary()["task"] == {"rows": 10, "batch_size": 4}
 
 
 def _local_server(config: AsyncConfig, spec: TaskSpec = SPEC):  # type: ignore[no-untyped-def]
