@@ -9,55 +9,93 @@ Rendezvous, multi-node included, is torchrun's; this only reads its environment.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 from datetime import timedelta
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from thinwire import schemes
-from thinwire.train.compare import parse_options, scheme_config
+from thinwire import cli_common, schemes
+from thinwire.progress import StepBar
+from thinwire.train import compare
 from thinwire.train.dataparallel import RunOptions, run_scheme
 from thinwire.train.launch import RankFailed, add_timeout, current_phase
+from thinwire.train.workloads import WORKLOADS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scheme", default="dct-dp")
-    parser.add_argument("--steps", type=int, default=RunOptions.steps)
-    parser.add_argument("--batch-size", type=int, default=RunOptions.batch_size)
-    parser.add_argument("--lr", type=float, default=RunOptions.lr)
-    parser.add_argument("--sparsity", type=float, default=None)
-    parser.add_argument("--life-span", type=int, default=None)
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    dct = {f.name: f.default for f in dataclasses.fields(schemes.config_class("dct-dp"))}
+    parser.add_argument("--scheme", default="dct-dp", help="a name from thinwire schemes")
+    parser.add_argument("--workload", default=RunOptions.workload, choices=sorted(WORKLOADS),
+                        help="model and data set")
+    parser.add_argument("--steps", type=int, default=RunOptions.steps, help="optimiser steps")
+    parser.add_argument("--batch-size", type=int, default=RunOptions.batch_size,
+                        help="samples per worker per step")
+    parser.add_argument("--lr", type=float, default=RunOptions.lr, help="learning rate")
+    parser.add_argument("--seed", type=int, default=RunOptions.seed,
+                        help="model initialisation, data order and split")
+    parser.add_argument("--sparsity", type=float, default=dct["sparsity"],
+                        help="fraction the sparsifier drops (ratio = 1 - sparsity)")
+    parser.add_argument("--life-span", type=int, default=dct["life_span"],
+                        help="dct-dp threshold life-span L in steps")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other option of the scheme, e.g. --option values=fp16")
     parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl on GPU)")
-    parser.add_argument("--json", type=Path, default=None, help="rank 0 writes results here")
+    cli_common.add_outputs(parser, "train")
     add_timeout(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    """One rank of the job; rank 0 prints the summary and writes the run folder."""
     if "RANK" not in os.environ:
         raise ValueError("thinwire train expects torchrun's environment (RANK, WORLD_SIZE, "
                          "MASTER_ADDR); launch it with torchrun, or use thinwire compare")
-    options = RunOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr)
-    parse_options(args.option, [args.scheme])
-    config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
+    options = RunOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                         seed=args.seed, workload=args.workload)
+    compare.parse_options(args.option, [args.scheme])
+    config = compare.scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
     schemes.build(args.scheme, **config)  # validate before joining the job
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        bar = StepBar(options.steps, show=rank == 0)
         try:
-            result = run_scheme(args.scheme, config, options)
+            result = run_scheme(args.scheme, config, options, progress=bar.update)
         except RuntimeError as error:  # a collective's timeout names neither rank nor step
-            raise RankFailed(f"rank {dist.get_rank()} failed during {current_phase()!r} "
+            raise RankFailed(f"rank {rank} failed during {current_phase()!r} "
                              f"(--timeout {args.timeout:g} s): {error}") from error
-        result.pop("weights")
-        if dist.get_rank() == 0:
-            print(json.dumps({k: result[k] for k in ("scheme", "test_accuracy",
-                                                       "bytes_sent_per_step", "wall_s")}))
-            if args.json is not None:
-                args.json.write_text(json.dumps(result, indent=2, default=str))
+        finally:
+            bar.close()
+        weights = result.pop("weights")
+        if rank == 0:
+            dense_bytes = sum(w.numel() * w.element_size() for w in weights)
+            result.update(workers=world_size, dense_bytes_per_step=dense_bytes,
+                          compression_ratio=dense_bytes / max(result["bytes_sent_per_step"],
+                                                              1e-9))
+            _write(args, result)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+HEADER = ["scheme", "workers", "test acc", "final loss", "handed B/step", "ring sent B/step",
+          "ring recv B/step", "ratio vs dense", "wall s"]
+
+
+def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    out = cli_common.run_folder(args.out, "train")
+    rows = [[result["scheme"], str(result["workers"]), f"{result['test_accuracy']:.4f}",
+             f"{result['final_loss']:.4f}", f"{result['bytes_sent_per_step']:,.0f}",
+             f"{result['wire_sent_per_step']:,.0f}", f"{result['bytes_received_per_step']:,.0f}",
+             f"{result['compression_ratio']:.1f}x", f"{result['wall_s']:.2f}"]]
+    cli_common.write_results(
+        out, {"command": "train", "options": vars(args), "runs": [result]},
+        f"# thinwire train\n\n{result['workload']}, {args.steps} steps, batch "
+        f"{args.batch_size} per worker, lr {args.lr}.\n\n"
+        f"{cli_common.markdown_table(HEADER, rows)}\n", args.json)
+    figures = compare.plot([result], out)
+    print(cli_common.text_table(HEADER, rows))
+    print(f"wrote {out}/results.json, results.md, " + ", ".join(f.name for f in figures))
