@@ -211,6 +211,6 @@ def traffic_per_collective(meter: Meter) -> dict[str, dict[str, float]]:
     """collective -> mean bytes per step this rank hands it, and moves out and in under the
     ring algorithm (all-reduce 2(n-1)/n of the payload each way, all-gather (n-1) times it)."""
     steps = max(1, meter.step)
-    return {collective: {field: meter.totals(field, by="collective").get(collective, 0.0) / steps
-                         for field in ("nbytes", "sent", "received")}
-            for collective in meter.totals(by="collective")}
+    sums = {field: meter.totals(field, by="collective") for field in ("nbytes", "sent", "received")}
+    return {collective: {field: sums[field][collective] / steps for field in sums}
+            for collective in sums["nbytes"]}
