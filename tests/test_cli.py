@@ -267,6 +267,8 @@ def test_schemes_lists_each_options_meaning_and_range(capsys: pytest.CaptureFixt
     assert "life_span=1000 (int)" in printed
     assert "r, columns of the factors P and Q, >= 1" in printed  # powersgd rank
     assert "ratio=0.01 (float)" in printed and "local-topk" in printed  # inherited comments
+    assert "compression=0.5 (float)" in printed  # the pipeline boundaries' options too
+    assert "fraction of the width removed by the sketch, in [0, 1)" in printed
 
 
 def _free_port() -> int:

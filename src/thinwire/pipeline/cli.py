@@ -1,4 +1,4 @@
-"""Train a model split into pipeline stages with DCT-MP boundaries, and data-parallel replicas.
+"""Train a model split into pipeline stages with DCT-MP boundaries, optionally data parallel too.
 
 Reports train/test loss and accuracy and the bytes per step of each entity:
 X_act (forward across splits), X_grad (backward across splits), W_grad

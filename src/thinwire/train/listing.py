@@ -1,4 +1,4 @@
-"""List the registered schemes and what each option means, its default and allowed range."""
+"""List the schemes and pipeline boundaries, and what each option means: default, range."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import textwrap
 
 from thinwire import schemes
 from thinwire.cli_common import field_comments
+from thinwire.pipeline import boundary_config_class, boundary_kinds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     del parser
 
 
-def describe(name: str) -> str:
-    """Scheme ``name`` and one line per option: name, type, default, then what the config's
-    own comment says it means (its allowed range included)."""
-    config = schemes.config_class(name)
+def describe(name: str, config: type) -> str:
+    """``name`` and one line per option of its ``config``: name, default, type, then what
+    the config's own comment says it means (its allowed range included)."""
     comments = field_comments(config)
     lines = [name]
     for field in dataclasses.fields(config):
@@ -31,7 +31,10 @@ def describe(name: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     del args
-    print("Set an option with --option KEY=VALUE (thinwire compare, train), --dp-option "
-          "(pipeline) or --push-option (async).\n")
-    print("\n\n".join(describe(name) for name in schemes.names()))
+    print("Schemes. Set an option with --option KEY=VALUE (thinwire compare, train), "
+          "--dp-option (pipeline) or --push-option (async).\n")
+    print("\n\n".join(describe(name, schemes.config_class(name)) for name in schemes.names()))
+    print("\n\nPipeline boundaries (thinwire pipeline --boundary KIND). Set an option with "
+          "--boundary-option KEY=VALUE.\n")
+    print("\n\n".join(describe(kind, boundary_config_class(kind)) for kind in boundary_kinds()))
     return 0
