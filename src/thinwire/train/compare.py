@@ -198,8 +198,19 @@ def _floor(axis: Any) -> float:
     return min(positive) / 2 if positive else 1e-6
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_scheme_options(parser: argparse.ArgumentParser) -> None:
+    """``--sparsity``, ``--life-span`` (defaults: dct-dp's own) and ``--option KEY=VALUE``."""
     dct = {f.name: f.default for f in dataclasses.fields(schemes.config_class("dct-dp"))}
+    parser.add_argument("--sparsity", type=float, default=dct["sparsity"],
+                        help="fraction a sparsifier drops (ratio = 1 - sparsity)")
+    parser.add_argument("--life-span", type=int, default=dct["life_span"],
+                        help="dct-dp threshold life-span L in steps")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="set KEY on every scheme that has it, e.g. --option values=fp16 "
+                             "(thinwire schemes lists them)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                         help="comma-separated scheme names, from thinwire schemes")
     parser.add_argument("--workers", type=int, default=4, help="local worker processes")
@@ -222,13 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="width of the MLP's hidden layers")
     parser.add_argument("--seed", type=int, default=RunOptions.seed,
                         help="model initialisation, data order and split")
-    parser.add_argument("--sparsity", type=float, default=dct["sparsity"],
-                        help="fraction each sparsifier drops (ratio = 1 - sparsity)")
-    parser.add_argument("--life-span", type=int, default=dct["life_span"],
-                        help="dct-dp threshold life-span L in steps")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="set KEY on every scheme that has it, e.g. --option rank=2 "
-                             "(thinwire schemes lists them)")
+    add_scheme_options(parser)
     parser.add_argument("--bandwidth", default="100mbit",
                         help="link rate for the modelled time (compute + bytes / rate)")
     cli_common.add_outputs(parser, "compare")

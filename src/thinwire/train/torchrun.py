@@ -9,7 +9,6 @@ Rendezvous, multi-node included, is torchrun's; this only reads its environment.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from datetime import timedelta
 from typing import Any
@@ -26,7 +25,6 @@ from thinwire.train.workloads import WORKLOADS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    dct = {f.name: f.default for f in dataclasses.fields(schemes.config_class("dct-dp"))}
     parser.add_argument("--scheme", default="dct-dp", help="a name from thinwire schemes")
     parser.add_argument("--workload", default=RunOptions.workload, choices=sorted(WORKLOADS),
                         help="model and data set")
@@ -36,12 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=RunOptions.lr, help="learning rate")
     parser.add_argument("--seed", type=int, default=RunOptions.seed,
                         help="model initialisation, data order and split")
-    parser.add_argument("--sparsity", type=float, default=dct["sparsity"],
-                        help="fraction the sparsifier drops (ratio = 1 - sparsity)")
-    parser.add_argument("--life-span", type=int, default=dct["life_span"],
-                        help="dct-dp threshold life-span L in steps")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="any other option of the scheme, e.g. --option values=fp16")
+    compare.add_scheme_options(parser)
     parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl on GPU)")
     cli_common.add_outputs(parser, "train")
     add_timeout(parser)
