@@ -210,10 +210,8 @@ def add_scheme_options(parser: argparse.ArgumentParser) -> None:
                              "(thinwire schemes lists them)")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
-                        help="comma-separated scheme names, from thinwire schemes")
-    parser.add_argument("--workers", type=int, default=4, help="local worker processes")
+def add_recipe_options(parser: argparse.ArgumentParser) -> None:
+    """The workload and how to train it; what is not given comes from its recipe."""
     parser.add_argument("--workload", default=RunOptions.workload, choices=sorted(WORKLOADS),
                         help="model and data set")
     parser.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
@@ -233,6 +231,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="width of the MLP's hidden layers")
     parser.add_argument("--seed", type=int, default=RunOptions.seed,
                         help="model initialisation, data order and split")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+                        help="comma-separated scheme names, from thinwire schemes")
+    parser.add_argument("--workers", type=int, default=4, help="local worker processes")
+    add_recipe_options(parser)
     add_scheme_options(parser)
     parser.add_argument("--bandwidth", default="100mbit",
                         help="link rate for the modelled time (compute + bytes / rate)")

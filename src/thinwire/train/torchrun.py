@@ -4,6 +4,8 @@
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 -m thinwire train ...
 
 Rendezvous, multi-node included, is torchrun's; this only reads its environment.
+Rank 0 prints a summary table and writes results.json, results.md,
+accuracy_vs_bytes.png and, for a sparsifier, threshold.png to --out.
 """
 
 from __future__ import annotations
@@ -19,21 +21,13 @@ import torch.distributed as dist
 from thinwire import cli_common, schemes
 from thinwire.progress import StepBar
 from thinwire.train import compare
-from thinwire.train.dataparallel import RunOptions, run_scheme
+from thinwire.train.dataparallel import run_scheme
 from thinwire.train.launch import RankFailed, add_timeout, current_phase
-from thinwire.train.workloads import WORKLOADS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheme", default="dct-dp", help="a name from thinwire schemes")
-    parser.add_argument("--workload", default=RunOptions.workload, choices=sorted(WORKLOADS),
-                        help="model and data set")
-    parser.add_argument("--steps", type=int, default=RunOptions.steps, help="optimiser steps")
-    parser.add_argument("--batch-size", type=int, default=RunOptions.batch_size,
-                        help="samples per worker per step")
-    parser.add_argument("--lr", type=float, default=RunOptions.lr, help="learning rate")
-    parser.add_argument("--seed", type=int, default=RunOptions.seed,
-                        help="model initialisation, data order and split")
+    compare.add_recipe_options(parser)
     compare.add_scheme_options(parser)
     parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl on GPU)")
     cli_common.add_outputs(parser, "train")
@@ -45,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ:
         raise ValueError("thinwire train expects torchrun's environment (RANK, WORLD_SIZE, "
                          "MASTER_ADDR); launch it with torchrun, or use thinwire compare")
-    options = RunOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                         seed=args.seed, workload=args.workload)
+    options = compare.run_options(args)
     compare.parse_options(args.option, [args.scheme])
     config = compare.scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
     schemes.build(args.scheme, **config)  # validate before joining the job
@@ -86,8 +79,8 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
              f"{result['compression_ratio']:.1f}x", f"{result['wall_s']:.2f}"]]
     cli_common.write_results(
         out, {"command": "train", "options": vars(args), "runs": [result]},
-        f"# thinwire train\n\n{result['workload']}, {args.steps} steps, batch "
-        f"{args.batch_size} per worker, lr {args.lr}.\n\n"
+        f"# thinwire train\n\n{result['workload']}, {result['optimizer']}, "
+        f"{result['steps']} steps.\n\n"
         f"{cli_common.markdown_table(HEADER, rows)}\n", args.json)
     figures = compare.plot([result], out)
     print(cli_common.text_table(HEADER, rows))
