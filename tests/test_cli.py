@@ -45,7 +45,10 @@ def test_compare_writes_results_and_the_json_summary(tmp_path: Path,
                  "--out", str(tmp_path / "run"), "--json", str(summary)])
     assert code == 0
     assert summary.read_text() == (tmp_path / "run" / "results.json").read_text()
-    runs = json.loads(summary.read_text())["runs"]
+    written = json.loads(summary.read_text())
+    assert written["command"] == "compare" and written["options"]["life_span"] == 10
+    assert "run" not in written["options"]  # the options as given, not the handler
+    runs = written["runs"]
     assert [r["scheme"] for r in runs] == ["dense", "dct-dp"]
     for r in runs:
         assert 0.0 <= r["test_accuracy"] <= 1.0 and r["wall_s"] > 0

@@ -94,14 +94,21 @@ def run_folder(out: Path | None, command: str) -> Path:
     return folder
 
 
-def write_results(folder: Path, results: Any, markdown: str, json_copy: Path | None) -> None:
-    """``results.json`` and ``results.md`` in ``folder``, and the JSON again at ``json_copy``."""
-    text = json.dumps(results, indent=1, default=str)
+def write_results(folder: Path, command: str, args: argparse.Namespace, runs: Sequence[Any],
+                  markdown: str) -> None:
+    """``results.json`` and ``results.md`` in ``folder``, and the JSON again at ``args.json``.
+
+    ``results.json`` holds ``{"command", "options", "runs"}``: the subcommand, every
+    option it ran with, and one entry per run.
+    """
+    options = {key: value for key, value in vars(args).items() if not callable(value)}
+    text = json.dumps({"command": command, "options": options, "runs": list(runs)},
+                      indent=1, default=str)
     (folder / "results.json").write_text(text)
     (folder / "results.md").write_text(markdown if markdown.endswith("\n") else markdown + "\n")
-    if json_copy is not None:
-        json_copy.parent.mkdir(parents=True, exist_ok=True)
-        json_copy.write_text(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

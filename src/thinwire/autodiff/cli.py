@@ -136,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
     setting = (f"{data.name}: {args.workers} sites, labels split, batch {args.batch_size} per "
                f"site, {results[0]['steps_per_epoch']} steps per epoch")
     cli_common.write_results(
-        out, {"command": "dad", "options": vars(args), "runs": results},
+        out, "dad", args, results,
         f"# thinwire dad\n\n{setting}.\n\n"
-        f"{cli_common.markdown_table(HEADER, table_rows(results))}\n", args.json)
+        f"{cli_common.markdown_table(HEADER, table_rows(results))}\n")
     plots.auc(results, str(out / "auc.png"), f"test AUC, {data.name}")
     plots.effective_rank(results, str(out / "effective_rank.png"))
     plots.bytes_per_step(results, str(out / "bytes.png"))

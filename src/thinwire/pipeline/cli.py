@@ -156,10 +156,9 @@ def run(args: argparse.Namespace) -> int:
     note = (f" The teacher that drew the labels: loss {oracle['loss']:.4f}, accuracy "
             f"{oracle['accuracy']:.4f}." if oracle else "")
     cli_common.write_results(
-        out, {"command": "pipeline", "options": vars(args), "runs": [result]},
+        out, "pipeline", args, [result],
         f"# thinwire pipeline\n\nSplits at {', '.join(result['splits']) or '(none)'}; bytes "
-        f"per step summed over ranks.{note}\n\n{cli_common.markdown_table(HEADER, [row])}\n",
-        args.json)
+        f"per step summed over ranks.{note}\n\n{cli_common.markdown_table(HEADER, [row])}\n")
     plot_bytes(result, str(out / "bytes.png"))
     print(cli_common.text_table(HEADER, [row]))
     print(f"wrote {out}/results.json, results.md, bytes.png")

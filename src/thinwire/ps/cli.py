@@ -130,11 +130,11 @@ def run_command(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     summary = result.summary()
     row = summary_row(args.rule, summary)
     cli_common.write_results(
-        out, {"command": "async", "options": vars(args), "runs": [summary]},
+        out, "async", args, [summary],
         f"# thinwire async\n\n{args.rule} with {args.workers} workers "
         f"({args.threads_per_worker} threads each), {args.epochs} epochs of {args.dataset} "
         f"on {args.model}, {args.push} pushes.\n\n"
-        f"{cli_common.markdown_table(HEADER, [row])}\n", args.json)
+        f"{cli_common.markdown_table(HEADER, [row])}\n")
     torch.save(result.weights, out / "weights.pt")
     plot_curve(summary, out / "test_error.png")
     return summary, out

@@ -264,13 +264,13 @@ def run(args: argparse.Namespace) -> int:
     out = cli_common.run_folder(args.out, "compare")
     rows = table_rows(results)
     cli_common.write_results(
-        out, {"command": "compare", "options": vars(args), "runs": results},
+        out, "compare", args, results,
         f"# thinwire compare\n\n{options.workload}, {options.optimizer} (lr {options.lr}, "
         f"momentum {options.momentum}, coupled {options.couple}), target test accuracy "
         f"{results[0]['target']}; {args.workers} workers, {options.steps} steps, "
         f"sparsity {args.sparsity}, life-span {args.life_span}; a step's compute "
         f"{results[0]['compute_ms_per_step']:.2f} ms (one probe for every scheme).\n\n"
-        f"{cli_common.markdown_table(header(args.bandwidth), rows)}\n", args.json)
+        f"{cli_common.markdown_table(header(args.bandwidth), rows)}\n")
     figures = plot(results, out)
     print(cli_common.text_table(header(args.bandwidth), rows))
     print(f"wrote {out}/results.json, results.md, " + ", ".join(f.name for f in figures))

@@ -78,10 +78,10 @@ def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
              f"{result['wire_sent_per_step']:,.0f}", f"{result['bytes_received_per_step']:,.0f}",
              f"{result['compression_ratio']:.1f}x", f"{result['wall_s']:.2f}"]]
     cli_common.write_results(
-        out, {"command": "train", "options": vars(args), "runs": [result]},
+        out, "train", args, [result],
         f"# thinwire train\n\n{result['workload']}, {result['optimizer']}, "
         f"{result['steps']} steps.\n\n"
-        f"{cli_common.markdown_table(HEADER, rows)}\n", args.json)
+        f"{cli_common.markdown_table(HEADER, rows)}\n")
     figures = compare.plot([result], out)
     print(cli_common.text_table(HEADER, rows))
     print(f"wrote {out}/results.json, results.md, " + ", ".join(f.name for f in figures))
