@@ -336,7 +336,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--search-seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="seeds whose median validation error scores a setting")
-    parser.add_argument("--passes", type=int, default=10)
+    parser.add_argument("--epochs", dest="passes", type=int, default=10,
+                        help="passes over the training set")
     parser.add_argument("--validation", type=int, default=287,
                         help="training images held out for the search (default 287 of 1437)")
     parser.add_argument("--lr-grid", type=float, nargs="+",

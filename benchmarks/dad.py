@@ -16,7 +16,7 @@ sktime is not installed (``pip install 'thinwire[bench]'``).
 Usage::
 
     python -m benchmarks.dad --out results/dad-bench
-    python -m benchmarks.dad --image-set fashion-mnist --max-steps 100
+    python -m benchmarks.dad --image-set fashion-mnist --steps-per-epoch 100
 
 Fashion-MNIST needs Debian's dataset-fashion-mnist; without it the script
 says so and uses scikit-learn's digits.
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8, 10])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--gru-epochs", type=int, default=20)
-    parser.add_argument("--max-steps", type=int, default=0, help="cap steps per epoch")
+    parser.add_argument("--steps-per-epoch", dest="max_steps", type=int, default=0,
+                        help="cap steps per epoch (0: whole epochs)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--introspect", type=int, default=32,
                         help="extra rank-dAD run at this maximum rank (§4.2.2: the batch "

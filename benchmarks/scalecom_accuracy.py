@@ -23,7 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=900)
-    parser.add_argument("--batch", type=int, default=32, help="per worker")
+    parser.add_argument("--batch-size", dest="batch", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--ratio", type=float, default=0.01, help="k / N of clt-k, local-topk")

@@ -53,8 +53,9 @@ def _args(tmp_path: str, *extra: str) -> argparse.Namespace:
     return parser.parse_args(["--out", str(tmp_path), *extra])
 
 
-@pytest.mark.parametrize("bad", [["--sites", "0"], ["--batch", "0"], ["--max-steps", "-1"],
-                                 ["--hidden", "0"], ["--dataset", "mnist"]])
+@pytest.mark.parametrize("bad", [["--workers", "0"], ["--batch-size", "0"], ["--steps", "-1"],
+                                 ["--hidden", "0"], ["--dataset", "mnist"],
+                                 ["--option", "iterations=0"], ["--option", "rank=2"]])
 def test_bad_arguments_are_value_errors(tmp_path: str, bad: list[str]) -> None:
     with pytest.raises(ValueError):
         cli.run(_args(tmp_path, *bad))
@@ -63,17 +64,20 @@ def test_bad_arguments_are_value_errors(tmp_path: str, bad: list[str]) -> None:
 def test_dad_command_compares_modes_side_by_side(tmp_path: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.run(_args(tmp_path, "--modes", "dsgd", "dad", "edad", "rank-dad", "--ranks", "2",
-                         "--epochs", "1", "--max-steps", "2", "--hidden", "16",
+                         "--epochs", "2", "--steps", "2", "--hidden", "16",
                          "--dtype", "float64"))
     assert code == 0
     printed = capsys.readouterr().out
     for label in ("dsgd", "dad", "edad", "rank-dad r=2"):
         assert f"\n{label} " in printed
     with open(os.path.join(tmp_path, "results.json")) as handle:
-        results = {r["label"]: r for r in json.load(handle)}
+        results = {r["label"]: r for r in json.load(handle)["runs"]}
     for mode in ("dsgd", "dad", "edad"):
         assert max(results[mode]["max_grad_error"].values()) < 1e-12
     assert max(results["edad"]["bytes_per_site"]) < max(results["dad"]["bytes_per_site"])
     assert set(results["rank-dad r=2"]["effective_rank_per_epoch"]) == {"0", "2"}
-    for figure in ("auc.png", "effective_rank.png", "bytes.png"):
+    for result in results.values():  # --steps 2 ends the run inside the first epoch
+        assert result["steps_per_epoch"] > 2 and result["meter"]["steps"] == 2
+        assert len(result["history"]) == 1
+    for figure in ("results.md", "auc.png", "effective_rank.png", "bytes.png"):
         assert os.path.getsize(os.path.join(tmp_path, figure)) > 0

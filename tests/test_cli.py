@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from thinwire.cli import main
-from thinwire.jobs import compare
+from thinwire.cli import COMMANDS, build_parser, main
+from thinwire.cli import dad as dad_cli
+from thinwire.cli import pipeline as pipeline_cli
+from thinwire.jobs import common, compare
+from thinwire.jobs.common import HelpFormatter
 from thinwire.jobs.compare import parse_bandwidth, scheme_config
+from thinwire.ps import launch as ps_launch
 
 
 def test_parse_bandwidth() -> None:
@@ -36,7 +43,11 @@ def test_compare_writes_results_and_the_json_summary(tmp_path: Path,
                  "--sparsity", "0.9", "--life-span", "10", "--hidden", "32", "--lr", "0.2",
                  "--out", str(tmp_path / "run"), "--json", str(summary)])
     assert code == 0
-    runs = json.loads(summary.read_text())["runs"]
+    assert summary.read_text() == (tmp_path / "run" / "results.json").read_text()
+    written = json.loads(summary.read_text())
+    assert written["command"] == "compare" and written["options"]["life_span"] == 10
+    assert "run" not in written["options"]  # the options as given, not the handler
+    runs = written["runs"]
     assert [r["scheme"] for r in runs] == ["dense", "dct-dp"]
     for r in runs:
         assert 0.0 <= r["test_accuracy"] <= 1.0 and r["wall_s"] > 0
@@ -44,11 +55,23 @@ def test_compare_writes_results_and_the_json_summary(tmp_path: Path,
     assert dense["compression_ratio"] == pytest.approx(1.0)
     assert dct["bytes_sent_per_step"] < dense["bytes_sent_per_step"] / 2
     assert dense["test_accuracy"] > 0.5  # it learned something in 40 steps
-    full = json.loads((tmp_path / "run" / "results.json").read_text())["runs"]
-    assert all(r["replicas_identical"] for r in full)
-    assert (tmp_path / "run" / "accuracy_vs_bytes.png").stat().st_size > 0
-    assert (tmp_path / "run" / "threshold.png").stat().st_size > 0
-    assert "| dct-dp |" in capsys.readouterr().out
+    assert all(r["replicas_identical"] for r in runs)
+    # one compute probe for every scheme: the modelled times differ by bytes and overhead only
+    assert dense["compute_ms_per_step"] == dct["compute_ms_per_step"] > 0
+    for r in runs:  # ring traffic per worker, in total and per collective
+        per_collective = r["traffic_per_collective"]
+        assert r["bytes_received_per_step"] == pytest.approx(
+            sum(c["received"] for c in per_collective.values()))
+        assert r["wire_sent_per_step"] == pytest.approx(
+            sum(c["sent"] for c in per_collective.values()))
+    # 2 workers: a ring all-reduce moves 2(n-1)/n = 1 payload each way, an all-gather n-1 = 1
+    assert dense["traffic_per_collective"]["all_reduce"]["sent"] == pytest.approx(
+        dense["bytes_sent_per_step"])
+    assert dct["traffic_per_collective"]["all_gather"]["nbytes"] > 0
+    for name in ("results.md", "accuracy_vs_bytes.png", "threshold.png"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "\ndct-dp " in printed and "ring recv B/step" in printed
 
 
 def test_bad_input_is_a_clear_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
@@ -119,3 +142,173 @@ def test_train_rejects_unknown_options_before_joining_the_job(
     monkeypatch.setenv("RANK", "0")  # as under torchrun; nothing may join a group
     assert main(["train", "--scheme", "dct-dp", "--option", "bogus=1"]) == 2
     assert "'bogus' is not an option of dct-dp" in capsys.readouterr().err
+
+
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub: argparse.ArgumentParser = commands.choices[name]
+    return sub
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_flag_has_help_that_shows_its_default(command: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    parser = _subcommand(command)
+    formatter = HelpFormatter(prog="thinwire")
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{command} {action.option_strings[0]} has no help"
+        assert "default" in formatter._get_help_string(action), action.option_strings[0]
+    with pytest.raises(SystemExit) as caught:
+        main([command, "--help"])
+    assert caught.value.code == 0
+    printed = capsys.readouterr().out
+    flags = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS]
+    assert printed.count("(default") >= len(flags) - 1  # all but --help
+
+
+def test_top_level_help_speaks_to_users(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    printed = capsys.readouterr().out
+    assert "``" not in printed and "COMMANDS" not in printed and "thinwire." not in printed
+    for command in COMMANDS:
+        assert f"\n    {command} " in printed
+
+
+# The shared vocabulary: what each subcommand must take (async counts epochs, not steps;
+# train's workers are torchrun's; a pipeline's processes are stages x replicas).
+VOCABULARY = {
+    "compare": ["--steps", "--batch-size", "--workers", "--lr", "--seed", "--option"],
+    "train": ["--steps", "--batch-size", "--lr", "--seed", "--option"],
+    "pipeline": ["--steps", "--batch-size", "--lr", "--seed", "--boundary-option",
+                 "--dp-option", "--epochs"],
+    "dad": ["--steps", "--batch-size", "--workers", "--lr", "--seed", "--option", "--epochs"],
+    "async": ["--batch-size", "--workers", "--lr", "--seed", "--push-option", "--epochs"],
+}
+OLD_SPELLINGS = ["--dp-opt", "--push-opt", "--boundary-opt", "--max-steps", "--passes",
+                 "--batch", "--sites"]
+
+
+@pytest.mark.parametrize("command", list(VOCABULARY))
+def test_one_vocabulary_and_no_old_spellings(command: str) -> None:
+    flags = {flag for a in _subcommand(command)._actions for flag in a.option_strings}
+    assert set(VOCABULARY[command]) | {"--out", "--json", "--timeout"} <= flags
+    assert not flags & set(OLD_SPELLINGS)
+
+
+@pytest.mark.parametrize("old", [["pipeline", "--dp-opt", "sparsity=0.9"],
+                                 ["async", "--push-opt", "sparsity=0.9"],
+                                 ["dad", "--batch", "8"]])
+def test_old_spellings_are_not_taken_as_abbreviations(old: list[str],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(old)
+    assert caught.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_timeout_has_one_default_everywhere() -> None:
+    defaults = {name: next(a.default for a in _subcommand(name)._actions
+                           if "--timeout" in a.option_strings) for name in VOCABULARY}
+    assert len(set(defaults.values())) == 1, defaults
+
+
+def test_dct_dp_defaults_are_the_schemes_own() -> None:
+    from thinwire.schemes.builtin import DCTConfig
+
+    for command in ("compare", "train"):
+        args = _subcommand(command).parse_args([])
+        assert (args.sparsity, args.life_span) == (DCTConfig.sparsity, DCTConfig.life_span)
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise AssertionError("bad input must be rejected before any training starts")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["compare", "--schemes", "dense", "--option", "bogus=1"],
+     "--option 'bogus' is not an option of dense; valid keys: nonfinite"),
+    (["train", "--scheme", "topk", "--option", "bogus=1"],
+     "--option 'bogus' is not an option of topk; valid keys: error_feedback, indices, "),
+    (["pipeline", "--boundary", "sketch", "--boundary-option", "bogus=1"],
+     "--boundary-option 'bogus' is not an option of sketch; valid keys: compression"),
+    (["pipeline", "--replicas", "2", "--dp-scheme", "powersgd", "--dp-option", "bogus=1"],
+     "--dp-option 'bogus' is not an option of powersgd; valid keys: error_feedback, "),
+    (["async", "--push", "topk", "--push-option", "bogus=1"],
+     "--push-option 'bogus' is not an option of topk; valid keys: error_feedback, "),
+    (["dad", "--option", "bogus=1"],
+     "--option 'bogus' is not an option of dad; valid keys: error_feedback, iterations, "),
+])
+def test_every_subcommand_rejects_unknown_option_keys_naming_the_valid_ones(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")  # as under torchrun; nothing may join a group
+    for module, name in ((compare, "spawn"), (pipeline_cli, "train_local"),
+                         (pipeline_cli, "train_engine"), (ps_launch, "_run"),
+                         (dad_cli, "run_all")):
+        monkeypatch.setattr(module, name, _refuse)
+    assert main(argv) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_option_values_are_python_literals_in_any_case() -> None:
+    assert common.split_option("life-span=10") == ("life_span", 10)
+    assert common.split_option("values=fp16") == ("values", "fp16")
+    assert common.split_option("refresh_above=None") == ("refresh_above", None)
+    assert common.split_option("warm_start=false") == ("warm_start", False)
+    assert common.split_option("include=('0.*',)") == ("include", ("0.*",))
+
+
+def test_schemes_lists_each_options_meaning_and_range(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schemes"]) == 0
+    printed = capsys.readouterr().out
+    assert "fraction of each tensor's entries dropped, in [0, 1)" in printed  # dct-dp sparsity
+    assert "life_span=1000 (int)" in printed
+    assert "r, columns of the factors P and Q, >= 1" in printed  # powersgd rank
+    assert "ratio=0.01 (float)" in printed and "local-topk" in printed  # inherited comments
+    assert "compression=0.5 (float)" in printed  # the pipeline boundaries' options too
+    assert "fraction of the width removed by the sketch, in [0, 1)" in printed
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_train_rank_zero_writes_the_run_folder(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(key, value)
+    code = main(["train", "--scheme", "dct-dp", "--steps", "3", "--batch-size", "16",
+                 "--backend", "gloo", "--out", str(tmp_path / "run"),
+                 "--json", str(tmp_path / "copy.json")])
+    assert code == 0
+    result = json.loads((tmp_path / "copy.json").read_text())["runs"][0]
+    assert result["scheme"] == "dct-dp" and result["steps"] == 3 and result["workers"] == 1
+    for name in ("results.json", "results.md", "accuracy_vs_bytes.png", "threshold.png"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+
+
+def test_async_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["async", "--rule", "sequential", "--epochs", "1", "--model", "linear",
+                 "--train-limit", "64", "--batch-size", "16", "--no-progress",
+                 "--out", str(tmp_path / "run"), "--json", str(tmp_path / "copy.json")])
+    assert code == 0
+    assert "test error" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "copy.json").read_text())["runs"][0]
+    assert summary["updates"] == 4
+    for name in ("results.json", "results.md", "test_error.png", "weights.pt"):
+        assert os.path.getsize(tmp_path / "run" / name) > 0
+
+
+def test_out_defaults_to_a_dated_folder_per_subcommand(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    folder = common.run_folder(None, "dad")
+    assert folder.parent == Path("runs") and folder.name.endswith("-dad") and folder.is_dir()

@@ -148,13 +148,13 @@ def test_hybrid_two_stages_by_two_replicas_runs_from_the_cli(
     code = main(["pipeline", "--task", "breast-cancer", "--stages", "2", "--replicas", "2",
                  "--schedule", "1f1b", "--microbatches", "2", "--batch-size", "32",
                  "--steps", "3", "--sparsity", "0.9", "--dp-scheme", "dct-dp",
-                 "--dp-opt", "sparsity=0.9", "--dp-opt", "life_span=2",
-                 "--json", str(out)])
+                 "--dp-option", "sparsity=0.9", "--dp-option", "life_span=2",
+                 "--out", str(tmp_path / "run"), "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     for entity in ("X_act", "X_grad", "W_grad"):
         assert entity in printed
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["runs"][0]
     ranks = {r["rank"]: r for r in result["ranks"]}
     assert [(r["stage"], r["replica"]) for _, r in sorted(ranks.items())] == [
         (0, 0), (1, 0), (0, 1), (1, 1)]

@@ -105,10 +105,14 @@ def test_cli_local_transformer_run_reports_bytes(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run.json"
     code = main(["pipeline", "--local", "--task", "digits", "--stages", "3", "--steps", "2",
-                 "--batch-size", "32", "--sparsity", "0.9", "--json", str(out)])
+                 "--batch-size", "32", "--sparsity", "0.9", "--json", str(out),
+                 "--out", str(tmp_path / "run")])
     assert code == 0
-    assert "X_act" in capsys.readouterr().out
-    result = json.loads(out.read_text())
+    assert "X_act B/step" in capsys.readouterr().out
+    assert out.read_text() == (tmp_path / "run" / "results.json").read_text()
+    for name in ("results.md", "bytes.png"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+    result = json.loads(out.read_text())["runs"][0]
     assert result["splits"] == ["layer0.ffn_relu", "layer1.ffn_relu"]
     k = keep_count(128, 0.1)
     residual = 32 * 8 * 32 * 4  # (B, T, d_model) fp32 crosses dense beside the payload
@@ -120,7 +124,11 @@ def test_cli_local_transformer_run_reports_bytes(tmp_path: Path,
     (["--sparsity", "1.5"], "sparsity=1.5"),
     (["--splits", "bottom.99"], "no module named 'bottom.99'"),
     (["--stages", "3", "--splits", "bottom.3"], "split names"),
-    (["--boundary-opt", "oops"], "KEY=VALUE"),
+    (["--boundary-option", "oops"], "KEY=VALUE"),
+    (["--boundary-option", "bogus=1"],
+     "--boundary-option 'bogus' is not an option of dct-mp; valid keys: sparsity, threshold"),
+    (["--replicas", "2", "--dp-option", "bogus=1"],
+     "--dp-option 'bogus' is not an option of dense; valid keys: nonfinite"),
 ])
 def test_cli_bad_input_is_a_clear_error(argv: list[str], message: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -48,14 +48,16 @@ def test_cli_one_worker_over_rpc_is_sequential_sgd_exactly(tmp_path: object) -> 
     ps_cli.add_arguments(parser)
     out = os.path.join(str(tmp_path), "out")
     args = parser.parse_args([
-        "--rule", "asgd", "--workers", "1", "--passes", "2", "--lr", "0.2", "--model", "linear",
+        "--rule", "asgd", "--workers", "1", "--epochs", "2", "--lr", "0.2", "--model", "linear",
         "--batch-size", "16", "--train-limit", "160", "--out", out, "--timeout", "600",
         "--no-progress"])
     assert ps_cli.run(args) == 0
-    weights = torch.load(os.path.join(out, "asgd-w1.pt"))
+    weights = torch.load(os.path.join(out, "weights.pt"))
     assert torch.equal(weights, _torch_sgd(SPEC, 2, 0.2))
-    with open(os.path.join(out, "asgd-w1.json")) as handle:
-        summary = json.load(handle)
+    with open(os.path.join(out, "results.json")) as handle:
+        summary = json.load(handle)["runs"][0]
+    for name in ("results.md", "test_error.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
     assert summary["updates"] == 20 and summary["staleness"]["histogram"] == {"0": 20}
     assert summary["bytes"] == {"pull": 20 * 650 * 4, "push": 20 * 650 * 4}
     assert summary["membership"] == ["left"]

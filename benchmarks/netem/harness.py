@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
-    parser.add_argument("--max-steps", type=int, default=None,
+    parser.add_argument("--steps", dest="max_steps", type=int, default=None,
                         help=f"steps per run at most (default {FULL['max_steps']})")
     parser.add_argument("--cap-s", type=float, default=None,
                         help="training seconds after which a run stops at its next "

@@ -4,7 +4,7 @@ The package stands in floors, lowest first; a module imports only from its own
 package and from floors below, and packages side by side do not import each other:
 
     compress
-    comm | feedback | launch
+    comm | feedback | launch | progress
     schemes
     optim
     ddp                          (front door 1)

@@ -57,11 +57,13 @@ def current_phase() -> str:
     return _phase
 
 
-def add_timeout(parser: argparse.ArgumentParser) -> None:
-    """``--timeout SECONDS``: how long any rank waits on a stalled peer before the job fails."""
+def add_timeout(parser: argparse._ActionsContainer,
+                meaning: str = "process-group timeout: a rank waiting longer on a peer fails "
+                               "the job, naming ranks and steps") -> None:
+    """``--timeout SECONDS``: how long a process waits on a stalled peer; one default for
+    every subcommand, ``meaning`` says what waits."""
     parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                        help="process-group timeout: a rank waiting longer on a peer fails the "
-                             f"job, naming ranks and steps (default {DEFAULT_TIMEOUT_S:g})")
+                        help=f"{meaning} (default: {DEFAULT_TIMEOUT_S:g})")
 
 
 def _seconds(text: str) -> float:

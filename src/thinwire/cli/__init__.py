@@ -11,7 +11,18 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from thinwire.jobs.common import HelpFormatter
 from thinwire.launch import RankFailed
+
+DESCRIPTION = """\
+Distributed training that is cheap on the wire, on torch.distributed.
+
+Every training subcommand takes the same flags: --steps, --batch-size, --workers, --lr,
+--seed, scheme options as KEY=VALUE (--option, or --dp-option, --push-option,
+--boundary-option where a subcommand has several), --timeout, and --out DIR, where it
+writes results.json, results.md and its figures (--json PATH writes results.json again).
+'thinwire schemes' lists every scheme option with its meaning and allowed range.
+"""
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, str] = {
@@ -25,12 +36,16 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="thinwire", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    # allow_abbrev=False: a flag's old spelling that prefixes its new one (--dp-opt of
+    # --dp-option) is an error, not a silent alias.
+    parser = argparse.ArgumentParser(prog="thinwire", description=DESCRIPTION,
+                                     formatter_class=HelpFormatter, allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
         sub = commands.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
-                                  description=module.__doc__)
+                                  description=module.__doc__, formatter_class=HelpFormatter,
+                                  allow_abbrev=False)
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     return parser

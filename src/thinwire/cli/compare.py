@@ -1,62 +1,72 @@
-"""Train the same model under several schemes side by side and compare them.
+"""Train one workload under several schemes side by side and compare them.
 
-Spawns N local ranks (gloo), trains the MLP with the same seed and data
-shards under each scheme on scikit-learn's digits, prints a table and writes
-``runs/<timestamp>/`` with results.json, results.md and PNG plots.
+Spawns local worker processes (gloo) and trains with the same seed and data
+shards under each scheme (:func:`thinwire.jobs.compare.compare`). Prints a table
+and writes results.json, results.md, accuracy_vs_bytes.png and threshold.png
+to --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import math
 import sys
-import time
-from pathlib import Path
 
-from thinwire.jobs.compare import compare, markdown_table, parse_bandwidth, plot
+from thinwire import schemes
+from thinwire.jobs import common
+from thinwire.jobs.compare import compare, header, parse_bandwidth, plot, table_rows
 from thinwire.jobs.dataparallel import RunOptions
 from thinwire.jobs.workloads import OPTIMIZERS, RECIPES, WORKLOADS
 from thinwire.launch import add_timeout
 
 # What `thinwire compare` runs when --schemes is not given (every name in --schemes works).
 DEFAULT_SCHEMES = ("dense", "fp16", "topk", "dct-dp", "powersgd", "clt-k")
-# Fields the summary table and --json carry, in order.
-TABLE = ("scheme", "test_accuracy", "final_loss", "bytes_sent_per_step", "compression_ratio",
-         "overhead_ms_per_step", "wall_s", "modelled_s", "steps_to_target")
+
+def add_scheme_options(parser: argparse.ArgumentParser) -> None:
+    """``--sparsity``, ``--life-span`` (defaults: dct-dp's own) and ``--option KEY=VALUE``."""
+    dct = {f.name: f.default for f in dataclasses.fields(schemes.config_class("dct-dp"))}
+    parser.add_argument("--sparsity", type=float, default=dct["sparsity"],
+                        help="fraction a sparsifier drops (ratio = 1 - sparsity)")
+    parser.add_argument("--life-span", type=int, default=dct["life_span"],
+                        help="dct-dp threshold life-span L in steps")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="set KEY on every scheme that has it, e.g. --option values=fp16 "
+                             "(thinwire schemes lists them)")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
-                        help="comma-separated scheme names, from `thinwire schemes` "
-                             f"(default: {','.join(DEFAULT_SCHEMES)})")
-    parser.add_argument("--workers", type=int, default=4, help="local ranks (default 4)")
+def add_recipe_options(parser: argparse.ArgumentParser) -> None:
+    """The workload and how to train it; what is not given comes from its recipe."""
     parser.add_argument("--workload", default=RunOptions.workload, choices=sorted(WORKLOADS),
-                        help=f"model and data set (default {RunOptions.workload})")
+                        help="model and data set")
     parser.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                         help="the user's optimiser (default: the workload's recipe)")
     parser.add_argument("--momentum", type=float, default=None,
                         help="SGD momentum, or AdamW's beta1 (default: the workload's recipe)")
     parser.add_argument("--no-couple", dest="couple", action="store_false",
-                        help="leave the momentum in the optimiser (see thinwire.optim.couple)")
+                        help="leave the momentum in the optimiser instead of moving it into "
+                             "the sparse schemes' error feedback")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimiser steps per scheme (default: the workload's recipe)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="samples per worker per step (default: the workload's recipe)")
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate (default: the workload's recipe)")
-    parser.add_argument("--hidden", type=int, default=RunOptions.hidden)
-    parser.add_argument("--seed", type=int, default=RunOptions.seed)
-    parser.add_argument("--sparsity", type=float, default=0.99,
-                        help="fraction dropped by sparsifiers (ratio = 1 - sparsity)")
-    parser.add_argument("--life-span", type=int, default=100,
-                        help="DCT threshold life-span L in steps")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="set KEY on every scheme that has it, e.g. --option rank=2")
+    parser.add_argument("--hidden", type=int, default=RunOptions.hidden,
+                        help="width of the MLP's hidden layers")
+    parser.add_argument("--seed", type=int, default=RunOptions.seed,
+                        help="model initialisation, data order and split")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+                        help="comma-separated scheme names, from thinwire schemes")
+    parser.add_argument("--workers", type=int, default=4, help="local worker processes")
+    add_recipe_options(parser)
+    add_scheme_options(parser)
     parser.add_argument("--bandwidth", default="100mbit",
                         help="link rate for the modelled time (compute + bytes / rate)")
-    parser.add_argument("--out", type=Path, default=None, help="run folder (default runs/<time>)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    common.add_outputs(parser, "compare")
     add_timeout(parser)
 
 
@@ -76,22 +86,18 @@ def run(args: argparse.Namespace) -> int:
     bandwidth_bps = parse_bandwidth(args.bandwidth)
     results = compare(names, args.workers, options, bandwidth_bps, args.sparsity,
                       args.life_span, args.option, args.timeout)
-    out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(results, args.bandwidth)
-    print(table)
-    summary = {"runs": [{key: r[key] for key in TABLE} for r in results]}
-    (out / "results.json").write_text(json.dumps({"runs": results, "options": vars(args)},
-                                                 indent=2, default=str))
-    (out / "results.md").write_text(
+    out = common.run_folder(args.out, "compare")
+    rows = table_rows(results)
+    common.write_results(
+        out, "compare", args, results,
         f"# thinwire compare\n\n{options.workload}, {options.optimizer} (lr {options.lr}, "
         f"momentum {options.momentum}, coupled {options.couple}), target test accuracy "
         f"{results[0]['target']}; {args.workers} workers, {options.steps} steps, "
-        f"sparsity {args.sparsity}, life-span {args.life_span}.\n\n{table}\n")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2))
+        f"sparsity {args.sparsity}, life-span {args.life_span}; a step's compute "
+        f"{results[0]['compute_ms_per_step']:.2f} ms (one probe for every scheme).\n\n"
+        f"{common.markdown_table(header(args.bandwidth), rows)}\n")
     figures = plot(results, out)
+    print(common.text_table(header(args.bandwidth), rows))
     print(f"wrote {out}/results.json, results.md, " + ", ".join(f.name for f in figures))
     diverged = [r["scheme"] for r in results if not r["replicas_identical"]]
     broken = [r["scheme"] for r in results if not math.isfinite(r["test_accuracy"])]

@@ -1,66 +1,85 @@
 """Compare dSGD, dAD, edAD, rank-dAD and PowerSGD side by side on sites with split labels.
 
 Each mode trains the same network from the same weights on local gloo
-processes (one per site); no class is on two sites. Prints, per mode, the
-bytes each site hands to torch.distributed per step, the maximum gradient
-error against pooled training, and the test AUC; writes results.json and
-figures (AUC per mode, effective rank per layer, bytes) to --out.
+processes (one worker per site); no class is on two sites. Prints, per mode,
+the bytes each site hands to torch.distributed per step, the maximum gradient
+error against pooled training, and the test AUC; writes results.json,
+results.md and figures (auc.png, effective_rank.png, bytes.png) to --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from typing import Any
 
-from thinwire.autodiff.engine import MODES
+from thinwire.autodiff.engine import MODES, AutodiffConfig
 from thinwire.autodiff.power import STOPPING
 from thinwire.data import sitedata
+from thinwire.jobs import common
 from thinwire.jobs import dad_plots as plots
-from thinwire.jobs.dad import Run, run_all, table
+from thinwire.jobs.dad import HEADER, Run, run_all, table, table_rows
 from thinwire.launch import add_timeout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default="digits",
-                        help=f"one of {sitedata.names()} (default digits)")
+    parser.add_argument("--dataset", default="digits", help=f"one of {sitedata.names()}")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
-                        help="modes to compare (default: all)")
+                        help="modes to compare")
     parser.add_argument("--ranks", nargs="+", type=int, default=[4],
-                        help="maximum ranks for rank-dad and powersgd (default 4)")
-    parser.add_argument("--sites", type=int, default=2, help="number of sites (default 2)")
-    parser.add_argument("--batch", type=int, default=32, help="batch per site (default 32)")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
-    parser.add_argument("--max-steps", type=int, default=0,
-                        help="cap on steps per epoch, 0 for whole epochs (default 0)")
+                        help="maximum ranks for rank-dad and powersgd")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="sites, one worker process each")
+    parser.add_argument("--batch-size", type=int, default=Run.batch,
+                        help="samples per site per step")
+    parser.add_argument("--epochs", type=int, default=Run.epochs, help="passes over the data")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="stop after this many steps in all; 0 runs every epoch in full")
     parser.add_argument("--hidden", nargs="+", type=int, default=[256, 256],
-                        help="hidden layer widths (paper: 1024 1024; default 256 256)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
-    parser.add_argument("--theta", type=float, default=1e-3, help="rank-dad stopping threshold")
-    parser.add_argument("--stopping", choices=STOPPING, default="paper",
+                        help="hidden layer widths (the paper's: 1024 1024)")
+    parser.add_argument("--lr", type=float, default=Run.lr, help="Adam learning rate")
+    parser.add_argument("--theta", type=float, default=AutodiffConfig.theta,
+                        help="rank-dad stopping threshold")
+    parser.add_argument("--stopping", choices=STOPPING, default=AutodiffConfig.stopping,
                         help="rank-dad stopping rule: the paper's (consecutive directions "
-                             "repeat, default) or residual (a component adds < theta)")
+                             "repeat) or residual (a component adds < theta)")
     parser.add_argument("--error-feedback", action="store_true",
                         help="rank-dad keeps what its factors left out for the next step "
                              "(not in the paper; O(h^2) per layer like PowerSGD)")
-    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default=Run.dtype,
+                        help="dtype of the weights and data")
     parser.add_argument("--private-input", action="store_true",
                         help="keep the first layer's inputs (the raw data) on each site")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/dad", help="output folder")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other option of every mode, e.g. iterations=5 or "
+                             "private_fallback=factor")
+    parser.add_argument("--seed", type=int, default=Run.seed, help="weights and batch order")
+    common.add_outputs(parser, "dad")
     add_timeout(parser)
 
 
+# Options a flag of their own sets; --option refuses them.
+_OWN_FLAGS = {"mode": "--modes", "rank": "--ranks", "theta": "--theta", "stopping": "--stopping",
+              "error_feedback": "--error-feedback", "private_input": "--private-input"}
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    options = common.parse_options(args.option, {"dad": AutodiffConfig})
+    taken = [key for key in options if key in _OWN_FLAGS]
+    if taken:
+        raise ValueError(f"--option {taken[0]!r}: set it with {_OWN_FLAGS[taken[0]]}")
+    AutodiffConfig(**options)  # values in range, before anything is spawned
+    return options
+
+
 def _runs(args: argparse.Namespace) -> list[Run]:
-    common = {"epochs": args.epochs, "batch": args.batch, "hidden": tuple(args.hidden),
-              "lr": args.lr, "seed": args.seed, "dtype": args.dtype, "max_steps": args.max_steps}
-    private = {"private_input": True} if args.private_input else {}
+    recipe = {"epochs": args.epochs, "batch": args.batch_size, "hidden": tuple(args.hidden),
+              "lr": args.lr, "seed": args.seed, "dtype": args.dtype, "steps": args.steps}
+    shared = {**_options(args), **({"private_input": True} if args.private_input else {})}
     runs = []
     for mode in args.modes:
         if mode in ("rank-dad", "powersgd"):
             for rank in args.ranks:
-                options: dict[str, Any] = {"rank": rank, **private}
+                options: dict[str, Any] = {**shared, "rank": rank}
                 label = f"{mode} r={rank}"
                 if mode == "rank-dad":
                     options["theta"] = args.theta
@@ -68,37 +87,41 @@ def _runs(args: argparse.Namespace) -> list[Run]:
                     if args.error_feedback:
                         options["error_feedback"] = True
                         label = f"rank-dad+ef r={rank}"
-                runs.append(Run(label, mode, options, **common))
+                runs.append(Run(label, mode, options, **recipe))
         else:
-            runs.append(Run(mode, mode, dict(private), **common))
+            runs.append(Run(mode, mode, dict(shared), **recipe))
     return runs
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("sites", "batch", "epochs"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name}={getattr(args, name)} must be >= 1")
-    if args.max_steps < 0:
-        raise ValueError(f"--max-steps={args.max_steps} must be >= 0")
+    for flag in ("workers", "batch_size", "epochs"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    if args.steps < 0:
+        raise ValueError(f"--steps={args.steps} must be >= 0 (0: every epoch in full)")
     if any(w < 1 for w in args.hidden):
         raise ValueError(f"--hidden={args.hidden} must all be >= 1")
 
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    runs = _runs(args)
     try:
         data = sitedata.load(args.dataset, args.seed)
     except sitedata.Unavailable as error:
         raise ValueError(str(error)) from error
-    results = run_all(data, _runs(args), args.sites, args.timeout)
-    os.makedirs(args.out, exist_ok=True)
-    print(f"{data.name}: {args.sites} sites, labels split, batch {args.batch} per site, "
-          f"{results[0]['steps_per_epoch']} steps per epoch")
+    results = run_all(data, runs, args.workers, args.timeout, progress=True)
+    out = common.run_folder(args.out, "dad")
+    setting = (f"{data.name}: {args.workers} sites, labels split, batch {args.batch_size} per "
+               f"site, {results[0]['steps_per_epoch']} steps per epoch")
+    common.write_results(
+        out, "dad", args, results,
+        f"# thinwire dad\n\n{setting}.\n\n"
+        f"{common.markdown_table(HEADER, table_rows(results))}\n")
+    plots.auc(results, str(out / "auc.png"), f"test AUC, {data.name}")
+    plots.effective_rank(results, str(out / "effective_rank.png"))
+    plots.bytes_per_step(results, str(out / "bytes.png"))
+    print(setting)
     print(table(results))
-    with open(os.path.join(args.out, "results.json"), "w") as handle:
-        json.dump(results, handle, indent=1)
-    plots.auc(results, os.path.join(args.out, "auc.png"), f"test AUC, {data.name}")
-    plots.effective_rank(results, os.path.join(args.out, "effective_rank.png"))
-    plots.bytes_per_step(results, os.path.join(args.out, "bytes.png"))
-    print(f"wrote {args.out}/results.json, auc.png, effective_rank.png, bytes.png")
+    print(f"wrote {out}/results.json, results.md, auc.png, effective_rank.png, bytes.png")
     return 0

@@ -4,60 +4,86 @@
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 -m thinwire train ...
 
 Rendezvous, multi-node included, is torchrun's; this only reads its environment.
+Rank 0 prints a summary table and writes results.json, results.md,
+accuracy_vs_bytes.png and, for a sparsifier, threshold.png to --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from datetime import timedelta
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from thinwire import schemes
-from thinwire.jobs.compare import parse_options, scheme_config
-from thinwire.jobs.dataparallel import RunOptions, run_scheme
+from thinwire.cli.compare import add_recipe_options, add_scheme_options, run_options
+from thinwire.jobs import common
+from thinwire.jobs.compare import parse_options, plot, scheme_config
+from thinwire.jobs.dataparallel import run_scheme
 from thinwire.launch import RankFailed, add_timeout, current_phase
+from thinwire.progress import StepBar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scheme", default="dct-dp")
-    parser.add_argument("--steps", type=int, default=RunOptions.steps)
-    parser.add_argument("--batch-size", type=int, default=RunOptions.batch_size)
-    parser.add_argument("--lr", type=float, default=RunOptions.lr)
-    parser.add_argument("--sparsity", type=float, default=None)
-    parser.add_argument("--life-span", type=int, default=None)
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--scheme", default="dct-dp", help="a name from thinwire schemes")
+    add_recipe_options(parser)
+    add_scheme_options(parser)
     parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl on GPU)")
-    parser.add_argument("--json", type=Path, default=None, help="rank 0 writes results here")
+    common.add_outputs(parser, "train")
     add_timeout(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    """One rank of the job; rank 0 prints the summary and writes the run folder."""
     if "RANK" not in os.environ:
         raise ValueError("thinwire train expects torchrun's environment (RANK, WORLD_SIZE, "
                          "MASTER_ADDR); launch it with torchrun, or use thinwire compare")
-    options = RunOptions(steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+    options = run_options(args)
     parse_options(args.option, [args.scheme])
     config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
     schemes.build(args.scheme, **config)  # validate before joining the job
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        bar = StepBar(options.steps, show=rank == 0)
         try:
-            result = run_scheme(args.scheme, config, options)
+            result = run_scheme(args.scheme, config, options, progress=bar.update)
         except RuntimeError as error:  # a collective's timeout names neither rank nor step
-            raise RankFailed(f"rank {dist.get_rank()} failed during {current_phase()!r} "
+            raise RankFailed(f"rank {rank} failed during {current_phase()!r} "
                              f"(--timeout {args.timeout:g} s): {error}") from error
-        result.pop("weights")
-        if dist.get_rank() == 0:
-            print(json.dumps({k: result[k] for k in ("scheme", "test_accuracy",
-                                                       "bytes_sent_per_step", "wall_s")}))
-            if args.json is not None:
-                args.json.write_text(json.dumps(result, indent=2, default=str))
+        finally:
+            bar.close()
+        weights = result.pop("weights")
+        if rank == 0:
+            dense_bytes = sum(w.numel() * w.element_size() for w in weights)
+            result.update(workers=world_size, dense_bytes_per_step=dense_bytes,
+                          compression_ratio=dense_bytes / max(result["bytes_sent_per_step"],
+                                                              1e-9))
+            _write(args, result)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+HEADER = ["scheme", "workers", "test acc", "final loss", "handed B/step", "ring sent B/step",
+          "ring recv B/step", "ratio vs dense", "wall s"]
+
+
+def _write(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    out = common.run_folder(args.out, "train")
+    rows = [[result["scheme"], str(result["workers"]), f"{result['test_accuracy']:.4f}",
+             f"{result['final_loss']:.4f}", f"{result['bytes_sent_per_step']:,.0f}",
+             f"{result['wire_sent_per_step']:,.0f}", f"{result['bytes_received_per_step']:,.0f}",
+             f"{result['compression_ratio']:.1f}x", f"{result['wall_s']:.2f}"]]
+    common.write_results(
+        out, "train", args, [result],
+        f"# thinwire train\n\n{result['workload']}, {result['optimizer']}, "
+        f"{result['steps']} steps.\n\n"
+        f"{common.markdown_table(HEADER, rows)}\n")
+    figures = plot([result], out)
+    print(common.text_table(HEADER, rows))
+    print(f"wrote {out}/results.json, results.md, " + ", ".join(f.name for f in figures))

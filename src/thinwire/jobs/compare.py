@@ -1,23 +1,27 @@
 """Train the same model under several schemes side by side: the job behind ``thinwire compare``.
 
-:func:`compare` spawns N local ranks (gloo) and trains under each scheme with
-the same seed and data shards; :func:`markdown_table` and :func:`plot` present
-its results. The flags that drive it are in :mod:`thinwire.cli.compare`.
+:func:`compare` spawns local worker processes (gloo) and trains one workload
+with the same seed and data shards under each scheme; :func:`table_rows` and
+:func:`plot` present its results. The modelled time at a bandwidth is
+steps x (compute + overhead + bytes / rate), with one compute probe shared by
+every scheme. The flags that drive it are in :mod:`thinwire.cli.compare`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from thinwire import schemes
-from thinwire.jobs.dataparallel import RunOptions, run_scheme
+from thinwire.jobs import common
+from thinwire.jobs.dataparallel import RunOptions, run_scheme, shared_compute_seconds
 from thinwire.launch import DEFAULT_TIMEOUT_S, spawn
+from thinwire.progress import StepBar
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3, "mbps": 1e6,
           "gbps": 1e9}
@@ -39,22 +43,7 @@ def parse_options(options: list[str], names: list[str]) -> dict[str, Any]:
         ValueError: a text without ``=``, or a key no scheme in ``names`` has (the
             message lists the valid keys).
     """
-    valid = sorted({f.name for name in names
-                    for f in dataclasses.fields(schemes.config_class(name))})
-    parsed = dict(_split(option) for option in options)
-    unknown = [key for key in parsed if key not in valid]
-    if unknown:
-        raise ValueError(f"--option {unknown[0]!r} is not an option of {', '.join(names)}; "
-                         f"valid keys: {', '.join(valid)}")
-    return parsed
-
-
-def _split(option: str) -> tuple[str, Any]:
-    key, sep, value = option.partition("=")
-    key = key.strip().replace("-", "_")
-    if not sep or not key:
-        raise ValueError(f"--option {option!r} must look like KEY=VALUE, e.g. rank=2")
-    return key, _parse_value(value)
+    return common.parse_options(options, {name: schemes.config_class(name) for name in names})
 
 
 def scheme_config(name: str, sparsity: float | None, life_span: int | None,
@@ -73,46 +62,23 @@ def scheme_config(name: str, sparsity: float | None, life_span: int | None,
         config["ratio"] = 1.0 - sparsity
     if life_span is not None and "life_span" in fields:
         config["life_span"] = life_span
-    config.update({key: value for key, value in map(_split, options) if key in fields})
+    config.update({key: value for key, value in map(common.split_option, options)
+                   if key in fields})
     return config
-
-
-def _parse_value(value: str) -> Any:
-    lowered = value.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
 
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
             options: RunOptions) -> list[dict[str, Any]]:
-    bar: tqdm[Any] | None = None
-
-    def advance(steps: int) -> None:
-        # The bar starts at the first training step, so data loading, the compute
-        # probe and the peers' check do not count as a step (nor inflate its ETA).
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=len(runs) * options.steps, disable=rank != 0, unit="step",
-                       dynamic_ncols=True, mininterval=1.0)
-        bar.set_description(name)
-        bar.update(steps)
-
+    compute_s = shared_compute_seconds(options)
+    bar = StepBar(len(runs) * options.steps, show=rank == 0)
     results = []
     for name, config in runs:
-        result = run_scheme(name, config, options, progress=advance)
+        result = run_scheme(name, config, options, compute_s=compute_s,
+                            progress=functools.partial(bar.update, description=name))
         if rank != 0:  # the other ranks only report their weights, to check replicas
             result = {"weights": result["weights"]}
         results.append(result)
-    if bar is not None:
-        bar.close()
+    bar.close()
     return results
 
 
@@ -121,6 +87,12 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
             extra: list[str] | None = None,
             timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """Run every scheme in ``names`` on ``workers`` local ranks; rank 0's results.
+
+    Each result carries what the rank handed to torch.distributed per step
+    (``bytes_sent_per_step``), the ring traffic out of and into it
+    (``wire_sent_per_step``, ``bytes_received_per_step``, and per collective
+    in ``traffic_per_collective``), and ``modelled_s``: steps x (the shared
+    compute probe + overhead + the larger ring direction / ``bandwidth_bps``).
 
     Args:
         timeout_s: the process group's timeout: a rank waiting longer on a peer
@@ -153,17 +125,19 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
     return results
 
 
-def markdown_table(results: list[dict[str, Any]], bandwidth: str) -> str:
-    header = ["scheme", "test acc", "final loss", "bytes/step/worker", "ratio vs dense",
-              "overhead ms/step", "wall s", f"modelled s @ {bandwidth}", "steps to target"]
-    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in results:
-        rows.append(
-            f"| {r['scheme']} | {r['test_accuracy']:.4f} | {r['final_loss']:.4f} | "
-            f"{r['bytes_sent_per_step']:,.0f} | {r['compression_ratio']:.1f}x | "
-            f"{r['overhead_ms_per_step']:.3f} | {r['wall_s']:.2f} | {r['modelled_s']:.2f} | "
-            f"{r['steps_to_target'] or 'not reached'} |")
-    return "\n".join(rows)
+def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per scheme, in the order of :func:`header`."""
+    return [[r["scheme"], f"{r['test_accuracy']:.4f}", f"{r['final_loss']:.4f}",
+             f"{r['bytes_sent_per_step']:,.0f}", f"{r['wire_sent_per_step']:,.0f}",
+             f"{r['bytes_received_per_step']:,.0f}", f"{r['compression_ratio']:.1f}x",
+             f"{r['overhead_ms_per_step']:.3f}", f"{r['wall_s']:.2f}", f"{r['modelled_s']:.2f}",
+             str(r["steps_to_target"] or "not reached")] for r in results]
+
+
+def header(bandwidth: str) -> list[str]:
+    return ["scheme", "test acc", "final loss", "handed B/step", "ring sent B/step",
+            "ring recv B/step", "ratio vs dense", "overhead ms/step", "wall s",
+            f"modelled s @ {bandwidth}", "steps to target"]
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -187,21 +161,33 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
     written.append(out / "accuracy_vs_bytes.png")
     traced = [r for r in results if r["threshold_trace"]]
     if traced:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
         for r in traced:
             for layer, points in r["threshold_trace"].items():
                 if not layer.endswith("weight"):
                     continue
                 calls, taus, densities = zip(*points)
-                axes[0].plot(calls, taus, label=f"{r['scheme']} {layer}")
-                axes[1].plot(calls, densities, label=f"{r['scheme']} {layer}")
-        axes[0].set(xlabel="step", ylabel="threshold tau", yscale="log",
-                    title="Sparsification threshold per layer (DCT Fig. 2)")
-        axes[1].set(xlabel="step", ylabel="fraction of entries sent", yscale="log",
-                    title="Achieved density")
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
+                label = f"{r['scheme']} {layer}"
+                line, = axes[0].plot(calls, taus, label=label)
+                axes[1].plot(calls, densities, color=line.get_color(), label=label)
+        # symlog: a threshold or density of exactly 0 (nothing sent) sits on the axis
+        # instead of vanishing from a log scale
+        for axis, ylabel, title in ((axes[0], "threshold tau", "Threshold per layer (DCT Fig. 2)"),
+                                    (axes[1], "fraction of entries sent", "Achieved density")):
+            axis.set_yscale("symlog", linthresh=_floor(axis))
+            axis.set_ylim(bottom=0.0)
+            axis.set(xlabel="step", ylabel=ylabel, title=title)
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="center right", fontsize=7, title="scheme, layer",
+                   title_fontsize=7)
+        fig.tight_layout(rect=(0.0, 0.0, 0.84, 1.0))
         fig.savefig(out / "threshold.png", dpi=120)
         plt.close(fig)
         written.append(out / "threshold.png")
     return written
+
+
+def _floor(axis: Any) -> float:
+    """Half the smallest positive value plotted on ``axis``: where its log scale starts."""
+    positive = [y for line in axis.get_lines() for y in line.get_ydata() if y > 0]
+    return min(positive) / 2 if positive else 1e-6

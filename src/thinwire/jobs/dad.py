@@ -25,8 +25,10 @@ from torch import nn
 from thinwire.autodiff.engine import DistributedAutodiff
 from thinwire.comm import Meter
 from thinwire.data.sitedata import Data, split_by_label
+from thinwire.jobs import common
 from thinwire.launch import DEFAULT_TIMEOUT_S, phase, spawn
 from thinwire.models.gru import GRUClassifier
+from thinwire.progress import StepBar
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -47,6 +49,7 @@ class Run:
     dtype: str = "float32"  # "float32" or "float64"
     pooled: bool = True  # measure the gradient error against pooled training every step
     max_steps: int = 0  # stop each epoch after this many steps (0: the whole epoch)
+    steps: int = 0  # stop the run after this many steps in all (0: every epoch)
 
 
 def build_model(data: Data, run: Run) -> nn.Module:
@@ -71,6 +74,12 @@ def steps_per_epoch(parts: Sequence[np.ndarray], run: Run) -> int:
     return min(steps, run.max_steps) if run.max_steps else steps
 
 
+def planned_steps(parts: Sequence[np.ndarray], run: Run) -> int:
+    """Steps the run takes: ``epochs`` x :func:`steps_per_epoch`, at most ``run.steps``."""
+    total = run.epochs * steps_per_epoch(parts, run)
+    return min(total, run.steps) if run.steps else total
+
+
 def _order(part: np.ndarray, seed: int, epoch: int, site: int) -> np.ndarray:
     """A site's shuffled indices for one epoch; every rank can recompute any site's."""
     generator = np.random.default_rng([seed, epoch, site])
@@ -89,12 +98,20 @@ def _evaluate(model: nn.Module, data: Data, dtype: torch.dtype) -> dict[str, flo
     return {"accuracy": accuracy, "auc": auc}
 
 
-def train_site(rank: int, sites: int, data: Data, runs: list[Run]) -> list[dict[str, Any]]:
-    """Spawned on every site: each run in turn; returns one result per run."""
-    return [_train(rank, sites, data, run) for run in runs]
+def train_site(rank: int, sites: int, data: Data, runs: list[Run],
+               progress: bool = False) -> list[dict[str, Any]]:
+    """Spawned on every site: each run in turn; returns one result per run.
+
+    With ``progress``, site 0 draws a bar of every run's steps, from the first.
+    """
+    parts = split_by_label(data.train_y, sites)
+    bar = StepBar(sum(planned_steps(parts, run) for run in runs), show=progress and rank == 0)
+    results = [_train(rank, sites, data, run, bar) for run in runs]
+    bar.close()
+    return results
 
 
-def _train(rank: int, sites: int, data: Data, run: Run) -> dict[str, Any]:
+def _train(rank: int, sites: int, data: Data, run: Run, bar: StepBar) -> dict[str, Any]:
     dtype = DTYPES[run.dtype]
     parts = split_by_label(data.train_y, sites)
     model = build_model(data, run)
@@ -103,6 +120,7 @@ def _train(rank: int, sites: int, data: Data, run: Run) -> dict[str, Any]:
     engine = DistributedAutodiff(model, run.mode, meter=meter, **run.options)
     optimizer = torch.optim.Adam(model.parameters(), lr=run.lr)
     steps = steps_per_epoch(parts, run)
+    left = planned_steps(parts, run)
     errors: dict[str, float] = {}  # layer parameter -> max |g - g_pooled| over the run
     first_epoch_error: dict[str, float] = {}
     history = []
@@ -110,9 +128,11 @@ def _train(rank: int, sites: int, data: Data, run: Run) -> dict[str, Any]:
     sync: list[float] = []  # seconds per synchronize()
     begin = time.perf_counter()
     for epoch in range(run.epochs):
+        if left == 0:
+            break
         orders = [_order(part, run.seed, epoch, s) for s, part in enumerate(parts)]
         losses = []
-        for step in range(steps):
+        for step in range(min(steps, left)):
             phase(f"{run.label} step {step}")
             rows = [order[step * run.batch: (step + 1) * run.batch] for order in orders]
             x = torch.as_tensor(data.train_x[rows[rank]], dtype=dtype)
@@ -134,6 +154,8 @@ def _train(rank: int, sites: int, data: Data, run: Run) -> dict[str, Any]:
                     if epoch == 0:
                         first_epoch_error[name] = max(first_epoch_error.get(name, 0.0), error)
             optimizer.step()
+            bar.update(1, run.label)
+        left -= min(steps, left)
         history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)) if losses else 0.0,
                         **_evaluate(model, data, dtype)})
     return {
@@ -159,16 +181,17 @@ def _pooled_grads(pooled: nn.Module, model: nn.Module, data: Data, rows: list[np
 
 
 def run_all(data: Data, runs: list[Run], sites: int = 2,
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+            timeout_s: float = DEFAULT_TIMEOUT_S, progress: bool = False) -> list[dict[str, Any]]:
     """Every run on ``sites`` gloo processes; per run, rank 0's result with each site's bytes.
 
     ``timeout_s`` is the process group's: the longest a site waits on a stalled peer.
+    ``progress`` shows a bar of the training steps once the sites have met.
 
     Raises:
         ValueError: fewer classes than sites.
     """
     split_by_label(data.train_y, sites)  # validates before spawning
-    per_rank = spawn(train_site, sites, data, runs, timeout_s=timeout_s)
+    per_rank = spawn(train_site, sites, data, runs, progress, timeout_s=timeout_s)
     results = []
     for i, _ in enumerate(runs):
         result = dict(per_rank[0][i])
@@ -178,17 +201,23 @@ def run_all(data: Data, runs: list[Run], sites: int = 2,
     return results
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    """One line per run: bytes per step, max gradient error, final AUC and accuracy."""
-    lines = [f"{'mode':16s} {'bytes/step':>12s} {'vs dsgd':>8s} {'max|g-pooled|':>14s} "
-             f"{'AUC':>7s} {'acc':>7s}"]
+HEADER = ["mode", "bytes/step", "vs dsgd", "max|g-pooled|", "AUC", "acc"]
+
+
+def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per run: bytes per step, max gradient error, final AUC and accuracy."""
     dense = next((max(r["bytes_per_site"]) for r in results if r["mode"] == "dsgd"), None)
+    rows = []
     for r in results:
         sent = max(r["bytes_per_site"])
-        ratio = f"{sent / dense:8.3f}" if dense else f"{'-':>8s}"
         error = max(r["max_grad_error"].values()) if r["max_grad_error"] else float("nan")
         last = r["history"][-1] if r["history"] else {"auc": float("nan"),
                                                       "accuracy": float("nan")}
-        lines.append(f"{r['label']:16s} {sent:12.0f} {ratio} {error:14.3e} "
-                     f"{last['auc']:7.4f} {last['accuracy']:7.4f}")
-    return "\n".join(lines)
+        rows.append([r["label"], f"{sent:.0f}", f"{sent / dense:.3f}" if dense else "-",
+                     f"{error:.3e}", f"{last['auc']:.4f}", f"{last['accuracy']:.4f}"])
+    return rows
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """:func:`table_rows` as aligned plain text."""
+    return common.text_table(HEADER, table_rows(results))

@@ -9,6 +9,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_DASHES = ("-", "--", ":", "-.")
 
 
 def effective_rank(results: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
@@ -22,12 +26,19 @@ def effective_rank(results: Sequence[dict[str, Any]], path: str, title: str = ""
     for axis in axes.flat[len(runs):]:
         axis.set_visible(False)
     for axis, result in zip(axes.flat, runs, strict=False):
-        for layer, series in result["effective_rank_per_epoch"].items():
-            axis.plot(range(1, len(series) + 1), series, marker="o", label=layer)
+        layers = result["effective_rank_per_epoch"]
+        for i, (layer, series) in enumerate(layers.items()):
+            # Layers often share a rank exactly: a marker and dash of their own and a
+            # small shift along x keep every line visible where they coincide.
+            shift = (i - (len(layers) - 1) / 2) * min(0.3 / max(1, len(layers)), 0.08)
+            axis.plot([epoch + 1 + shift for epoch in range(len(series))], series,
+                      marker=_MARKERS[i % len(_MARKERS)],
+                      linestyle=_DASHES[i % len(_DASHES)], alpha=0.85, label=layer)
         axis.set_title(result["label"])
-        axis.set_xlabel("epoch")
+        axis.set_xlabel("epoch (layers shifted slightly apart)")
         axis.set_ylabel("mean effective rank")
-        axis.legend(fontsize=7)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.legend(fontsize=7, title="layer", title_fontsize=7)
     figure.suptitle(title or "rank-dAD effective rank per layer")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -95,24 +95,52 @@ def step_seconds(model: nn.Module, work: workloads.Workload, data: workloads.Dat
     return statistics.median(times)
 
 
+def shared_compute_seconds(options: RunOptions, group: dist.ProcessGroup | None = None) -> float:
+    """One probe of a step's compute (:func:`step_seconds`), taken by rank 0 alone.
+
+    The other ranks wait at a barrier, so the probe is not slowed by their work
+    on shared cores; every rank gets rank 0's value. Schemes compared in one
+    job share it: the modelled time then differs only by bytes and overhead.
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    phase("probing a step's compute time")
+    dist.barrier(group=group)
+    seconds = [0.0]
+    if rank == 0:
+        work = workloads.load(options.workload, seed=options.seed, hidden=options.hidden)
+        seconds[0] = step_seconds(work.model(options.seed), work,
+                                  work.train.shard(rank, world_size), options.batch_size)
+    dist.broadcast_object_list(seconds, src=0, group=group)
+    return float(seconds[0])
+
+
 def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                progress: Callable[[int], None] | None = None,
-               group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+               group: dist.ProcessGroup | None = None,
+               compute_s: float | None = None) -> dict[str, Any]:
     """Train ``options.workload`` under scheme ``name`` in the current process group.
 
     The optimiser is the user's (``options.optimizer``, ``lr``, ``momentum``);
     with ``options.couple`` its momentum moves into sparse schemes
     (:func:`thinwire.optim.couple`, a no-op for the others). Every rank calls
-    this with the same arguments. Returns this rank's results: accuracy,
-    loss, bytes, overhead, timings, curves, steps to the workload's target,
-    achieved density per layer, final weights.
+    this with the same arguments.
+
+    Args:
+        compute_s: a step's compute time for the modelled time (see
+            :func:`shared_compute_seconds`); None probes this run's model here.
+
+    Returns:
+        This rank's results: accuracy, loss, bytes handed and the ring traffic
+        per collective, overhead, timings, curves, steps to the workload's
+        target, achieved density per layer, final weights.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     phase(f"{name} setup")
     work = workloads.load(options.workload, seed=options.seed, hidden=options.hidden)
     local = work.train.shard(rank, world_size)
     model = work.model(options.seed)
-    compute_s = step_seconds(model, work, local, options.batch_size)
+    if compute_s is None:
+        compute_s = step_seconds(model, work, local, options.batch_size)
     net = DistributedDataParallel(model, process_group=group)
     meter = Meter(rank, world_size)
     scheme = schemes.build(name, **config)
@@ -158,6 +186,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         "test_accuracy": work.accuracy(model),
         "final_loss": statistics.fmean(tail),
         **summary,
+        "traffic_per_collective": traffic_per_collective(meter),
         "overhead_ms_per_step": 1000.0 * scheme.overhead_s / options.steps,
         "compute_ms_per_step": 1000.0 * compute_s,
         "wall_s": wall_s,
@@ -176,3 +205,12 @@ def threshold_trace(scheme: schemes.Scheme) -> dict[str, list[tuple[int, float, 
     if isinstance(scheme, CompressedScheme) and isinstance(scheme.compressor, Sparsifier):
         return {key: list(points) for key, points in scheme.compressor.trace.items()}
     return {}
+
+
+def traffic_per_collective(meter: Meter) -> dict[str, dict[str, float]]:
+    """collective -> mean bytes per step this rank hands it, and moves out and in under the
+    ring algorithm (all-reduce 2(n-1)/n of the payload each way, all-gather (n-1) times it)."""
+    steps = max(1, meter.step)
+    sums = {field: meter.totals(field, by="collective") for field in ("nbytes", "sent", "received")}
+    return {collective: {field: sums[field][collective] / steps for field in sums}
+            for collective in sums["nbytes"]}

@@ -49,6 +49,7 @@ from thinwire.pipeline import (
     split,
 )
 from thinwire.pipeline.split import split_positions, steps
+from thinwire.progress import StepBar
 
 
 @dataclass(frozen=True)
@@ -360,13 +361,10 @@ def train_local(config: RunConfig, *, progress: bool = False, task: Task | None 
     order = batch_order(config, len(task.train))
     scheduler = lr_schedule(config, optimizer, len(order))
     start = time.perf_counter()
-    iterator: Any = order
-    if progress:
-        from tqdm import tqdm
-        iterator = tqdm(order, desc="train", leave=False)
+    bar = StepBar(len(order), show=progress)
     pipeline.train()
     parameters = dict(model.named_parameters())
-    for rows in iterator:
+    for rows in order:
         if replicas is None:
             batch = task.train.rows(rows)
             loss = task.loss(pipeline(batch.inputs, **batch.side), batch.targets)
@@ -387,6 +385,8 @@ def train_local(config: RunConfig, *, progress: bool = False, task: Task | None 
         optimizer.step()
         scheduler.step()
         meter.next_step()
+        bar.update()
+    bar.close()
     seconds = time.perf_counter() - start
     remove()
     summary = meter.summary()
@@ -433,8 +433,10 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
 
 
 def engine_worker(rank: int, world_size: int, config: RunConfig,
-                  return_state: bool = False) -> dict[str, Any]:
+                  return_state: bool = False, progress: bool = False) -> dict[str, Any]:
     """One rank of a ``stages × replicas`` run (module level, for ``spawn``).
+
+    With ``progress``, rank 0 draws a bar of the training steps, from the first.
 
     Returns:
         This rank's ``{"rank", "stage", "replica", "meter", "losses", "seconds",
@@ -468,6 +470,7 @@ def engine_worker(rank: int, world_size: int, config: RunConfig,
     losses: list[float] = []
     order = batch_order(config, len(task.train))
     scheduler = lr_schedule(config, optimizer, len(order))
+    bar = StepBar(len(order), show=progress and rank == 0)
     start = time.perf_counter()
     for step, rows in enumerate(order, 1):
         phase(f"stage {index} replica {replica} step {step}")
@@ -483,6 +486,8 @@ def engine_worker(rank: int, world_size: int, config: RunConfig,
         optimizer.step()
         scheduler.step()
         meter.next_step()
+        bar.update()
+    bar.close()
     seconds = time.perf_counter() - start
     state = _stage_state(model, stages[index])
     result: dict[str, Any] = {"rank": rank, "stage": index, "replica": replica,
@@ -512,14 +517,14 @@ def merge_meters(results: list[Mapping[str, Any]]) -> dict[str, float]:
 
 
 def train_engine(config: RunConfig, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 return_state: bool = False) -> dict[str, Any]:
+                 return_state: bool = False, progress: bool = False) -> dict[str, Any]:
     """Run ``config`` on ``stages × replicas`` gloo processes; merge what they report.
 
     ``timeout_s`` is the process group's: the longest a rank waits on a stalled peer.
+    ``progress`` shows a bar of the training steps once the processes have met.
     """
-
     layout = Layout(config.stages, config.replicas)
-    results = spawn(engine_worker, layout.world_size, config, return_state,
+    results = spawn(engine_worker, layout.world_size, config, return_state, progress,
                     timeout_s=timeout_s)
     head = results[0]
     return {

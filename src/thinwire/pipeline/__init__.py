@@ -27,6 +27,7 @@ from thinwire.pipeline.boundary import (
 from thinwire.pipeline.hybrid import Groups, Layout, data_parallel, make_groups
 from thinwire.pipeline.registry import (
     boundary_config,
+    boundary_config_class,
     boundary_kinds,
     build_boundary,
     register_boundary,
@@ -54,6 +55,7 @@ __all__ = [
     "Sender",
     "Stage",
     "boundary_config",
+    "boundary_config_class",
     "boundary_kinds",
     "build_boundary",
     "build_schedule",

@@ -34,15 +34,24 @@ def boundary_kinds() -> list[str]:
     return list(_REGISTRY)
 
 
+def boundary_config_class(kind: str) -> type:
+    """The config dataclass of boundary ``kind``.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown boundary kind {kind!r}; choose from {boundary_kinds()}")
+    return _REGISTRY[kind][0]
+
+
 def boundary_config(kind: str, **options: Any) -> Any:
     """The validated config of boundary ``kind``.
 
     Raises:
         ValueError: unknown kind, unknown option, or an option out of range.
     """
-    if kind not in _REGISTRY:
-        raise ValueError(f"unknown boundary kind {kind!r}; choose from {boundary_kinds()}")
-    config_type = _REGISTRY[kind][0]
+    config_type = boundary_config_class(kind)
     fields = {f.name for f in dataclasses.fields(config_type)}
     unknown = sorted(set(options) - fields)
     if unknown:

@@ -21,9 +21,9 @@ from multiprocessing import forkserver
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from thinwire.comm import Meter
+from thinwire.progress import StepBar
 from thinwire.ps.checkpoint import load_checkpoint
 from thinwire.ps.config import AsyncConfig, Task, TaskBuilder, pushes_per_pass
 from thinwire.ps.core import Snapshot
@@ -164,10 +164,10 @@ def _run_local(config: AsyncConfig, task: Task, first_pass: int,
     server = build_server(config, task)
     meter = Meter()
     codec = PushCodec(task.layout, config.push, **config.push_options)
-    with tqdm(total=task.steps(0, 1, config.passes), disable=not progress, unit="push",
-              desc="sequential") as bar:
-        report = run_worker(0, config, task, codec, LocalTransport(server, meter), meter,
-                            lambda: bar.update(1), first_pass)
+    bar = StepBar(task.steps(0, 1, config.passes), show=progress, unit="push")
+    report = run_worker(0, config, task, codec, LocalTransport(server, meter), meter,
+                        lambda: bar.update(1, "sequential"), first_pass)
+    bar.close()
     server.checkpoint()
     return server_results(server), {0: report}
 
@@ -209,9 +209,12 @@ def _run_processes(config: AsyncConfig, spec: TaskBuilder, per_pass: int, first_
         try:
             for process in processes:
                 process.start()
-            with tqdm(total=per_pass * config.passes, disable=not progress, unit="push",
-                      desc=config.method) as bar:
-                _supervise(server, workers, counters, deaths, deadline, bar)
+            # The bar starts at the first push: after the workers have joined the server.
+            bar = StepBar(per_pass * config.passes, show=progress, unit="push")
+            try:
+                _supervise(server, workers, counters, deaths, deadline, bar, config.method)
+            finally:
+                bar.close()
             stop.set()  # every worker has ended: the server may shut its agent down
             server.join(max(1.0, deadline - time.monotonic()))
             if server.is_alive():
@@ -233,12 +236,15 @@ def _run_processes(config: AsyncConfig, spec: TaskBuilder, per_pass: int, first_
 
 
 def _supervise(server: Any, workers: list[Any], counters: list[Any], deaths: Any,
-               deadline: float, bar: tqdm) -> None:
+               deadline: float, bar: StepBar, method: str) -> None:
     """Watch the processes until every worker has ended (or the server failed)."""
     reported: set[int] = set()
+    shown = 0
     while len(reported) < len(workers) and server.is_alive():
         pushes = sum(counter.value for counter in counters)
-        bar.update(pushes - bar.n)
+        if pushes > shown:
+            bar.update(pushes - shown, method)
+            shown = pushes
         for m, process in enumerate(workers):
             if m not in reported and not process.is_alive() and process.exitcode is not None:
                 reported.add(m)

@@ -1,0 +1,151 @@
+"""What every job and subcommand shares: help layout, KEY=VALUE options, the run folder, tables."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import json
+import time
+import tokenize
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says what it is.
+
+    Descriptions keep their line breaks (command examples stay readable).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.nargs == 0:  # a switch: what it turns on is off unless given
+            return f"{text} (default: off)"
+        if action.default is None or action.default == []:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+def parse_value(text: str) -> Any:
+    """A Python literal (``0.9``, ``(1, 2)``, ``None``, ``true`` in any case), else the text."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def split_option(text: str, flag: str = "--option") -> tuple[str, Any]:
+    """``"life-span=10"`` -> ``("life_span", 10)``.
+
+    Raises:
+        ValueError: no ``=``, or an empty key.
+    """
+    key, sep, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise ValueError(f"{flag} {text!r} must look like KEY=VALUE, e.g. sparsity=0.9")
+    return key, parse_value(value)
+
+
+def parse_options(texts: Sequence[str], configs: Mapping[str, type],
+                  flag: str = "--option") -> dict[str, Any]:
+    """``KEY=VALUE`` texts to a dict whose every KEY is a field of one of ``configs``.
+
+    Args:
+        texts: the flag's values, in order (a later KEY wins).
+        configs: name -> config dataclass, e.g. ``{"dct-dp": DCTConfig}``.
+        flag: the flag's spelling, for messages.
+
+    Raises:
+        ValueError: a malformed text, or a key none of ``configs`` has (the
+            message names the flag, the configs and every valid key).
+    """
+    valid = sorted({f.name for config in configs.values() for f in dataclasses.fields(config)})
+    parsed = dict(split_option(text, flag) for text in texts)
+    unknown = [key for key in parsed if key not in valid]
+    if unknown:
+        raise ValueError(f"{flag} {unknown[0]!r} is not an option of {', '.join(configs)}; "
+                         f"valid keys: {', '.join(valid)}")
+    return parsed
+
+
+def add_outputs(parser: argparse._ActionsContainer, command: str) -> None:
+    """``--out DIR`` and ``--json PATH``, the same for every subcommand."""
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="folder for results.json, results.md and the figures "
+                             f"(default: runs/<date-time>-{command}/)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write results.json's content here")
+
+
+def run_folder(out: Path | None, command: str) -> Path:
+    """``out``, or ``runs/<date-time>-<command>``; created."""
+    folder = out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def write_results(folder: Path, command: str, args: argparse.Namespace, runs: Sequence[Any],
+                  markdown: str) -> None:
+    """``results.json`` and ``results.md`` in ``folder``, and the JSON again at ``args.json``.
+
+    ``results.json`` holds ``{"command", "options", "runs"}``: the subcommand, every
+    option it ran with, and one entry per run.
+    """
+    options = {key: value for key, value in vars(args).items() if not callable(value)}
+    text = json.dumps({"command": command, "options": options, "runs": list(runs)},
+                      indent=1, default=str)
+    (folder / "results.json").write_text(text)
+    (folder / "results.md").write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell; the first left-aligned, the others right."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def field_comments(config: type) -> dict[str, str]:
+    """Each dataclass field's trailing ``# comment`` in the source of ``config`` or its bases.
+
+    The comment is where a config says what a field means and its allowed range;
+    reading it keeps ``thinwire schemes`` from holding a second copy. Fields
+    whose source cannot be read are left out.
+    """
+    comments: dict[str, str] = {}
+    for cls in reversed(config.__mro__[:-1]):
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            name = token.line.strip().split(":", 1)[0]
+            # a comment after a field's annotation, not a comment line of its own
+            if token.type == tokenize.COMMENT and name.isidentifier() \
+                    and not token.line.lstrip().startswith("#"):
+                comments[name] = token.string.lstrip("#").strip()
+    fields = {f.name for f in dataclasses.fields(config)}
+    return {name: text for name, text in comments.items() if name in fields}
