@@ -192,7 +192,7 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                     del _WATCHED[key]  # once per scheme
                 warnings.warn(
                     "the optimiser's momentum is applied after a sparse error-feedback scheme, "
-                    "which then needs up to twice dense's steps; call "
-                    "thinwire.optim.couple(optimizer, "
-                    "hook_state) after building both (docs/convergence.md)", stacklevel=3)
+                    "which then needs about twice the steps it needs coupled; call "
+                    "thinwire.optim.couple(optimizer, hook_state) after building both "
+                    "(docs/convergence.md)", stacklevel=3)
                 return
