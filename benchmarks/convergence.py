@@ -143,6 +143,8 @@ def summary(record: dict[str, Any]) -> list[dict[str, Any]]:
             ratios.append(float("inf") if mine is None else mine / base["steps_to_target"])
         reached = [r["steps_to_target"] for r in rows if r["steps_to_target"] is not None]
         densities = [r["mean_density"] for r in rows if r["mean_density"] is not None]
+        energies = [r["mean_captured_energy"] for r in rows
+                    if r.get("mean_captured_energy") is not None]
         out.append({
             "workload": workload, "workers": workers, "scheme": scheme, "coupled": coupled,
             "seeds": len(rows), "reached": len(reached),
@@ -152,6 +154,7 @@ def summary(record: dict[str, Any]) -> list[dict[str, Any]]:
             "bytes_ratio": statistics.fmean(r["dense_bytes_per_step"] / r["bytes_sent_per_step"]
                                             for r in rows),
             "mean_density": statistics.fmean(densities) if densities else None,
+            "mean_captured_energy": statistics.fmean(energies) if energies else None,
             "target": rows[0]["target"], "optimizer": rows[0]["optimizer"],
         })
     return out
@@ -176,21 +179,27 @@ def section(record: dict[str, Any], figures: Path, docs: Path) -> str:
              "seeds of the per-seed ratio to dense's steps (inf: target not reached in the "
              "budget). Density: achieved fraction of entries sent over its target "
              "(ceil(0.01 N) / N), averaged over steps, then over layers (1.00 = on target). "
+             "Energy (clt-k): share of rank 0's own top-k energy that the leader's indices "
+             "captured, averaged over steps (rank 0's own leader steps count 1.0) and layers. "
+             "Sparse schemes ran with "
+             f"{', '.join(SPARSE_OPTIONS)}; runs stop at the target, so bytes/step are those "
+             "of the steps run. "
              f"Last run: {meta.get('when', '?')}, load average "
              f"{meta.get('load', '?')} on {meta.get('cpu', '?')}.", "",
              "| workload (target, optimiser) | workers | scheme | momentum | seeds reached | "
-             "median steps | x dense | bytes/step | x less than dense | density / target |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "median steps | x dense | bytes/step | x less than dense | density / target | "
+             "energy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         coupling = "coupled" if r["coupled"] and r["scheme"] in SPARSE else (
             "plain" if r["scheme"] in SPARSE else "-")
         ratio = "-" if r["steps_ratio"] is None else f"{r['steps_ratio']:.2f}"
         steps = "-" if r["median_steps"] is None else f"{r['median_steps']:.0f}"
         density = "-" if r["mean_density"] is None else f"{r['mean_density']:.2f}"
+        energy = "-" if r["mean_captured_energy"] is None else f"{r['mean_captured_energy']:.2f}"
         lines.append(f"| {r['workload']} ({r['target']}, {r['optimizer']}) | {r['workers']} | "
                      f"{r['scheme']} | {coupling} | {r['reached']}/{r['seeds']} | {steps} | "
                      f"{ratio} | {r['bytes_per_step']:,.0f} | {r['bytes_ratio']:.0f}x | "
-                     f"{density} |")
+                     f"{density} | {energy} |")
     figure = figures / "convergence.png"
     plot(record, figure)
     lines += ["", f"![convergence]({figure.relative_to(docs)})", "",
