@@ -109,7 +109,7 @@ class _SelectedTopK(Scheme):
     def __init__(self, config: CLTkConfig) -> None:
         super().__init__()
         self.config = config
-        self.memory: Memory = LowPass(config.beta)  # thinwire.optim.couple may wrap it
+        self.memory: Memory = LowPass(config.beta)  # thinwire.optim.couple may replace it
         self.steps: dict[str, int] = {}  # key -> launches so far
 
     def _begin(self, grads: Mapping[str, torch.Tensor]) -> int:
