@@ -42,12 +42,21 @@ from thinwire.jobs.workloads import RECIPES, WORKLOADS, load
 SCHEMES = ("dense", "fp16", "powersgd", "topk", "dct-dp", "clt-k")
 SPARSE = ("topk", "dct-dp", "clt-k")
 DATA = Path("docs/data/convergence.json")
+# Every tensor 99 % sparse (small ones keep at least one entry, instead of travelling
+# dense), and dct-dp's payload room exactly k (its default 1.25 k costs 25 % more bytes).
+SPARSE_OPTIONS = ("min_numel=0", "capacity=1.0")
 QUICK = {"workloads": ["digits-mlp", "transformer-digits"], "workers": [4], "seeds": [0]}
 
 
 def measure(workload: str, workers: int, seed: int, schemes: list[str],
             uncoupled: bool) -> list[dict[str, Any]]:
-    """Every scheme on one workload, world size and seed; one record per run."""
+    """Every scheme on one workload, world size and seed; one record per run.
+
+    Each run stops at its first evaluation that reaches the target (bytes per
+    step are then those of the steps run), or at the recipe's step budget.
+    The sparse schemes run with :data:`SPARSE_OPTIONS`, so that their bytes
+    are those of the sparsity asked for.
+    """
     recipe = RECIPES[workload]
     rows = []
     variants = [(True, schemes)] + ([(False, [s for s in schemes if s in SPARSE])]
@@ -57,9 +66,13 @@ def measure(workload: str, workers: int, seed: int, schemes: list[str],
             continue
         options = RunOptions(steps=recipe["steps"], batch_size=recipe["batch_size"],
                              lr=recipe["lr"], momentum=recipe["momentum"], seed=seed,
-                             workload=workload, optimizer=recipe["optimizer"], couple=couple)
-        for result in compare(names, workers, options, 100e6, sparsity=0.99, life_span=1000):
+                             workload=workload, optimizer=recipe["optimizer"], couple=couple,
+                             until_target=True)
+        extra = list(SPARSE_OPTIONS) if set(names) & set(SPARSE) else []
+        for result in compare(names, workers, options, 100e6, sparsity=0.99, life_span=1000,
+                              extra=extra):
             densities = list(density_ratios(workload, result["density_per_layer"]).values())
+            energy = result.get("captured_energy_per_layer", {})
             rows.append({
                 "workload": workload, "workers": workers, "seed": seed,
                 "scheme": result["scheme"], "coupled": result["coupled"],
@@ -72,6 +85,8 @@ def measure(workload: str, workers: int, seed: int, schemes: list[str],
                 "density_per_layer": result["density_per_layer"],
                 "density_vs_target": densities,
                 "mean_density": statistics.fmean(densities) if densities else None,
+                "captured_energy_per_layer": energy,
+                "mean_captured_energy": statistics.fmean(energy.values()) if energy else None,
                 "curve": [(step, acc) for step, _, acc in result["curve"]],
             })
     return rows
@@ -128,6 +143,8 @@ def summary(record: dict[str, Any]) -> list[dict[str, Any]]:
             ratios.append(float("inf") if mine is None else mine / base["steps_to_target"])
         reached = [r["steps_to_target"] for r in rows if r["steps_to_target"] is not None]
         densities = [r["mean_density"] for r in rows if r["mean_density"] is not None]
+        energies = [r["mean_captured_energy"] for r in rows
+                    if r.get("mean_captured_energy") is not None]
         out.append({
             "workload": workload, "workers": workers, "scheme": scheme, "coupled": coupled,
             "seeds": len(rows), "reached": len(reached),
@@ -137,6 +154,7 @@ def summary(record: dict[str, Any]) -> list[dict[str, Any]]:
             "bytes_ratio": statistics.fmean(r["dense_bytes_per_step"] / r["bytes_sent_per_step"]
                                             for r in rows),
             "mean_density": statistics.fmean(densities) if densities else None,
+            "mean_captured_energy": statistics.fmean(energies) if energies else None,
             "target": rows[0]["target"], "optimizer": rows[0]["optimizer"],
         })
     return out
@@ -161,21 +179,27 @@ def section(record: dict[str, Any], figures: Path, docs: Path) -> str:
              "seeds of the per-seed ratio to dense's steps (inf: target not reached in the "
              "budget). Density: achieved fraction of entries sent over its target "
              "(ceil(0.01 N) / N), averaged over steps, then over layers (1.00 = on target). "
+             "Energy (clt-k): share of rank 0's own top-k energy that the leader's indices "
+             "captured, averaged over steps (rank 0's own leader steps count 1.0) and layers. "
+             "Sparse schemes ran with "
+             f"{', '.join(SPARSE_OPTIONS)}; runs stop at the target, so bytes/step are those "
+             "of the steps run. "
              f"Last run: {meta.get('when', '?')}, load average "
              f"{meta.get('load', '?')} on {meta.get('cpu', '?')}.", "",
              "| workload (target, optimiser) | workers | scheme | momentum | seeds reached | "
-             "median steps | x dense | bytes/step | x less than dense | density / target |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "median steps | x dense | bytes/step | x less than dense | density / target | "
+             "energy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         coupling = "coupled" if r["coupled"] and r["scheme"] in SPARSE else (
             "plain" if r["scheme"] in SPARSE else "-")
         ratio = "-" if r["steps_ratio"] is None else f"{r['steps_ratio']:.2f}"
         steps = "-" if r["median_steps"] is None else f"{r['median_steps']:.0f}"
         density = "-" if r["mean_density"] is None else f"{r['mean_density']:.2f}"
+        energy = "-" if r["mean_captured_energy"] is None else f"{r['mean_captured_energy']:.2f}"
         lines.append(f"| {r['workload']} ({r['target']}, {r['optimizer']}) | {r['workers']} | "
                      f"{r['scheme']} | {coupling} | {r['reached']}/{r['seeds']} | {steps} | "
                      f"{ratio} | {r['bytes_per_step']:,.0f} | {r['bytes_ratio']:.0f}x | "
-                     f"{density} |")
+                     f"{density} | {energy} |")
     figure = figures / "convergence.png"
     plot(record, figure)
     lines += ["", f"![convergence]({figure.relative_to(docs)})", "",
@@ -220,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--schemes", default=",".join(SCHEMES))
-    parser.add_argument("--no-uncoupled", dest="uncoupled", action="store_false",
-                        help="skip the sparse schemes' runs with the momentum left in place")
+    parser.add_argument("--uncoupled-seeds", default="0",
+                        help="seeds on which the sparse schemes also run with the momentum "
+                             "left in the optimiser (default 0; empty: none)")
     parser.add_argument("--data", type=Path, default=DATA)
     args = parser.parse_args(argv)
     workloads = args.workloads.split(",")
@@ -240,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in workers:
             for seed in seeds:  # saved as it goes: a long run interrupted keeps what it did
                 begin = time.perf_counter()
-                got = measure(workload, n, seed, args.schemes.split(","), args.uncoupled)
+                got = measure(workload, n, seed, args.schemes.split(","),
+                              str(seed) in args.uncoupled_seeds.split(","))
                 print(f"{workload} x{n} seed {seed} ({time.perf_counter() - begin:.0f} s): " +
                       ", ".join(f"{r['scheme']}{'' if r['coupled'] else '(plain)'}="
                                 f"{r['steps_to_target']}" for r in got), flush=True)

@@ -10,10 +10,17 @@ sweep over candidates and seeds fits a busy machine. Candidates:
 * ``coupled``: momentum correction, :class:`thinwire.feedback.MomentumCorrection`
   (what ``thinwire.optim.couple`` installs; DGC §3.2);
 * ``masked``: coupled plus DGC's factor masking (velocity zeroed where sent);
-* ``warmup``: plain with DGC's exponential sparsity warm-up (density 25 %,
-  6.25 %, 1.6 %, then 1 % over the first ``--warmup`` steps).
+* ``warmup``: coupled with DGC's exponential sparsity warm-up (density 25 %,
+  6.25 %, 1.6 %, then 1 % over the first ``--warmup`` steps; its bytes count);
+* ``ef21``: momentum correction in front of EF21 (:class:`thinwire.feedback.Estimate`):
+  the optimiser steps with a dense estimate of the mean velocity that the
+  sent entries refresh (what ``couple`` installs for clt-k).
 
-Usage: ``python -m benchmarks.coupling [--seeds 3] [--workers 4] [--out docs/data/coupling.json]``
+Tensors under ``--min-numel`` entries (default 1024, as in the schemes)
+travel dense for topk and dct-dp. Bytes are counted as the schemes send them: 4 per value and 4 per
+index, 4 per entry of a dense tensor.
+
+Usage: ``python -m benchmarks.coupling [--seeds 8] [--workers 4] [--out docs/data/coupling.json]``
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ import torch
 
 from thinwire.compress import DCTThreshold, TensorInfo, TopK
 from thinwire.compress.cltk import layer_k, select, sparsify
+from thinwire.compress.sparse import MIN_NUMEL
 from thinwire.data.digits import batches
-from thinwire.feedback import LowPass, Memory, MomentumCorrection, Residual
+from thinwire.feedback import Estimate, LowPass, Memory, MomentumCorrection, Residual
 from thinwire.jobs import workloads
 
 RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
@@ -43,8 +51,9 @@ RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
 
 def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers: int,
              steps: int, warmup: int, eval_every: int = 10,
-             selection: str = "exact") -> int | None:
-    """Steps until the digits MLP reaches its target test accuracy (None: not in ``steps``)."""
+             selection: str = "exact", min_numel: int = MIN_NUMEL) -> tuple[int | None, float]:
+    """Steps until the digits MLP reaches its target test accuracy (None: not in ``steps``)
+    and dense's bytes over the bytes each worker sent, up to then."""
     work = workloads.load("digits-mlp", seed=seed)
     shards = [work.train.shard(r, workers) for r in range(workers)]
     streams = [batches(s, 32, seed * 1000 + r) for r, s in enumerate(shards)]
@@ -52,8 +61,9 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
     params = dict(model.named_parameters())
     lr, momentum = RECIPES[optimizer_name]
     optimizer = workloads.optimizer(optimizer_name, model.parameters(), lr, momentum)
-    coupled = variant in ("coupled", "masked") and scheme != "dense"
-    memories: list[Memory] = [LowPass(1.0) if scheme == "clt-k" else Residual()
+    coupled = variant != "plain" and scheme != "dense"
+    memories: list[Memory] = [Estimate() if variant == "ef21" else
+                              LowPass(1.0) if scheme == "clt-k" else Residual()
                               for _ in range(workers)]
     if coupled:
         adam = optimizer_name == "adamw"
@@ -64,8 +74,9 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
                 group["betas"] = (0.0, group["betas"][1])
             else:
                 group.update(momentum=0.0, nesterov=False)
-    compressors = [DCTThreshold(0.99, 1000, 2.0, 0.25) if scheme == "dct-dp" else TopK(0.01)
-                   for _ in range(workers)]
+    compressors = [DCTThreshold(0.99, 1000, 2.0, 0.25, min_numel=min_numel) if scheme == "dct-dp"
+                   else TopK(0.01, min_numel=min_numel) for _ in range(workers)]
+    sent_bytes = dense_bytes = 0
     for step in range(steps):
         grads = []
         for r in range(workers):
@@ -77,8 +88,10 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
         if variant == "warmup" and step < warmup:
             density = max(0.01, 0.25 ** (1 + 4 * step // warmup))
         for key, param in params.items():
+            dense_bytes += 4 * param.numel()
             if scheme == "dense":
                 param.grad = sum(g[key] for g in grads) / workers  # type: ignore[assignment]
+                sent_bytes += 4 * param.numel()
                 continue
             compensated = [memories[r].compensate(key, grads[r][key]) for r in range(workers)]
             k = layer_k(param.numel(), density)
@@ -86,35 +99,42 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
                       else None)
             total = torch.zeros_like(param)
             for r, p in enumerate(compensated):
+                info = TensorInfo.of(key, p)
                 if leader is not None:
-                    chosen = leader
-                elif scheme == "topk" or density > 0.01:
-                    chosen = select(p, k, "exact")
+                    sent = sparsify(p, leader)
+                elif density > 0.01 and not compressors[r].is_dense(info):
+                    sent = sparsify(p, select(p, k, "exact"))
                 else:
-                    chosen = compressors[r].compress(p, TensorInfo.of(key, p)).indices
-                sent = sparsify(p, chosen)
+                    sent = compressors[r].decompress(compressors[r].compress(p, info), info)
                 memories[r].update(key, p, sent)
-                if variant == "masked":
-                    memories[r].velocity[key].view(-1)[chosen] = 0  # type: ignore[attr-defined]
+                if variant == "masked":  # DGC Eq. 8: no momentum left where it was sent
+                    memories[r].velocity[key][sent != 0] = 0  # type: ignore[attr-defined]
                 total += sent
-            param.grad = total / workers
+            dense_sent = leader is None and compressors[0].is_dense(TensorInfo.of(key, param))
+            sent_bytes += 4 * param.numel() if dense_sent else 8 * int(
+                (sent != 0).sum())  # the last worker's, as the others'
+            param.grad = memories[0].settle(key, total / workers)
+            for memory in memories[1:]:  # every rank keeps the same estimate
+                memory.settle(key, total / workers)
         optimizer.step()
         if (step + 1) % eval_every == 0 and work.accuracy(model) >= work.target:
-            return step + 1
-    return None
+            return step + 1, dense_bytes / sent_bytes
+    return None, dense_bytes / sent_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=40)
     parser.add_argument("--optimizers", default="sgd,nesterov,adamw")
     parser.add_argument("--schemes", default="dense,topk,dct-dp,clt-k")
-    parser.add_argument("--variants", default="plain,coupled,masked,warmup")
+    parser.add_argument("--variants", default="plain,coupled,masked,warmup,ef21")
     parser.add_argument("--selection", default="exact",
                         help="clt-k's leader selection (default: exact)")
+    parser.add_argument("--min-numel", type=int, default=MIN_NUMEL,
+                        help=f"topk and dct-dp send smaller tensors dense (default {MIN_NUMEL})")
     parser.add_argument("--out", type=Path, default=Path("docs/data/coupling.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -122,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     for optimizer_name in args.optimizers.split(","):
         for scheme in args.schemes.split(","):
             for variant in args.variants.split(",") if scheme != "dense" else ["plain"]:
-                steps = [simulate(scheme, variant, optimizer_name, seed, args.workers,
-                                  args.steps, args.warmup, selection=args.selection)
-                         for seed in range(args.seeds)]
+                got = [simulate(scheme, variant, optimizer_name, seed, args.workers,
+                                args.steps, args.warmup, selection=args.selection,
+                                min_numel=args.min_numel)
+                       for seed in range(args.seeds)]
                 runs.append({"optimizer": optimizer_name, "scheme": scheme, "variant": variant,
-                             "steps_to_target": steps})
-                print(optimizer_name, scheme, variant, steps, flush=True)
+                             "steps_to_target": [steps for steps, _ in got],
+                             "dense_over_sent_bytes": [ratio for _, ratio in got]})
+                print(optimizer_name, scheme, variant, got, flush=True)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout
     record = {"config": vars(args) | {"out": str(args.out)}, "runs": runs,
               "when": time.strftime("%Y-%m-%d %H:%M %Z"),
@@ -142,16 +164,17 @@ def table(record: dict[str, Any]) -> str:
     """Markdown: steps to target per seed, and the median ratio to dense's steps."""
     dense = {r["optimizer"]: r["steps_to_target"] for r in record["runs"]
              if r["scheme"] == "dense"}
-    lines = ["| optimiser | scheme | variant | steps to target per seed | median x dense |",
-             "|---|---|---|---|---|"]
+    lines = ["| optimiser | scheme | variant | steps to target per seed | median x dense | "
+             "bytes: x less than dense |", "|---|---|---|---|---|---|"]
     for r in record["runs"]:
         base = dense.get(r["optimizer"], [])
         ratios = [float("inf") if s is None else s / b
                   for s, b in zip(r["steps_to_target"], base) if b]
         shown = ", ".join("-" if s is None else str(s) for s in r["steps_to_target"])
         ratio = f"{statistics.median(ratios):.2f}" if ratios else "-"
+        less = statistics.median(r.get("dense_over_sent_bytes") or [float("nan")])
         lines.append(f"| {r['optimizer']} | {r['scheme']} | {r['variant']} | {shown} | "
-                     f"{ratio} |")
+                     f"{ratio} | {less:.0f}x |")
     return "\n".join(lines)
 
 

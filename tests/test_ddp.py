@@ -214,6 +214,10 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "topk-all-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 1.0}, 0.001,
                                      couple=True),
         "topk-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 0.1}, 0.001, couple=True),
+        "clt-k-all-coupled": _ddp_run(rank, world_size, "clt-k", {"ratio": 1.0}, 0.001,
+                                      couple=True),
+        "clt-k-coupled": _ddp_run(rank, world_size, "clt-k", {"ratio": 0.1}, 0.001,
+                                  couple=True),
         "dct-small-buckets": _ddp_run(rank, world_size, "dct-dp", DCT, 0.001),
         "dct-one-bucket": _ddp_run(rank, world_size, "dct-dp", DCT, 25.0),
         "manual": _manual_run(rank, world_size, DCT),
@@ -254,6 +258,16 @@ def test_coupled_topk_sending_everything_is_sgd_momentum_up_to_rounding(
     """The mean of the workers' velocities is plain SGD's velocity (summed in another order)."""
     for a, b in zip(runs[0]["plain"]["params"], runs[0]["topk-all-coupled"]["params"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_coupled_clt_k_sending_everything_is_sgd_momentum_up_to_rounding(
+        runs: list[dict[str, Any]]) -> None:
+    """k = N: the EF21 estimate every rank steps with is the mean velocity, so SGD's."""
+    for a, b in zip(runs[0]["plain"]["params"], runs[0]["clt-k-all-coupled"]["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(runs[0]["clt-k-coupled"]["params"], runs[1]["clt-k-coupled"]["params"]):
+        assert torch.equal(a, b)  # replicas agree on the estimate they step with
+    assert not [w for w in runs[0]["clt-k-coupled"]["warnings"] if "couple" in w]
 
 
 def test_forgetting_to_couple_warns_once_and_coupling_silences_it(

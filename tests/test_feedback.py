@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from thinwire.compress import DCTThreshold, TensorInfo, TopK
-from thinwire.feedback import Residual, all_finite
+from thinwire.feedback import Estimate, Residual, all_finite
 from thinwire.schemes import build
 
 
@@ -105,3 +105,43 @@ def test_sparse_update_equals_the_dense_update() -> None:
         dense.update("w", compensated, decoded)
         assert torch.equal(sparse.buffers["w"], dense.buffers["w"])
         assert torch.equal(sparse.buffers["w"] + decoded, compensated)
+
+
+def test_ef21_estimate_adds_exactly_what_was_sent() -> None:
+    """EF21: p == v - g_old, g_new == g_old + sent and G_new == G_old + mean, exactly."""
+    memory, compressor = Estimate(), TopK(0.05)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        grad = torch.randn(40, 25, generator=generator, dtype=torch.float64)
+        old = memory.buffers.get("w", torch.zeros_like(grad)).clone()
+        compensated = memory.compensate("w", grad)
+        assert torch.equal(compensated, grad - old)
+        info = TensorInfo.of("w", grad)
+        sent = compressor.decompress(compressor.compress(compensated, info), info)
+        memory.update("w", compensated, sent)
+        assert torch.equal(memory.buffers["w"], old + sent)
+        before = memory.estimates.get("w", torch.zeros_like(grad)).clone()
+        assert torch.equal(memory.settle("w", sent), before + sent)
+
+
+def test_ef21_sparse_update_and_state_round_trip() -> None:
+    dense, sparse = Estimate(), Estimate()
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        grad = torch.randn(100, generator=generator, dtype=torch.float64)
+        indices = torch.randperm(100, generator=generator)[:7]
+        for memory in (dense, sparse):
+            p = memory.compensate("w", grad)
+            if memory is dense:
+                sent = torch.zeros_like(p)
+                sent[indices] = p[indices]
+                memory.update("w", p, sent)
+            else:
+                memory.update_sparse("w", p, indices, p[indices])
+            memory.settle("w", p)
+    assert torch.equal(dense.buffers["w"], sparse.buffers["w"])
+    copy = Estimate()
+    copy.load_state_dict(dense.state_dict())
+    assert torch.equal(copy.buffers["w"], dense.buffers["w"])
+    assert torch.equal(copy.estimates["w"], dense.estimates["w"])
+    assert copy.estimates["w"] is not dense.estimates["w"]

@@ -8,7 +8,7 @@ from torch import nn
 
 from thinwire import optim, schemes
 from thinwire.compress import TensorInfo, TopK
-from thinwire.feedback import LowPass, MomentumCorrection, Residual
+from thinwire.feedback import Estimate, LowPass, MomentumCorrection, Residual
 
 
 def _grads(steps: int, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
@@ -81,7 +81,7 @@ def test_momentum_correction_resumes_exactly_from_its_state() -> None:
 def test_couple_leaves_dense_schemes_and_other_optimisers_alone() -> None:
     params = [nn.Parameter(torch.zeros(3))]
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    for name in ("dense", "fp16", "powersgd", "clt-k"):
+    for name in ("dense", "fp16", "powersgd"):
         assert not optim.couple(sgd, schemes.build(name)).coupled
     assert sgd.param_groups[0]["momentum"] == 0.9
     topk = schemes.build("topk")
@@ -110,6 +110,68 @@ def test_couple_wraps_every_sparse_scheme_once(name: str) -> None:
     assert isinstance(memory, MomentumCorrection) and memory.nesterov
     assert optim.couple(sgd, scheme).reason == "already coupled"
     assert scheme.memory is memory  # type: ignore[attr-defined]
+
+
+def test_couple_gives_clt_k_an_ef21_estimate_of_the_velocity() -> None:
+    scheme = schemes.build("clt-k")
+    adam = torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=1e-3)
+    assert optim.couple(adam, scheme).coupled
+    memory = scheme.memory  # type: ignore[attr-defined]
+    assert isinstance(memory, MomentumCorrection) and isinstance(memory.inner, Estimate)
+    assert optim.couple(adam, scheme).reason == "already coupled"
+
+
+def test_couple_refuses_a_clt_k_scheme_that_has_already_stepped() -> None:
+    scheme = schemes.build("clt-k")
+    scheme.reduce({"w": torch.randn(40, 25)})
+    with pytest.raises(ValueError, match="before the first step"):
+        optim.couple(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9),
+                     scheme)
+
+
+def _clt_k_run(steps: range, optimizer: torch.optim.Optimizer, net: nn.Linear,
+               scheme: schemes.Scheme) -> None:
+    for grad in _grads(steps.stop)[steps.start:]:
+        reduced = scheme.reduce({"weight": grad.to(net.weight.dtype)})
+        net.weight.grad = reduced["weight"]
+        optimizer.step()
+
+
+@pytest.mark.parametrize("exclude", [(), ("weight",)])
+def test_coupled_clt_k_sending_everything_is_sgd_momentum_up_to_rounding(
+        exclude: tuple[str, ...]) -> None:
+    """k = N (or the tensor sent dense): the EF21 estimate is the velocity, so SGD's steps."""
+    torch.manual_seed(0)
+    reference, coupled = nn.Linear(25, 40).double(), nn.Linear(25, 40).double()
+    coupled.load_state_dict(reference.state_dict())
+    plain = torch.optim.SGD([reference.weight], lr=0.1, momentum=0.9)
+    for grad in _grads(6):
+        reference.weight.grad = grad.clone()
+        plain.step()
+    scheme = schemes.build("clt-k", ratio=1.0, exclude=exclude)
+    optimizer = torch.optim.SGD([coupled.weight], lr=0.1, momentum=0.9)
+    optim.couple(optimizer, scheme)
+    _clt_k_run(range(6), optimizer, coupled, scheme)
+    torch.testing.assert_close(coupled.weight, reference.weight, rtol=1e-12, atol=1e-12)
+
+
+def test_coupled_clt_k_resumes_exactly_from_its_state() -> None:
+    nets = [nn.Linear(25, 40).double() for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    runs = []
+    for net in nets:
+        scheme = schemes.build("clt-k", ratio=0.05)
+        optimizer = torch.optim.SGD([net.weight], lr=0.1, momentum=0.9)
+        optim.couple(optimizer, scheme)
+        runs.append((scheme, optimizer))
+    _clt_k_run(range(8), runs[0][1], nets[0], runs[0][0])
+    _clt_k_run(range(4), runs[1][1], nets[1], runs[1][0])
+    fresh = schemes.build("clt-k", ratio=0.05)
+    optimizer = torch.optim.SGD([nets[1].weight], lr=0.1, momentum=0.9)
+    optim.couple(optimizer, fresh)
+    fresh.load_state_dict(runs[1][0].state_dict())
+    _clt_k_run(range(4, 8), optimizer, nets[1], fresh)
+    assert torch.equal(nets[0].weight, nets[1].weight)
 
 
 def test_couple_rejects_mixed_momentum_and_bad_targets() -> None:

@@ -8,8 +8,9 @@ One network namespace per worker, each joined by a veth pair to a bridge
 namespace; both directions of every link shaped by tbf at the chosen rate.
 For each rate and worker count, one worker per namespace (``ip netns exec``,
 gloo bound to the veth, ``tcp://`` rendezvous on the namespace addresses)
-trains the demo MLP under each scheme in turn until the target accuracy or
-the time cap. Writes ``results/netem/<time>/results.json`` (and the workers'
+trains the demo MLP (or ``--workload NAME``, a workload of ``thinwire
+compare`` with its recipe) under each scheme in turn until the target
+accuracy or the time cap. Writes ``results/netem/<time>/results.json`` (and the workers'
 logs beside it); ``python -m benchmarks.report`` turns it into docs/results.md.
 Everything it creates is removed on exit, Ctrl-C, SIGTERM or failure.
 """
@@ -39,12 +40,18 @@ from benchmarks.netem.anchors import ANCHORS
 from benchmarks.netem.summary import derive, fmt_seconds
 from thinwire import schemes
 from thinwire.jobs.compare import parse_bandwidth, scheme_config
+from thinwire.jobs.workloads import RECIPES, WORKLOADS, load
 
 # The issue's line-up: PyTorch's own anchors, then thinwire's schemes (skipped until registered).
 DEFAULT_SCHEMES = ("torch-dense", "torch-fp16", "torch-powersgd", "dct-dp", "topk", "clt-k",
                    "powersgd")
 REPO = Path(__file__).resolve().parents[2]
 BASE_PORT = 29500
+
+# The default workload: the demo MLP, widened, on digits, and the recipe it trains with.
+DEMO = "demo"
+DEMO_RECIPE = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "batch_size": 32,
+               "target": 0.95}
 
 # Defaults of the full run and of --quick (explicit flags win over both).
 FULL = {"rates": "1gbit,100mbit", "workers": "2,4", "cap_s": 30.0, "reference_cap_s": 90.0,
@@ -69,13 +76,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                         help="comma-separated; torch-dense, torch-fp16, torch-powersgd are "
                              "PyTorch's own, the rest thinwire's; 'all' = every one")
-    parser.add_argument("--hidden", type=int, default=2048, help="MLP width (default 2048)")
-    parser.add_argument("--depth", type=int, default=2, help="MLP hidden layers (default 2)")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per worker")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--workload", default=DEMO, choices=[DEMO, *sorted(WORKLOADS)],
+                        help=f"what the workers train: '{DEMO}' (default), the MLP of --hidden "
+                             "and --depth on digits, or a workload of thinwire compare with "
+                             "its recipe (optimiser, lr, momentum, batch size, target)")
+    parser.add_argument("--hidden", type=int, default=2048,
+                        help=f"MLP width (default 2048; {DEMO} only)")
+    parser.add_argument("--depth", type=int, default=2,
+                        help=f"MLP hidden layers (default 2; {DEMO} only)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"samples per worker (default: {DEMO_RECIPE['batch_size']}, or "
+                             "the workload's)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"default: {DEMO_RECIPE['lr']}, or the workload's")
+    parser.add_argument("--momentum", type=float, default=None,
+                        help=f"SGD momentum or AdamW's beta1 (default: "
+                             f"{DEMO_RECIPE['momentum']}, or the workload's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
+    parser.add_argument("--target", type=float, default=None,
+                        help=f"test accuracy to reach (default: {DEMO_RECIPE['target']}, or "
+                             "the workload's)")
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
     parser.add_argument("--steps", dest="max_steps", type=int, default=None,
                         help=f"steps per run at most (default {FULL['max_steps']})")
@@ -103,11 +123,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def recipe(workload: str, seed: int = 0) -> dict[str, Any]:
+    """Optimiser, lr, momentum, batch size and target of ``workload``.
+
+    Raises:
+        FileNotFoundError: the workload's data set is not installed (Fashion-MNIST).
+    """
+    if workload == DEMO:
+        return dict(DEMO_RECIPE)
+    chosen = RECIPES[workload]
+    return {key: chosen[key] for key in ("optimizer", "lr", "momentum", "batch_size")} | {
+        "target": load(workload, seed=seed).target}
+
+
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the defaults that depend on --quick and validate the numbers."""
+    """Fill the defaults that depend on --quick and --workload and validate the numbers."""
     base = QUICK if args.quick else FULL
     for key, value in base.items():
         if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key, value in recipe(args.workload, args.seed).items():  # explicit flags win
+        if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.rate_list = [r.strip() for r in args.rates.split(",") if r.strip()]
     args.rate_bps = [parse_bandwidth(r) for r in args.rate_list]
@@ -150,7 +186,8 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def worker_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"hidden": args.hidden, "depth": args.depth, "batch_size": args.batch_size,
+    return {"workload": args.workload, "optimizer": args.optimizer,
+            "hidden": args.hidden, "depth": args.depth, "batch_size": args.batch_size,
             "lr": args.lr, "momentum": args.momentum, "seed": args.seed, "target": args.target,
             "eval_every": args.eval_every, "max_steps": args.max_steps, "cap_s": args.cap_s,
             "warmup": args.warmup, "min_steps": max(args.min_steps, args.warmup + 1),
@@ -325,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args = resolve(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"benchmarks.netem: error: {error}", file=sys.stderr)
         return 2
     problem = net.missing_requirements()
@@ -352,10 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_rate = len(args.worker_list) * len(entries)
     bound = per_rate * (args.reference_cap_s + (len(args.rate_list) - 1) * args.cap_s
                         + 8 * len(args.rate_list))
-    print(f"{total} runs; each stops at {args.target:.0%} test accuracy (after at least "
-          f"{options['min_steps']} steps) or at its first evaluation after {args.cap_s:g} s "
-          f"of training ({args.reference_cap_s:g} s at {args.rate_list[0]}); at most "
-          f"~{bound / 60:.0f} min plus start-up")
+    print(f"{total} runs of {args.workload}; each stops at {args.target:.0%} test accuracy "
+          f"(after at least {options['min_steps']} steps) or at its first evaluation after "
+          f"{args.cap_s:g} s of training ({args.reference_cap_s:g} s at {args.rate_list[0]}); "
+          f"at most ~{bound / 60:.0f} min plus start-up")
     record: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "benchmarks.netem", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),

@@ -4,8 +4,9 @@
         python -m benchmarks.netem.worker --rank 0 --world-size 2 \\
         --init-method tcp://10.77.0.1:29500 --spec spec.json --out run/
 
-Trains the demo MLP (scaled up) on digits under each scheme of the spec in
-turn, timing every step and reading what the shapers charged over the timed window.
+Trains the demo MLP (scaled up) on digits, or a workload of ``thinwire
+compare`` (``options["workload"]``), under each scheme of the spec in turn,
+timing every step and reading what the shapers charged over the timed window.
 Rank 0 appends one JSON line per scheme to ``out/results.jsonl`` as soon as
 the scheme ends, so the harness keeps what finished even if a later one hangs.
 A scheme that raises ends the process: the group may be out of step after it.
@@ -20,6 +21,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,8 @@ from benchmarks.netem.net import port
 from thinwire import ddp, optim, schemes
 from thinwire.comm import Meter
 from thinwire.data.digits import batches, load_digits, shard
-from thinwire.jobs.dataparallel import accuracy, compute_seconds
+from thinwire.jobs import workloads
+from thinwire.jobs.dataparallel import accuracy, compute_seconds, step_seconds
 from thinwire.models.mlp import mlp
 
 
@@ -110,21 +114,57 @@ def window_traffic(meter: Meter, first_step: int) -> dict[str, float]:
             "bytes_received_per_step": sum(r.received for r in chosen) / steps}
 
 
+@dataclass(frozen=True)
+class Task:
+    """What one rank trains: its model, a step's loss through the wrapped model, accuracy."""
+
+    model: nn.Module
+    compute_s: float  # median local forward + backward + update, without communication
+    loss: Callable[[nn.Module], torch.Tensor]  # the next batch's loss through ``net``
+    accuracy: Callable[[], float]  # test accuracy of ``model``
+
+
+def task(options: dict[str, Any], rank: int, world_size: int) -> Task:
+    """The demo MLP on digits, or ``options["workload"]`` of thinwire's workloads."""
+    seed, batch_size = options["seed"], options["batch_size"]
+    name = options.get("workload", "demo")
+    if name == "demo":
+        train_split, test = load_digits(seed=seed)
+        local = shard(train_split, rank, world_size)
+        torch.manual_seed(seed)
+        model = mlp(train_split.x.shape[1], options["hidden"], options["depth"], classes=10)
+        stream = batches(local, batch_size, seed=seed * 1000 + rank)
+
+        def demo_loss(net: nn.Module) -> torch.Tensor:
+            index = next(stream)
+            return nn.functional.cross_entropy(net(local.x[index]), local.y[index])
+
+        return Task(model, compute_seconds(model, local, batch_size), demo_loss,
+                    lambda: accuracy(model, test))
+    work = workloads.load(name, seed=seed)
+    rows = work.train.shard(rank, world_size)
+    model = work.model(seed)
+    order = batches(rows, batch_size, seed=seed * 1000 + rank)
+
+    def loss(net: nn.Module) -> torch.Tensor:
+        batch = rows.rows(next(order))
+        return work.loss(net(batch.inputs, **batch.side), batch.targets)
+
+    return Task(model, step_seconds(model, work, rows, batch_size), loss,
+                lambda: work.accuracy(model))
+
+
 def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """Train under one scheme until the target accuracy or the time cap; time every step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    train_split, test = load_digits(seed=options["seed"])
-    local = shard(train_split, rank, world_size)
-    torch.manual_seed(options["seed"])
-    model = mlp(train_split.x.shape[1], options["hidden"], options["depth"], classes=10)
-    compute_s = compute_seconds(model, local, options["batch_size"])
+    job = task(options, rank, world_size)
+    model, compute_s = job.model, job.compute_s
     meter = Meter(rank, world_size, window=None)  # window_traffic reads every record
     installed = install(entry, model, meter, options["rank"])
-    optimizer = torch.optim.SGD(installed.net.parameters(), lr=options["lr"],
-                                momentum=options["momentum"])
+    optimizer = workloads.optimizer(options.get("optimizer", "sgd"), installed.net.parameters(),
+                                    options["lr"], options["momentum"])
     if installed.scheme is not None:  # as the README's quick start: momentum into the workers
         optim.couple(optimizer, installed.scheme)
-    stream = batches(local, options["batch_size"], seed=options["seed"] * 1000 + rank)
     wire = WireMeter(options["interface"], options.get("bridge_namespace"), rank)
     warmup, target = options["warmup"], options["target"]
     step_s: list[float] = []
@@ -134,11 +174,10 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     status, note = "ok", ""
     dist.barrier()
     for step in range(1, options["max_steps"] + 1):
-        index = next(stream)
         if step == warmup + 1:  # outside the timed steps; the checks' tiny all-reduces
             wire.begin()        # between later steps are counted too (~100 bytes each)
         start = time.perf_counter()
-        loss = nn.functional.cross_entropy(installed.net(local.x[index]), local.y[index])
+        loss = job.loss(installed.net)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -152,7 +191,7 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         if step % options["eval_every"] and step != options["max_steps"]:
             continue
         elapsed = sum(step_s)
-        acc = accuracy(model, test)
+        acc = job.accuracy()
         curve.append((step, elapsed, acc))
         # Every rank must stop at the same step: agree on (reached, elapsed) first.
         flags = torch.tensor([float(acc >= target), elapsed], dtype=torch.float64)

@@ -21,7 +21,7 @@ from benchmarks.machine import CpuWatch, busy_seconds
 from benchmarks.netem import harness, net
 from benchmarks.netem.anchors import ANCHORS, powersgd_bytes
 from benchmarks.netem.summary import derive, floor_s, same_trajectory, speedups
-from benchmarks.netem.worker import WireMeter, shaper_bytes, train, window_traffic
+from benchmarks.netem.worker import WireMeter, shaper_bytes, task, train, window_traffic
 from thinwire import schemes
 from thinwire.comm import Meter
 from thinwire.launch import spawn
@@ -71,6 +71,31 @@ def _namespaces_touched(command: list[str]) -> list[str]:
     if "netns" in command:  # a veth peer placed into another namespace
         touched.append(command[command.index("netns") + 1])
     return touched
+
+
+def test_workload_flag_takes_the_workloads_recipe_and_explicit_flags_win() -> None:
+    demo = _args()
+    assert (demo.workload, demo.optimizer, demo.lr, demo.batch_size, demo.target) == (
+        harness.DEMO, "sgd", 0.05, 32, 0.95)
+    dlrm = _args("--workload", "dlrm-click")
+    assert (dlrm.optimizer, dlrm.lr, dlrm.momentum, dlrm.batch_size, dlrm.target) == (
+        "sgd", 0.3, 0.9, 64, 0.78)
+    transformer = _args("--workload", "transformer-digits", "--lr", "0.002", "--target", "0.5")
+    assert (transformer.optimizer, transformer.lr, transformer.target) == ("adamw", 0.002, 0.5)
+    options = harness.worker_options(transformer)
+    assert (options["workload"], options["optimizer"]) == ("transformer-digits", "adamw")
+    with pytest.raises(SystemExit):
+        harness.build_parser().parse_args(["--workload", "imagenet"])
+
+
+def test_a_workload_task_trains_its_own_model_on_its_shard() -> None:
+    options = harness.worker_options(_args("--workload", "digits-mlp"))
+    job = task(options, rank=1, world_size=2)
+    loss = job.loss(job.model)
+    loss.backward()
+    assert loss.ndim == 0 and math.isfinite(float(loss.detach())) and job.compute_s > 0
+    assert all(p.grad is not None for p in job.model.parameters())
+    assert 0.0 <= job.accuracy() <= 1.0
 
 
 def test_setup_touches_only_its_own_namespaces_and_addresses() -> None:

@@ -6,7 +6,7 @@ carries each burst on for ``1 / (1 - mu)`` steps more; measured, 99 %-sparse
 topk and dct-dp then need 2.5-3.3x dense's steps (``docs/convergence.md``).
 :func:`couple` moves the momentum in front of error feedback (DGC's
 momentum correction, :class:`MomentumCorrection`), which brings them to
-1.3-1.7x:
+1.3-1.5x (docs/convergence.md):
 
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     state = thinwire.ddp.register(net, thinwire.schemes.build("topk"))
@@ -22,10 +22,15 @@ averaged first moment rather than from the gradient -- smaller, as the
 momentum averages noise out -- which is the price of moving beta1 (the
 measured gain is in docs/convergence.md).
 
-Schemes without sparsification (dense, fp16, PowerSGD), CLT-k (see
-:func:`sparse_memory`) and optimisers without momentum are left exactly as
-they were, so ``couple`` is safe to call always. Call it right after
-building both, before loading checkpoints.
+CLT-k is coupled the same way, and its workers' velocity then goes into
+EF21 (:class:`~thinwire.feedback.Estimate`) instead of plain error feedback:
+every rank steps with a dense estimate of the mean velocity that each
+step's shared indices refresh (see :func:`_feedback` for why).
+
+Schemes without sparsification (dense, fp16, PowerSGD) and optimisers
+without momentum are left exactly as they were, so ``couple`` is safe to
+call always. Call it right after building both, before the first step and
+before loading checkpoints.
 SGD's ``weight_decay`` stays in the optimiser and so acts without momentum
 once coupled (1 / (1 - mu) weaker than in plain SGD with momentum).
 
@@ -48,9 +53,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from thinwire.compress import Sparsifier
-from thinwire.feedback import Memory, MomentumCorrection
+from thinwire.feedback import Estimate, Memory, MomentumCorrection
 from thinwire.schemes.base import CompressedScheme, Scheme
-from thinwire.schemes.scalecom import LocalTopK
+from thinwire.schemes.scalecom import CyclicLocalTopK, LocalTopK
 
 
 @dataclass(frozen=True)
@@ -66,15 +71,33 @@ class Coupling:
 def sparse_memory(scheme: Scheme) -> Memory | None:
     """The error-feedback memory of a scheme that :func:`couple` couples, else None.
 
-    Those are the local sparsifiers (topk, dct-dp, laplace, local-topk). CLT-k is left
-    alone: coupled it was no faster under SGD and slower under Nesterov
-    (docs/convergence.md), as its shared index set, not the momentum, limits it.
+    Those are the sparsifiers: topk, dct-dp, laplace, local-topk and clt-k.
     """
     if isinstance(scheme, CompressedScheme) and isinstance(scheme.compressor, Sparsifier):
         return scheme.memory
-    if isinstance(scheme, LocalTopK):
+    if isinstance(scheme, (LocalTopK, CyclicLocalTopK)):
         return scheme.memory
     return None
+
+
+def _feedback(scheme: Scheme, memory: Memory) -> Memory:
+    """The memory the velocity goes into: the scheme's own, or EF21 for CLT-k.
+
+    CLT-k's shared index set refreshes one k-th of each layer per step; with
+    plain error feedback the rest waits, and momentum correction alone did
+    not help (3.7x -> 3.9x dense's steps). Stepping with a dense estimate of
+    the mean velocity refreshed at those indices (:class:`Estimate`, EF21)
+    brought it to 2.9x (docs/convergence.md).
+
+    Raises:
+        ValueError: CLT-k's memory already holds state (couple before training).
+    """
+    if not isinstance(scheme, CyclicLocalTopK):
+        return memory
+    if memory.buffers:
+        raise ValueError("clt-k has already run a step: call thinwire.optim.couple before "
+                         "the first step (or before loading a coupled checkpoint)")
+    return Estimate()
 
 
 def _scheme_of(target: Any) -> Scheme:
@@ -115,7 +138,8 @@ def couple(optimizer: torch.optim.Optimizer, target: Any) -> Coupling:
                          f"{sorted(settings)}; couple needs one setting for all groups")
     if memory is None:
         return Coupling(False, momentum, nesterov, "the scheme does not sparsify with feedback")
-    scheme.memory = MomentumCorrection(memory, momentum, dampening, nesterov)  # type: ignore[attr-defined]
+    scheme.memory = MomentumCorrection(_feedback(scheme, memory), momentum,  # type: ignore[attr-defined]
+                                       dampening, nesterov)
     for group in groups:
         if isinstance(optimizer, _ADAMS):
             group["betas"] = (0.0, group["betas"][1])
@@ -170,7 +194,7 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                     del _WATCHED[key]  # once per scheme
                 warnings.warn(
                     "the optimiser's momentum is applied after a sparse error-feedback scheme, "
-                    "which then needs up to twice dense's steps; call "
-                    "thinwire.optim.couple(optimizer, "
-                    "hook_state) after building both (docs/convergence.md)", stacklevel=3)
+                    "which then needs about twice the steps it needs coupled; call "
+                    "thinwire.optim.couple(optimizer, hook_state) after building both "
+                    "(docs/convergence.md)", stacklevel=3)
                 return

@@ -59,6 +59,14 @@ class Memory(ABC):
         dense[indices] = sent.to(compensated.dtype)
         self.update(key, compensated, dense)
 
+    def settle(self, key: str, mean: torch.Tensor) -> torch.Tensor:
+        """What the optimiser steps with, given the mean over ranks of what was sent.
+
+        Here: ``mean`` itself. :class:`~thinwire.feedback.Estimate` adds it to
+        a dense estimate every rank keeps alike.
+        """
+        return mean
+
     def state_dict(self) -> dict[str, Any]:
         return {"buffers": {k: v.clone() for k, v in self.buffers.items()}}
 

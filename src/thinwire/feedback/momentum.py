@@ -93,6 +93,9 @@ class MomentumCorrection(Memory):
                       sent: torch.Tensor) -> None:
         self.inner.update_sparse(key, compensated, indices, sent)
 
+    def settle(self, key: str, mean: torch.Tensor) -> torch.Tensor:
+        return self.inner.settle(key, mean)
+
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(),
                 "velocity": {k: v.clone() for k, v in self.velocity.items()}}

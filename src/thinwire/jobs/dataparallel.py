@@ -25,6 +25,7 @@ from thinwire.data.digits import Split, batches
 from thinwire.jobs import workloads
 from thinwire.launch import phase
 from thinwire.schemes import CompressedScheme
+from thinwire.schemes.scalecom import CyclicLocalTopK
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class RunOptions:
     optimizer: str = "sgd"  # "sgd", "nesterov" or "adamw" (beta1 = momentum)
     couple: bool = True  # move the optimiser's momentum into sparse schemes (thinwire.optim)
     eval_rows: int | None = 2000  # test rows per evaluation point (None: all)
+    until_target: bool = False  # stop at the first evaluation that reaches the target
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "hidden", "eval_every"):
@@ -145,6 +147,8 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     meter = Meter(rank, world_size)
     scheme = schemes.build(name, **config)
     state = ddp.register(net, scheme, meter=meter)
+    if isinstance(scheme, CyclicLocalTopK):
+        scheme.energy = {}  # diagnostic: how much of each rank's top-k the leader captures
     optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
                                     options.momentum)
     coupled = optim.couple(optimizer, state).coupled if options.couple else False
@@ -169,6 +173,9 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
             curve.append((step, handed, work.accuracy(model, options.eval_rows)))
             if steps_to_target is None and curve[-1][2] >= work.target:
                 steps_to_target = step
+            if options.until_target and _anyone(steps_to_target is not None, group,
+                                                next(model.parameters()).device):
+                break
         if progress is not None:
             progress(1)
     wall_s = time.perf_counter() - start
@@ -187,7 +194,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         "final_loss": statistics.fmean(tail),
         **summary,
         "traffic_per_collective": traffic_per_collective(meter),
-        "overhead_ms_per_step": 1000.0 * scheme.overhead_s / options.steps,
+        "overhead_ms_per_step": 1000.0 * scheme.overhead_s / max(1, meter.step),
         "compute_ms_per_step": 1000.0 * compute_s,
         "wall_s": wall_s,
         "skipped_steps": scheme.skipped,
@@ -195,9 +202,18 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         "weights": [p.detach().clone() for p in model.parameters()],
         "density_per_layer": {key: statistics.fmean(d for _, _, d in points)
                               for key, points in trace.items() if points},
+        "captured_energy_per_layer": {key: statistics.fmean(shares) for key, shares in
+                                      (getattr(scheme, "energy", None) or {}).items()},
     }
     result["threshold_trace"] = trace
     return result
+
+
+def _anyone(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank (so every rank leaves a loop at the same step)."""
+    vote = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+    return bool(vote.item())
 
 
 def threshold_trace(scheme: schemes.Scheme) -> dict[str, list[tuple[int, float, float]]]:

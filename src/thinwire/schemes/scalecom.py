@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import reduce
@@ -43,6 +43,7 @@ from thinwire.compress import TensorInfo
 from thinwire.compress.base import check_fraction
 from thinwire.compress.cltk import (
     SELECTIONS,
+    captured_energy,
     decode_indices,
     encode_indices,
     index_nbytes,
@@ -51,7 +52,7 @@ from thinwire.compress.cltk import (
     sparsify,
 )
 from thinwire.compress.payload import SparseLayout, layout_segments
-from thinwire.feedback import LowPass, all_finite
+from thinwire.feedback import LowPass, Memory, all_finite
 from thinwire.schemes.base import Scheme, unflatten
 from thinwire.schemes.registry import register, validate_common, validate_ratio
 
@@ -108,7 +109,7 @@ class _SelectedTopK(Scheme):
     def __init__(self, config: CLTkConfig) -> None:
         super().__init__()
         self.config = config
-        self.memory = LowPass(config.beta)
+        self.memory: Memory = LowPass(config.beta)  # thinwire.optim.couple may replace it
         self.steps: dict[str, int] = {}  # key -> launches so far
 
     def _begin(self, grads: Mapping[str, torch.Tensor]) -> int:
@@ -144,6 +145,20 @@ class _SelectedTopK(Scheme):
         # A skipped (non-finite) gradient counts as zero: p is the memory alone.
         return self.memory.compensate(key, grad if finite else torch.zeros_like(grad))
 
+    def _whole(self, key: str, grad: torch.Tensor, finite: bool) -> torch.Tensor:
+        """A tensor sent dense, through the memory so a coupled momentum covers it too
+        (with everything sent, plain error feedback keeps a zero error)."""
+        if not finite:  # contribute nothing, leave the memory as it was
+            return torch.zeros_like(grad)
+        p = self.memory.compensate(key, grad)
+        self.memory.update(key, p, p)
+        return p
+
+    def _settled(self, out: Mapping[str, torch.Tensor],
+                 keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The optimiser's tensors from the means (:meth:`~thinwire.feedback.Memory.settle`)."""
+        return {key: self.memory.settle(key, out[key]) for key in keys}
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "memory": self.memory.state_dict(),
                 "steps": dict(self.steps)}
@@ -160,12 +175,17 @@ class CyclicLocalTopK(_SelectedTopK):
     Attributes:
         leader: the leader of the last launch (``step mod n``).
         indices: key -> the index set used by the last launch (int64, ascending).
+        energy: None, or (set it to ``{}`` to record) key -> per launch, the share
+            of this rank's own top-k energy that the leader's indices captured
+            (:func:`~thinwire.compress.cltk.captured_energy`; 1.0 on the leader).
+            A diagnostic: it costs a top-k per layer and launch.
     """
 
     def __init__(self, config: CLTkConfig) -> None:
         super().__init__(config)
         self.leader = 0
         self.indices: dict[str, torch.Tensor] = {}
+        self.energy: dict[str, list[float]] | None = None
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with CLT-k; the future holds a dict of results.
@@ -207,13 +227,14 @@ class CyclicLocalTopK(_SelectedTopK):
                 chosen_by_key[key] = self.indices[key] = chosen
                 p = compensated[key]
                 if finite:
+                    if self.energy is not None:
+                        self.energy.setdefault(key, []).append(captured_energy(p, chosen))
                     parts.append(p.reshape(-1)[chosen].to(dtype))
                     self.memory.update(key, p, sparsify(p, chosen))
                 else:  # contribute nothing, leave the memory as it was
                     parts.append(torch.zeros(ks[key], dtype=dtype, device=p.device))
             for key in dense:
-                grad = grads[key].reshape(-1).to(dtype)
-                parts.append(grad if finite else torch.zeros_like(grad))  # cat copies
+                parts.append(self._whole(key, grads[key], finite).reshape(-1).to(dtype))
             self._charge(time.perf_counter() - begin)
             return torch.cat(parts)
 
@@ -237,8 +258,9 @@ class CyclicLocalTopK(_SelectedTopK):
                 out[key] = flat.reshape(grad.shape)
             out.update(unflatten(mean[offset:], [TensorInfo.of(key, grads[key])
                                                  for key in dense]))
+            settled = self._settled(out, grads)
             self._charge(time.perf_counter() - begin)
-            return {key: out[key] for key in grads}
+            return settled
 
         return future.then(scatter)
 
@@ -283,9 +305,8 @@ class LocalTopK(_SelectedTopK):
         futures = []
         if dense:
             dtype = _common_dtype({key: grads[key] for key in dense})
-            flat = torch.cat([grads[key].reshape(-1).to(dtype) for key in dense])
-            if not finite:
-                flat.zero_()
+            flat = torch.cat([self._whole(key, grads[key], finite).reshape(-1).to(dtype)
+                              for key in dense])
             size = flat.element_size()
             record_segments(self.meter, "W_grad", "all_reduce",
                             [(key, grads[key].numel() * size) for key in dense], n)
@@ -320,8 +341,9 @@ class LocalTopK(_SelectedTopK):
                 parts = split_flat(summed, [grads[key].numel() for key in sparse])
                 out.update({key: part.view(grads[key].shape).to(grads[key].dtype)
                             for key, part in zip(sparse, parts)})
+            settled = self._settled(out, grads)
             self._charge(time.perf_counter() - begin)
-            return {key: out[key] for key in grads}
+            return settled
 
         return torch.futures.collect_all(futures).then(total)
 
