@@ -18,10 +18,11 @@ needs. The candidate-based exact selection can beat its ``torch.topk`` /
 
 Rows ``scheme <name>`` time one whole step of a registered scheme on a
 near-square matrix of the same size, in one process (collectives are no-ops
-there): error feedback, compression and decompression, a fresh Gaussian
-gradient each step. ``topk`` and ``dct-dp`` are the like-for-like
-references for ``clt-k`` (ScaleCom) and ``powersgd``; a scheme that is not
-registered in this build is skipped with a note.
+there), through ``launch_flat`` on a bucket as the DDP hook does: error
+feedback, compression and decompression, a fresh Gaussian gradient each step.
+``topk`` and ``dct-dp`` are the like-for-like references for ``clt-k``
+(ScaleCom) and ``powersgd``; a scheme that is not registered in this build is
+skipped with a note.
 """
 
 from __future__ import annotations
@@ -153,12 +154,16 @@ def scheme_available(name: str) -> str | None:
 
 def scheme_step(name: str, grad: torch.Tensor, sparsity: float, life_span: int,
                 rank: int) -> Step:
-    """One step of scheme ``name`` on ``grad`` in one process (no collectives)."""
+    """One step of scheme ``name`` on ``grad`` in one process (no collectives), as the DDP
+    hook runs it: :meth:`~thinwire.schemes.base.Scheme.launch_flat` on a bucket holding a
+    copy of ``grad`` (the copy stands for DDP filling its bucket)."""
     from thinwire import schemes
+    from thinwire.compress import TensorInfo
     from thinwire.jobs.compare import scheme_config
 
     scheme = schemes.build(name, **scheme_config(name, sparsity, life_span, [f"rank={rank}"]))
-    return lambda: scheme.reduce({"w": grad})
+    infos = [TensorInfo.of("w", grad)]
+    return lambda: scheme.launch_flat(grad.reshape(-1).clone(), infos).wait()
 
 
 def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> Step | None:

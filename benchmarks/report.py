@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import convergence
+from benchmarks import convergence, step, wire_format
 from benchmarks.netem.summary import FRAME_OVERHEAD, fmt_seconds, speedups
 
 BASELINES = ("torch-dense", "torch-powersgd")  # time-to-target ratios are taken against these
@@ -429,6 +429,10 @@ def render(netem: tuple[dict[str, Any], Path] | None,
     if (docs / "data" / "convergence.json").exists():  # written by benchmarks.convergence
         record = json.loads((docs / "data" / "convergence.json").read_text())
         parts.append(convergence.section(record, figures, docs))
+    for name, render_section in (("wire-format.json", wire_format.section),
+                                 ("step.json", step.section)):
+        if (docs / "data" / name).exists():  # written by benchmarks.wire_format / .step
+            parts.append(render_section(json.loads((docs / "data" / name).read_text())))
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -148,13 +148,13 @@ def test_hogwild_threads_share_one_buffer_and_the_drain_empties_it() -> None:
     assert sum(calls.values()) == 4 * 25 * 3  # encoding is serialised: no call is lost
 
 
-def test_concurrent_streams_lose_no_gradient_and_keep_the_density_guard() -> None:
+def test_concurrent_streams_lose_no_gradient_and_keep_the_density_control() -> None:
     """Every gradient pushed by any thread is either sent or still in the shared memory.
 
-    The density guard's per-tensor window is read-modify-write state: streams racing on it
-    once raised ``KeyError`` (a refreshed tau seen before its window existed).
+    The threshold and its density control are read-modify-write state per tensor: streams
+    racing on them once raised ``KeyError``.
     """
-    codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=3, tolerance=0.25,
+    codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=3, gain=0.05,
                       drain_every=10**6, min_numel=0)
     pushed: list[torch.Tensor] = []
     sent: list[torch.Tensor] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
+from thinwire.compress import TensorInfo
 from thinwire.compress.cltk import (
     captured_energy,
     chunk_topk,
@@ -23,7 +25,7 @@ from thinwire.compress.cltk import (
     select,
     sparsify,
 )
-from thinwire.feedback import LowPass, Residual
+from thinwire.feedback import Estimate, LowPass, MomentumCorrection, Residual
 from thinwire.launch import spawn
 
 # ---------------------------------------------------------------- selection maths
@@ -242,12 +244,23 @@ CONFIGS = {  # name -> (scheme, options)
     "chunk": ("clt-k", {"ratio": 0.02, "beta": 1.0, "selection": "chunk"}),  # int32 indices
     "exact": ("clt-k", {"ratio": 0.2, "beta": 0.5, "selection": "exact"}),  # bitmaps
     "local": ("local-topk", {"ratio": 0.02, "selection": "chunk"}),
+    # as thinwire.optim.couple leaves it under SGD momentum: EF21 behind momentum correction
+    # (momentum 0.5 keeps the sums exact, so a bucket's layout cannot change their rounding)
+    "coupled": ("clt-k", {"ratio": 0.2, "selection": "exact"}),
 }
+
+
+def _build(label: str) -> Any:
+    name, options = CONFIGS[label]
+    scheme = schemes.build(name, **options)
+    if label == "coupled":
+        scheme.memory = MomentumCorrection(Estimate(), momentum=0.5)
+    return scheme
 
 
 def _cltk_worker(rank: int, world_size: int, group: dist.ProcessGroup | None = None
                  ) -> dict[str, object]:
-    built = {label: schemes.build(name, **options) for label, (name, options) in CONFIGS.items()}
+    built = {label: _build(label) for label in CONFIGS}
     meters = {}
     for label, scheme in built.items():
         scheme.meter = meters[label] = Meter(rank, world_size)
@@ -257,14 +270,48 @@ def _cltk_worker(rank: int, world_size: int, group: dist.ProcessGroup | None = N
         for label, scheme in built.items():
             result = scheme.reduce(grads, group)
             record: dict[str, object] = {"result": result,
-                                         "memory": dict(scheme.memory.buffers)}
+                                         "memory": {key: m.clone() for key, m
+                                                    in scheme.memory.buffers.items()}}
             if label != "local":
                 record["leader"] = scheme.leader
                 record["indices"] = dict(scheme.indices)
             trace[label].append(record)
             meters[label].next_step()
     return {"trace": trace, "bytes": {label: m.summary() for label, m in meters.items()},
+            "flat": _flat_run(rank, group),
             "ddp": _ddp_run(rank, group) if world_size == 2 else None}
+
+
+# A DDP bucket layout per step: grouping and order change, as DDP's re-bucketing does.
+BUCKETS = ([["conv.weight", "fc.weight"], ["fc.bias"]],
+           [["fc.bias", "fc.weight"], ["conv.weight"]],
+           [["fc.weight", "fc.bias", "conv.weight"]])
+
+
+def _flat_run(rank: int, group: dist.ProcessGroup | None) -> dict[str, list[dict[str, object]]]:
+    """The clt-k configurations through ``launch_flat``, several buckets per step."""
+    trace: dict[str, list[dict[str, object]]] = {}
+    for label, (name, _) in CONFIGS.items():
+        if name != "clt-k":
+            continue
+        scheme = _build(label)
+        trace[label] = []
+        for step in range(STEPS):
+            grads = _worker_grads(rank, step)
+            before = {key: m.clone() for key, m in scheme.memory.buffers.items()}
+            result: dict[str, torch.Tensor] = {}
+            for keys in BUCKETS[step % len(BUCKETS)]:
+                buffer = torch.cat([grads[key].reshape(-1) for key in keys])
+                infos = [TensorInfo.of(key, grads[key]) for key in keys]
+                out = scheme.launch_flat(buffer, infos, group).wait()
+                assert out is buffer  # decoded in place
+                for info, part in zip(infos, torch.split(out, [i.numel for i in infos])):
+                    result[info.key] = part.view(info.shape)
+            after = {key: m.clone() for key, m in scheme.memory.buffers.items()}
+            trace[label].append({"result": result, "leader": scheme.leader,
+                                 "indices": dict(scheme.indices), "grads": grads,
+                                 "before": before, "memory": after})
+    return trace
 
 
 def _both_sizes(rank: int, world_size: int) -> dict[int, dict[str, object]]:
@@ -289,13 +336,13 @@ def _ddp_run(rank: int, group: dist.ProcessGroup | None
                                       process_group=group)
     scheme = schemes.build("clt-k", ratio=0.1)
     launches: list[int] = []
-    launch = scheme.launch
+    launch_flat = scheme.launch_flat
 
-    def counted(grads, group=None):  # type: ignore[no-untyped-def]
-        launches.append(len(grads))
-        return launch(grads, group)
+    def counted(buffer, infos, group=None):  # type: ignore[no-untyped-def]
+        launches.append(len(infos))
+        return launch_flat(buffer, infos, group)
 
-    scheme.launch = counted  # type: ignore[method-assign]
+    scheme.launch_flat = counted  # type: ignore[method-assign]
     ddp.register(wrapped, scheme)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
@@ -358,6 +405,33 @@ def test_cltk_result_is_cltk_of_the_mean_at_the_leaders_indices(
                     assert torch.equal(got["result"][key], value), (n, step, rank, key)
                     assert torch.equal(got["indices"][key], expected["indices"][key])
                     assert torch.equal(got["memory"][key], expected["memory"][rank][key])
+
+
+@pytest.mark.parametrize("label", ["chunk", "exact", "coupled"])
+def test_cltk_flat_path_is_bit_identical_to_the_per_tensor_path_across_rebucketing(
+        runs: dict[int, list[dict[str, object]]], label: str) -> None:
+    for n, ranks in runs.items():
+        for rank, run in enumerate(ranks):
+            for step, (flat, reference) in enumerate(zip(run["flat"][label],
+                                                         run["trace"][label], strict=True)):
+                assert flat["leader"] == reference["leader"], (n, rank, step)
+                for key, value in reference["result"].items():
+                    assert torch.equal(flat["result"][key], value), (n, rank, step, key)
+                    assert torch.equal(flat["indices"][key], reference["indices"][key])
+                    assert torch.equal(flat["memory"][key], reference["memory"][key])
+
+
+def test_cltk_flat_path_keeps_the_error_feedback_invariant_exactly(
+        runs: dict[int, list[dict[str, object]]]) -> None:
+    """beta = 1: ``g + m_old == C(p) + m_new`` entry for entry, on every rank and step."""
+    for ranks in runs.values():
+        for run in ranks:
+            for record in run["flat"]["chunk"]:
+                for key, grad in record["grads"].items():
+                    old = record["before"].get(key, torch.zeros_like(grad))
+                    p = grad + old
+                    sent = sparsify(p, record["indices"][key])
+                    assert torch.equal(p, sent + record["memory"][key].view(grad.shape))
 
 
 def test_the_leader_rotates_through_every_rank(

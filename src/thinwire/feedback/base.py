@@ -59,6 +59,19 @@ class Memory(ABC):
         dense[indices] = sent.to(compensated.dtype)
         self.update(key, compensated, dense)
 
+    def update_selected_(self, key: str, compensated: torch.Tensor,
+                         indices: torch.Tensor) -> None:
+        """:meth:`update` with ``sent = compensated`` at ``indices`` of its flat view, else 0.
+
+        ``compensated`` may be a view of a DDP bucket and is not modified. Here
+        ``sent`` is built at full size; :class:`~thinwire.feedback.LowPass`
+        updates its buffer in place instead.
+        """
+        flat = compensated.reshape(-1)
+        sent = torch.zeros_like(flat)
+        sent[indices] = flat[indices]
+        self.update(key, compensated, sent.view(compensated.shape))
+
     def settle(self, key: str, mean: torch.Tensor) -> torch.Tensor:
         """What the optimiser steps with, given the mean over ranks of what was sent.
 

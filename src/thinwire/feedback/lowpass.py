@@ -46,3 +46,36 @@ class LowPass(Memory):
             self.buffers[key] = residual if self.beta == 1.0 else residual.mul_(self.beta)
             return
         self.buffers[key] = previous.mul(1.0 - self.beta).add_(residual, alpha=self.beta)
+
+    def update_selected_(self, key: str, compensated: torch.Tensor,
+                         indices: torch.Tensor) -> None:
+        """:meth:`update` with ``sent = compensated`` at ``indices`` and 0 elsewhere, in place.
+
+        Bit for bit what :meth:`update` stores for
+        :func:`~thinwire.compress.cltk.sparsify` of ``compensated``, without
+        building ``sent`` or the residual at full size: the key's buffer is
+        reused when it has ``compensated``'s size and dtype.
+
+        Args:
+            compensated: ``p = m + g``, any shape (a view of a DDP bucket is fine); not modified.
+            indices: int64 positions in ``compensated``'s flat view that were sent, distinct.
+        """
+        source = compensated.reshape(-1)
+        previous = self.buffers.get(key)
+        reuse = (previous is not None and previous.numel() == compensated.numel()
+                 and previous.dtype == compensated.dtype)
+        if previous is None or not reuse or self.beta == 1.0:
+            buffer = previous if reuse else torch.empty_like(compensated)
+            assert buffer is not None
+            flat = buffer.view(-1)
+            flat.copy_(source).index_fill_(0, indices, 0.0)  # p - C(p): exact zeros
+            if self.beta != 1.0:  # no previous memory: (1 - beta) * 0 vanishes
+                flat.mul_(self.beta)
+            self.buffers[key] = buffer
+            return
+        flat = previous.view(-1)
+        kept = flat.index_select(0, indices)
+        flat.mul_(1.0 - self.beta).add_(source, alpha=self.beta)
+        # At the sent entries the residual is 0: the same two operations on a 0.
+        kept.mul_(1.0 - self.beta).add_(torch.zeros_like(kept), alpha=self.beta)
+        flat.index_copy_(0, indices, kept)

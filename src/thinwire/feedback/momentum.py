@@ -93,6 +93,10 @@ class MomentumCorrection(Memory):
                       sent: torch.Tensor) -> None:
         self.inner.update_sparse(key, compensated, indices, sent)
 
+    def update_selected_(self, key: str, compensated: torch.Tensor,
+                         indices: torch.Tensor) -> None:
+        self.inner.update_selected_(key, compensated, indices)
+
     def settle(self, key: str, mean: torch.Tensor) -> torch.Tensor:
         return self.inner.settle(key, mean)
 

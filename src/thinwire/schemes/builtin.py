@@ -30,7 +30,7 @@ class TopKConfig:
     ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
-    indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
+    indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
     error_feedback: bool = True  # keep what was not sent for the next step
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
@@ -43,13 +43,13 @@ class TopKConfig:
 class DCTConfig:
     sparsity: float = 0.99  # eta, fraction of each tensor's entries dropped, in [0, 1)
     life_span: int = 1000  # L, steps between threshold refreshes, >= 1
-    refresh_above: float | None = 2.0  # recompute a stale tau passing > this x target; None: never
-    tolerance: float | None = 0.25  # keep each layer's density within 1 +- this of the target
+    refresh_above: float | None = None  # recompute a stale tau passing > this x target; None: never
+    gain: float | None = 0.05  # in (0, 1]: tau *= exp(gain (sent / k - 1)) per step; None: off
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
-    indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
+    indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
     drain_every: int | None = None  # stochastic drain period of the error buffer
-    capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
+    capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     include: tuple[str, ...] = ()  # fnmatch patterns of parameters to compress; others dense
 
@@ -62,8 +62,8 @@ class DCTConfig:
             raise ValueError(f"life_span={self.life_span!r} must be an integer >= 1")
         if self.refresh_above is not None and not self.refresh_above > 1.0:
             raise ValueError(f"refresh_above={self.refresh_above!r} must be None or > 1")
-        if self.tolerance is not None and not 0.0 < self.tolerance < 1.0:
-            raise ValueError(f"tolerance={self.tolerance!r} must be None or in (0, 1)")
+        if self.gain is not None and not 0.0 < self.gain <= 1.0:
+            raise ValueError(f"gain={self.gain!r} must be None or in (0, 1]")
         if self.drain_every is not None and self.drain_every < 1:
             raise ValueError(f"drain_every={self.drain_every!r} must be None or >= 1")
         validate_capacity(self.capacity)
@@ -106,7 +106,7 @@ def _topk(config: TopKConfig) -> Scheme:
 @register("dct-dp", DCTConfig)
 def _dct_dp(config: DCTConfig) -> Scheme:
     compressor = DCTThreshold(config.sparsity, config.life_span, config.refresh_above,
-                              config.tolerance, min_numel=config.min_numel,
+                              config.gain, min_numel=config.min_numel,
                               values=config.values, capacity=config.capacity,
                               indices=config.indices, include=config.include)
     return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)

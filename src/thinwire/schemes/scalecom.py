@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import reduce
@@ -261,6 +261,106 @@ class CyclicLocalTopK(_SelectedTopK):
             settled = self._settled(out, grads)
             self._charge(time.perf_counter() - begin)
             return settled
+
+        return future.then(scatter)
+
+    def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
+                    group: Group = None) -> Future[Any]:
+        """CLT-k on a DDP bucket's flat ``buffer``, in place; bit for bit :meth:`launch`.
+
+        ``p = m + g`` is formed in the bucket itself; the leader selects on
+        its per-layer views, the index sets are broadcast, every rank gathers
+        its values there and one all-reduce averages them with the dense
+        tensors; the memory is updated in place where it can be
+        (:meth:`~thinwire.feedback.LowPass.update_selected_`), the mean is
+        decoded straight into ``buffer`` and settled there
+        (:meth:`~thinwire.feedback.Memory.settle`, an EF21 estimate when coupled).
+
+        Returns:
+            A future holding ``buffer``, overwritten with the mean over ranks.
+        """
+        if not infos:
+            return done(buffer)
+        start = time.perf_counter()
+        rank, n = world(group)
+        views = dict(zip([info.key for info in infos],
+                         split_flat(buffer, [info.numel for info in infos])))
+        finite = all_finite(views, self.config.nonfinite, flat=buffer)
+        if not finite:
+            self.skipped += 1
+        step = self._begin(views)
+        leader = self.leader = step % n
+        sparse = [info for info in infos if self.sparse(info.key, info.numel, step)]
+        sparse_keys = {info.key for info in sparse}
+        dense = [info for info in infos if info.key not in sparse_keys]
+        ks = {info.key: self.k(info.numel) for info in sparse}
+        wire_sizes = {info.key: index_nbytes(ks[info.key], info.numel) for info in sparse}
+        for info in sparse:  # p = m + g in the bucket (a skipped round counts g as 0)
+            view = views[info.key]
+            if not finite:
+                view.zero_()
+            self.memory.compensate_(info.key, view)
+        if rank == leader and sparse:
+            wire = torch.cat([encode_indices(select(views[info.key], ks[info.key],
+                                                    self.config.selection), info.numel)
+                              for info in sparse])
+        else:
+            wire = torch.empty(sum(wire_sizes.values()), dtype=torch.uint8, device=buffer.device)
+        chosen_by_key: dict[str, torch.Tensor] = {}
+        self._charge(time.perf_counter() - start)
+
+        def gather(received: torch.Tensor) -> torch.Tensor:
+            begin = time.perf_counter()
+            parts = []
+            offset = 0
+            for info in sparse:
+                key, p = info.key, views[info.key]
+                chosen = decode_indices(received[offset: offset + wire_sizes[key]], ks[key],
+                                        info.numel)
+                offset += wire_sizes[key]
+                chosen_by_key[key] = self.indices[key] = chosen
+                if finite:
+                    parts.append(p.index_select(0, chosen))
+                    self.memory.update_selected_(key, p.view(info.shape), chosen)
+                else:  # contribute nothing, leave the memory as it was
+                    parts.append(torch.zeros(ks[key], dtype=buffer.dtype, device=buffer.device))
+            for info in dense:  # through the memory, as in launch (_whole)
+                view = views[info.key]
+                if finite:
+                    self.memory.compensate_(info.key, view)
+                    self.memory.update(info.key, view, view)
+                    parts.append(view)  # cat copies
+                else:
+                    parts.append(torch.zeros_like(view))
+            self._charge(time.perf_counter() - begin)
+            return torch.cat(parts)
+
+        size = buffer.element_size()
+        future = shared_index_all_reduce(
+            wire, leader, gather, group=group, meter=self.meter,
+            index_segments=[(info.key, wire_sizes[info.key]) for info in sparse],
+            value_segments=[(info.key, ks[info.key] * size) for info in sparse]
+            + [(info.key, info.numel * size) for info in dense])
+
+        def scatter(fut: Future[Any]) -> torch.Tensor:
+            begin = time.perf_counter()
+            mean = fut.value()
+            offset = 0
+            for info in sparse:
+                k = ks[info.key]
+                view = views[info.key].zero_()
+                view.index_copy_(0, chosen_by_key[info.key], mean[offset: offset + k])
+                offset += k
+            for info in dense:
+                views[info.key].copy_(mean[offset: offset + info.numel])
+                offset += info.numel
+            for info in infos:  # what the optimiser steps with (EF21 keeps an estimate)
+                view = views[info.key]
+                settled = self.memory.settle(info.key, view)
+                if settled is not view:
+                    view.copy_(settled.view(view.shape))
+            self._charge(time.perf_counter() - begin)
+            return buffer
 
         return future.then(scatter)
 

@@ -1,0 +1,198 @@
+"""Step time on loopback: compute alone, plain DDP, thinwire's hooks and torch's own hooks.
+
+Two gloo ranks on one machine train the shaped-link model (MLP
+64-2048-2048-10, 4.4 M parameters), batch 32, one intra-op thread per rank.
+Every variant holds its own DDP replica of the same initial model; each
+round runs every variant for a few steps, in an order that rotates from
+round to round (so no variant always runs first or right after another),
+and keeps the median step of each. The result is the median over rounds
+per variant and the ratios the project tracks:
+
+* ``dense / ddp``: thinwire's dense hook against DDP's built-in all-reduce;
+* ``<scheme> / compute``: a compressed step against the step with no
+  communication at all (forward, backward, optimiser);
+* ``powersgd / torch-powersgd``: thinwire's PowerSGD against
+  ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` (one DDP
+  bucket: torch's hook deadlocks on gloo with several, see
+  ``benchmarks/powersgd_gloo.py``), both at rank 2 after 2 dense steps.
+
+Loopback moves bytes through memory, so this measures codec and framework
+cost, not the network. Results go to ``docs/data/step.json`` with the
+machine's load before and after.
+
+Usage::
+
+    python -m benchmarks.step                 # 15 rounds of 5 steps
+    python -m benchmarks.step --rounds 3      # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks.machine import cpu_model
+from thinwire import ddp, optim, schemes
+from thinwire.launch import spawn
+
+DATA = Path("docs/data/step.json")
+SIZES = (64, 2048, 2048, 10)
+BATCH = 32
+SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {  # thinwire variant -> (scheme, options)
+    "dense": ("dense", {}),
+    "dct-dp": ("dct-dp", {"sparsity": 0.99}),
+    "topk": ("topk", {"ratio": 0.01}),
+    "clt-k": ("clt-k", {"ratio": 0.01}),
+    "powersgd": ("powersgd", {"rank": 2, "start_iter": 2}),
+}
+VARIANTS = ("compute", "ddp", *SCHEMES, "torch-powersgd", "torch-fp16")
+# ratio name -> (numerator, denominator)
+RATIOS = {"dense/ddp": ("dense", "ddp"),
+          **{f"{name}/compute": (name, "compute") for name in SCHEMES if name != "dense"},
+          "ddp/compute": ("ddp", "compute"),
+          "powersgd/torch-powersgd": ("powersgd", "torch-powersgd"),
+          "torch-fp16/compute": ("torch-fp16", "compute")}
+
+
+def order(variants: Sequence[str], round_index: int) -> list[str]:
+    """The variants of one round, rotated by the round's index."""
+    shift = round_index % len(variants)
+    return [*variants[shift:], *variants[:shift]]
+
+
+def summarise(times: dict[str, list[float]]) -> dict[str, Any]:
+    """Median over rounds of each variant's per-round step time, and the tracked ratios.
+
+    Args:
+        times: variant -> one step time (seconds) per round.
+
+    Returns:
+        ``{"median_s": {variant: s}, "ratios": {name: ratio}}``; a ratio whose
+        variants were not measured is left out.
+    """
+    median = {name: statistics.median(values) for name, values in times.items() if values}
+    ratios = {name: median[top] / median[bottom] for name, (top, bottom) in RATIOS.items()
+              if top in median and bottom in median and median[bottom] > 0}
+    return {"median_s": median, "ratios": ratios}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for fan_in, fan_out in zip(SIZES[:-2], SIZES[1:-1], strict=True):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(SIZES[-2], SIZES[-1]))
+
+
+def _install(variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A fresh replica set up as ``variant`` (all start from the same weights)."""
+    model = _model()
+    state: ddp.HookState | None = None
+    if variant == "compute":
+        net: torch.nn.Module = model
+    elif variant == "torch-powersgd":  # one bucket: torch's hook deadlocks with several
+        net = DistributedDataParallel(model, bucket_cap_mb=64)
+        torch_state = torch_powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        net.register_comm_hook(torch_state, torch_powersgd.powerSGD_hook)
+    else:
+        net = DistributedDataParallel(model)
+        if variant == "torch-fp16":
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif variant in SCHEMES:
+            name, options = SCHEMES[variant]
+            state = ddp.register(net, schemes.build(name, **options))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if state is not None:
+        optim.couple(optimizer, state)  # as the quick start does
+    return net, optimizer
+
+
+def _steps(net: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],
+           clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    out = []
+    for inputs, labels in batches:
+        begin = clock()
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(inputs), labels)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        out.append(clock() - begin)
+    return out
+
+
+def _worker(rank: int, world_size: int, variants: list[str], rounds: int, steps: int,
+            warmup: int) -> dict[str, list[float]]:
+    generator = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(BATCH, SIZES[0], generator=generator),
+                torch.randint(SIZES[-1], (BATCH,), generator=generator)) for _ in range(steps)]
+    installed = {variant: _install(variant) for variant in variants}
+    for variant in variants:  # DDP rebuilds buckets after step 1; PowerSGD starts at 2
+        _steps(*installed[variant], batches[:1] * warmup)
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    for index in range(rounds):
+        for variant in order(variants, index):
+            dist.barrier()  # both ranks start a variant together
+            times[variant].append(statistics.median(_steps(*installed[variant], batches)))
+    return times
+
+
+def section(record: dict[str, Any]) -> str:
+    """The results-page section: median step per variant and the tracked ratios."""
+    load = f"load {record['load_before'][0]:.1f} before, {record['load_after'][0]:.1f} after"
+    lines = ["## Step time on loopback", "",
+             f"`{record['command']}` ({record['date']}, {record['machine']['cpu']}, {load}; "
+             "data: `docs/data/step.json`). Two gloo ranks on one machine, MLP "
+             f"{'-'.join(map(str, record['model']))}, batch {record['batch']}, one thread per "
+             f"rank; medians over {record['rounds']} interleaved rounds of "
+             f"{record['steps_per_round']} steps. Loopback: codec and framework cost, not the "
+             "network.", "", "| variant | median ms/step |", "|---|---|"]
+    lines += [f"| {name} | {1e3 * s:.1f} |" for name, s in record["median_s"].items()]
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {name} | {value:.2f} |" for name, value in record["ratios"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--out", type=Path, default=DATA)
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    begin = time.time()
+    per_rank = spawn(_worker, 2, args.variants, args.rounds, args.steps, args.warmup,
+                     timeout_s=600.0, threads=1)
+    given = sys.argv[1:] if argv is None else argv
+    record = {"command": " ".join(["python -m benchmarks.step", *given]),
+              "date": time.strftime("%Y-%m-%d %H:%M"), "machine": {"cpu": cpu_model(),
+                                                                   "cores": os.cpu_count()},
+              "load_before": load_before, "load_after": os.getloadavg(),
+              "wall_s": time.time() - begin, "model": list(SIZES), "batch": BATCH,
+              "world_size": 2, "threads_per_rank": 1, "rounds": args.rounds,
+              "steps_per_round": args.steps, "per_round_s": per_rank[0],
+              **summarise(per_rank[0])}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(json.dumps({"median_ms": {k: round(1e3 * v, 2) for k, v in record["median_s"].items()},
+                      "ratios": {k: round(v, 3) for k, v in record["ratios"].items()},
+                      "load": [load_before, record["load_after"]]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
