@@ -90,7 +90,7 @@ def test_dlrm_reference_init_keeps_the_logit_alive() -> None:
         if isinstance(layer, torch.nn.Linear):
             fan_out, fan_in = layer.weight.shape
             expected = (2.0 / (fan_in + fan_out)) ** 0.5
-            assert abs(float(layer.weight.std()) / expected - 1) < 0.2, (fan_in, fan_out)
+            assert abs(float(layer.weight.detach().std()) / expected - 1) < 0.2, (fan_in, fan_out)
     cardinalities = [int(c) for c in model.interact.cardinalities]
     default = dlrm.dlrm(work.train.inputs.shape[1], cardinalities, seed=0, init="torch")
     with torch.no_grad():
