@@ -159,7 +159,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "digits-mlp": {**SGD, "lr": 0.05, "batch_size": 32, "steps": 500},
     "fashion-convnet": {**SGD, "lr": 0.05, "batch_size": 32, "steps": 600},
     # Single process, batch 256, seeds 0-2: 79 % in 125-350 steps at lr 0.1; 0.3 reaches
-    # it sooner but overfits the 20,000 rows (test accuracy falls after ~250 steps).
+    # it sooner but overfits the 20,000 rows (seed 0: test accuracy falls after ~250 steps).
     "dlrm-click": {**SGD, "lr": 0.1, "batch_size": 64, "steps": 800},
     "transformer-digits": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3,
                            "batch_size": 32, "steps": 600},
