@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from thinwire.cli import compare
+from thinwire.data import criteo
 from thinwire.data.imagesets import FASHION_MNIST_DIR
 from thinwire.jobs import workloads
 from thinwire.jobs.dataparallel import RunOptions
+from thinwire.models import dlrm
 
 NAMES = [name for name in workloads.WORKLOADS
          if name != "fashion-convnet" or os.path.isdir(FASHION_MNIST_DIR)]
@@ -64,3 +66,36 @@ def test_bad_workload_and_optimizer_names_raise_value_error() -> None:
         RunOptions(workload="cifar")
     with pytest.raises(ValueError, match="optimizer='lamb'"):
         RunOptions(optimizer="lamb")
+
+
+def test_dlrm_click_target_is_clearly_above_every_seeds_base_rate() -> None:
+    # Always answering "no click" must stay at least two binomial standard deviations
+    # below the target on the rows an evaluation point reads; the teacher must clear it.
+    rows = RunOptions().eval_rows
+    for seed in range(3):
+        work = workloads.load("dlrm-click", seed=seed)
+        labels = work.test.targets[:rows].double()
+        base = float(torch.maximum(labels.mean(), 1 - labels.mean()))
+        sigma = (base * (1 - base) / labels.numel()) ** 0.5
+        assert work.target > base + 2 * sigma, (seed, base, work.target)
+        _, test = criteo.synthetic_criteo(20_000, 5_000, seed=seed)
+        assert test.rows(slice(0, rows)).oracle()["accuracy"] > work.target + 0.03
+
+
+def test_dlrm_reference_init_keeps_the_logit_alive() -> None:
+    work = workloads.load("dlrm-click", seed=0)
+    batch = work.train.rows(slice(0, 512))
+    model = work.model(0)
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            fan_out, fan_in = layer.weight.shape
+            expected = (2.0 / (fan_in + fan_out)) ** 0.5
+            assert abs(float(layer.weight.detach().std()) / expected - 1) < 0.2, (fan_in, fan_out)
+    cardinalities = [int(c) for c in model.interact.cardinalities]
+    default = dlrm.dlrm(work.train.inputs.shape[1], cardinalities, seed=0, init="torch")
+    with torch.no_grad():
+        spread = float(model(batch.inputs, **batch.side).std())
+        shrunk = float(default(batch.inputs, **batch.side).std())
+    assert spread > 5 * shrunk  # the default's eight layers shrink the logit towards 0
+    with pytest.raises(ValueError, match="init='xavier'"):
+        dlrm.dlrm(3, [2], init="xavier")

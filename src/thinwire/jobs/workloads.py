@@ -14,9 +14,13 @@ differ, not on noise at a plateau.
   package when it is missing).
 * ``dlrm-click``: the DLRM-style model with 26 embedding tables on the
   synthetic Criteo-shaped click data (embedding gradients are row-sparse:
-  the case the DCT paper targets). Accuracy of the 0/1 click label: 76 %
-  by always answering "no click", 86 % for the teacher that drew the
-  labels; the target is 78 %.
+  the case the DCT paper targets), its MLPs initialised as the DLRM
+  reference does (PyTorch's default holds dense SGD on the constant answer
+  for hundreds of steps; :mod:`thinwire.models.dlrm`). Accuracy of the 0/1
+  click label on the 2,000 evaluation rows: 73-76 % by always answering "no
+  click" (seeds 0-2), 84-86 % for the teacher that drew the labels; the
+  target is 79 %, three points above the highest base rate (one binomial
+  standard deviation there is 1 point).
 * ``transformer-digits``: the small pre-norm transformer encoder on digits
   as 8-token sequences (no text corpus ships in the package lists this
   project may install from at run time; see docs/convergence.md).
@@ -128,10 +132,10 @@ def dlrm_click(seed: int, hidden: int = 256) -> Workload:
     cardinalities = [int(max(train.categorical[:, j].max(), test.categorical[:, j].max())) + 1
                      for j in range(train.categorical.shape[1])]
     return Workload("dlrm-click",
-                    lambda s: dlrm.dlrm(train.dense.shape[1], cardinalities, seed=s),
+                    lambda s: dlrm.dlrm(train.dense.shape[1], cardinalities, seed=s, init="dlrm"),
                     Data(train.dense, {"categorical": train.categorical}, train.labels),
                     Data(test.dense, {"categorical": test.categorical}, test.labels),
-                    _binary_loss, _binary_correct, 0.78)
+                    _binary_loss, _binary_correct, 0.79)
 
 
 def transformer_digits(seed: int, hidden: int = 256) -> Workload:
@@ -154,8 +158,9 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 RECIPES: dict[str, dict[str, Any]] = {
     "digits-mlp": {**SGD, "lr": 0.05, "batch_size": 32, "steps": 500},
     "fashion-convnet": {**SGD, "lr": 0.05, "batch_size": 32, "steps": 600},
-    # lr 0.05 never left the 76 % base rate in 600 dense steps; 0.3 reaches 78 % in ~300.
-    "dlrm-click": {**SGD, "lr": 0.3, "batch_size": 64, "steps": 800},
+    # Single process, batch 256, seeds 0-2: 79 % in 125-350 steps at lr 0.1; 0.3 reaches
+    # it sooner but overfits the 20,000 rows (seed 0: test accuracy falls after ~250 steps).
+    "dlrm-click": {**SGD, "lr": 0.1, "batch_size": 64, "steps": 800},
     "transformer-digits": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3,
                            "batch_size": 32, "steps": 600},
 }

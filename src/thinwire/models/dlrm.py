@@ -7,10 +7,18 @@ with outputs 512, 256, 128, 1 (the final sigmoid lives in the loss,
 ``BCEWithLogitsLoss``, for numerical stability). The DCT paper's splits are
 after two layers of the bottom MLP (``"bottom.3"``, width 256) and after two
 layers of the top MLP (``"top.3"``, width 256).
+
+The MLPs start from PyTorch's ``nn.Linear`` default (``init="torch"``) or from
+the DLRM reference implementation's (``init="dlrm"``: weights N(0, 2 / (fan_in
++ fan_out)), biases N(0, 1 / fan_out)). Through eight layers the default
+shrinks the signal (its weight variance is 1 / (3 fan_in)), so SGD first sits
+for hundreds of steps on the constant "no click" answer; DLRM's keeps the
+activations' scale and learns from the first steps.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -23,6 +31,7 @@ BOTTOM = (512, 256, 64, 16)  # §3.1: output widths of the bottom MLP's FC+ReLU 
 TOP = (512, 256, 128, 1)  # §3.1: output widths of the top MLP (last one a logit)
 EMBEDDING_DIM = 16  # §3.1: embedding dimension of the sparse features
 SPLITS = {1: (), 2: ("bottom.3",), 3: ("bottom.3", "top.3")}  # §3.1: after two layers of each MLP
+INITS = ("torch", "dlrm")
 
 
 class Interaction(nn.Module):
@@ -73,17 +82,22 @@ class Interaction(nn.Module):
         return torch.cat([dense, dots[:, self.rows, self.cols]], dim=1)
 
 
-def _mlp(widths: Sequence[int], last_relu: bool) -> nn.Sequential:
+def _mlp(widths: Sequence[int], last_relu: bool, init: str) -> nn.Sequential:
     layers: list[nn.Module] = []
     for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
-        layers.append(nn.Linear(fan_in, fan_out))
+        layer = nn.Linear(fan_in, fan_out)
+        if init == "dlrm":
+            with torch.no_grad():
+                layer.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)))
+                layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out))
+        layers.append(layer)
         if last_relu or i < len(widths) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
 
 
 def dlrm(num_dense: int, cardinalities: Sequence[int], *, bottom: Sequence[int] = BOTTOM,
-         top: Sequence[int] = TOP, seed: int = 0) -> Chain:
+         top: Sequence[int] = TOP, seed: int = 0, init: str = "torch") -> Chain:
     """The DLRM-style chain: ``bottom`` -> ``interact`` -> ``top`` (one logit).
 
     Args:
@@ -91,19 +105,25 @@ def dlrm(num_dense: int, cardinalities: Sequence[int], *, bottom: Sequence[int] 
         cardinalities: rows of each categorical feature's table (26 for Criteo).
         bottom, top: MLP output widths; ``bottom[-1]`` is the embedding dimension.
         seed: initialisation seed (every rank builds the same model).
+        init: the MLPs' initialisation, one of :data:`INITS` (module docstring).
 
     Called as ``model(dense, categorical=ids)``.
+
+    Raises:
+        ValueError: ``top`` does not end in one logit, or an unknown ``init``.
     """
     if top[-1] != 1:
         raise ValueError(f"top={list(top)!r} must end in a single logit")
+    if init not in INITS:
+        raise ValueError(f"init={init!r} must be one of {list(INITS)}")
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         interaction = Interaction(cardinalities, bottom[-1])
         model = Chain(OrderedDict(
-            bottom=_mlp([num_dense, *bottom], last_relu=True),
+            bottom=_mlp([num_dense, *bottom], last_relu=True, init=init),
             interact=interaction,
-            top=_mlp([interaction.out_features, *top], last_relu=False),
+            top=_mlp([interaction.out_features, *top], last_relu=False, init=init),
         ))
     finally:
         torch.random.set_rng_state(generator_state)
