@@ -78,8 +78,11 @@ def test_workload_flag_takes_the_workloads_recipe_and_explicit_flags_win() -> No
     assert (demo.workload, demo.optimizer, demo.lr, demo.batch_size, demo.target) == (
         harness.DEMO, "sgd", 0.05, 32, 0.95)
     dlrm = _args("--workload", "dlrm-click")
+    recipe = harness.recipe("dlrm-click")  # the workload's own, not the demo's
+    assert recipe["optimizer"] == "sgd" and recipe["lr"] != demo.lr
     assert (dlrm.optimizer, dlrm.lr, dlrm.momentum, dlrm.batch_size, dlrm.target) == (
-        "sgd", 0.3, 0.9, 64, 0.78)
+        recipe["optimizer"], recipe["lr"], recipe["momentum"], recipe["batch_size"],
+        recipe["target"])
     transformer = _args("--workload", "transformer-digits", "--lr", "0.002", "--target", "0.5")
     assert (transformer.optimizer, transformer.lr, transformer.target) == ("adamw", 0.002, 0.5)
     options = harness.worker_options(transformer)
