@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -122,26 +123,36 @@ def test_unknown_push_scheme_is_a_value_error() -> None:
         PushCodec(LAYOUT, "dct-dp", colour="red")
 
 
+def _in_threads(push: Callable[[int], None], steps: int, threads: int = 4) -> None:
+    """``push(seed)`` for ``steps`` seeds in each of ``threads`` threads at once; re-raises."""
+    errors: list[BaseException] = []
+
+    def body(thread: int) -> None:
+        try:
+            for step in range(steps):
+                push(thread * 100 + step)
+        except BaseException as error:  # noqa: BLE001 (re-raised below)
+            errors.append(error)
+
+    workers = [threading.Thread(target=body, args=(t,)) for t in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(600)  # a hang guard only: a busy 2-core machine never comes close
+        assert not worker.is_alive(), "an encoding thread hung"
+    if errors:
+        raise errors[0]
+
+
 def test_hogwild_threads_share_one_buffer_and_the_drain_empties_it() -> None:
     """Threads encode concurrently through one codec (DCT §3.3): nothing breaks, every call
     is counted, and with drain_every=1 every update empties the shared buffer."""
     codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=4, drain_every=1, min_numel=0)
-    errors: list[BaseException] = []
 
-    def body(seed: int) -> None:
-        try:
-            for step in range(25):
-                encoded = codec.encode(_grad(seed * 100 + step))
-                assert encoded.sent.isfinite().all()
-        except BaseException as error:  # noqa: BLE001 (reported below)
-            errors.append(error)
+    def push(seed: int) -> None:
+        assert codec.encode(_grad(seed)).sent.isfinite().all()
 
-    threads = [threading.Thread(target=body, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not errors
+    _in_threads(push, steps=25)
     assert isinstance(codec.memory, Residual) and codec.memory.drains == 4 * 25 * 3
     assert all(not bool(b.any()) for b in codec.memory.buffers.values())
     calls = codec.compressor.state_dict()["calls"]
@@ -158,24 +169,13 @@ def test_concurrent_streams_lose_no_gradient_and_keep_the_density_control() -> N
                       drain_every=10**6, min_numel=0)
     pushed: list[torch.Tensor] = []
     sent: list[torch.Tensor] = []
-    errors: list[BaseException] = []
 
-    def body(seed: int) -> None:
-        try:
-            for step in range(40):
-                grad = _grad(seed * 100 + step)
-                encoded = codec.encode(grad)
-                pushed.append(grad)
-                sent.append(encoded.sent)
-        except BaseException as error:  # noqa: BLE001 (reported below)
-            errors.append(error)
+    def push(seed: int) -> None:
+        grad = _grad(seed)
+        sent.append(codec.encode(grad).sent)
+        pushed.append(grad)
 
-    threads = [threading.Thread(target=body, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not errors
+    _in_threads(push, steps=40)
     assert isinstance(codec.memory, Residual)
     residual = torch.cat([codec.memory.buffers[name].reshape(-1) for name in LAYOUT.names])
     total = torch.stack(pushed).double().sum(0)
