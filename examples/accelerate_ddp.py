@@ -4,13 +4,15 @@
     accelerate launch --cpu --num_processes 2 examples/accelerate_ddp.py
 
 ``accelerator.prepare`` wraps the model in DistributedDataParallel; one call to
-:func:`thinwire.ddp.register` then compresses its gradient exchange. Needs
+:func:`thinwire.ddp.register` then compresses its gradient exchange, and
+:func:`thinwire.optim.couple` moves SGD's momentum into the scheme. Needs
 ``pip install 'thinwire[examples]'``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -43,7 +45,9 @@ def main() -> None:
     meter = thinwire.Meter(accelerator.process_index, accelerator.num_processes)
     scheme = thinwire.schemes.build(args.scheme)
     if accelerator.num_processes > 1:  # a single process has no DDP wrapper and no exchange
-        thinwire.ddp.register(model, scheme, meter=meter)
+        state = thinwire.ddp.register(model, scheme, meter=meter)
+        # The optimiser's momentum moves into the scheme's error feedback (docs/convergence.md).
+        thinwire.optim.couple(optimizer.optimizer, state)
 
     step, loss = 0, torch.zeros(())
     while step < args.steps:
@@ -68,3 +72,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Gloo's worker threads still hold work that references Python tensors; tearing the
+    # group down at interpreter exit can abort the process. Free DDP (its reference
+    # cycles hold the group) and destroy the group while Python is still alive.
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -13,6 +13,7 @@ registers the same hook there. Needs ``pip install 'thinwire[examples]'``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -46,7 +47,7 @@ class Classifier(L.LightningModule):
 
 
 class RegisterOnCPU(L.Callback):
-    """Registers the hook where Lightning does not (CPU devices); a no-op on CUDA."""
+    """Registers the hook where Lightning does not (CPU devices) and couples the momentum."""
 
     def __init__(self, state: thinwire.ddp.HookState) -> None:
         self.state = state
@@ -55,6 +56,9 @@ class RegisterOnCPU(L.Callback):
         model = trainer.strategy.model
         if pl_module.device.type == "cpu" and isinstance(model, DistributedDataParallel):
             model.register_comm_hook(self.state, thinwire.ddp.comm_hook)
+        # The optimiser's momentum moves into the scheme's error feedback (docs/convergence.md).
+        for optimizer in trainer.optimizers:
+            thinwire.optim.couple(optimizer, self.state)
 
 
 def main() -> None:
@@ -96,3 +100,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Gloo's worker threads still hold work that references Python tensors; tearing the
+    # group down at interpreter exit can abort the process. Free DDP (its reference
+    # cycles hold the group) and destroy the group while Python is still alive.
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -28,6 +28,7 @@ def test_example_trains_two_steps_compressed(script: str, framework: str,
     # Generous hang guard: a busy machine must not trip it, a hang still fails.
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "call thinwire.optim.couple" not in done.stderr  # the example couples its momentum
     summary = json.loads(out.read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
     # The hook ran (bytes were handed over) and compressed (far fewer than dense).
