@@ -18,8 +18,13 @@ from thinwire.compress import (
     TopK,
     decode,
 )
-from thinwire.compress._select import kth_largest, topk_indices
-from thinwire.compress.sparse import TRACE_LENGTH
+from thinwire.compress._select import (
+    kth_largest,
+    largest_in_order,
+    sparse_nonzero,
+    topk_indices,
+)
+from thinwire.compress.sparse import TRACE_LENGTH, _nonzero_at_least
 from thinwire.feedback import Residual
 
 
@@ -178,11 +183,54 @@ def test_candidate_selection_matches_torch_topk_and_kthvalue(case: int, k: int) 
                        torch.kthvalue(magnitudes, magnitudes.numel() - k + 1).values)
 
 
+@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("k", [0, 1, 7, 500, 4999, 50_000])
+def test_largest_in_order_keeps_the_top_k_values_ascending_with_lowest_ties(
+        case: int, k: int) -> None:
+    magnitudes = _adversarial()[case]
+    positions = largest_in_order(magnitudes, k)
+    assert positions.numel() == k and bool((positions[1:] > positions[:-1]).all())
+    expected = torch.topk(magnitudes, k).values
+    assert torch.equal(magnitudes[positions].sort(descending=True).values, expected)
+    if 0 < k < magnitudes.numel():  # of the entries tied at the k-th value, the first ones
+        kth = expected[-1]
+        tied = (magnitudes == kth).nonzero().squeeze(1)
+        assert torch.equal(positions[magnitudes[positions] == kth],
+                           tied[: int((magnitudes[positions] == kth).sum())])
+
+
+@pytest.mark.parametrize("numel", [0, 7, 16_384, 65_536, 65_541, 200_003])
+@pytest.mark.parametrize("density", [0.0, 1e-4, 0.01, 0.2, 0.9, 1.0])
+def test_sparse_nonzero_equals_nonzero(numel: int, density: float) -> None:
+    mask = torch.rand(numel) < density
+    assert torch.equal(sparse_nonzero(mask), mask.nonzero().squeeze(1))
+    if numel > 16:  # a view that starts off the 8-byte grid, and one that is not contiguous
+        assert torch.equal(sparse_nonzero(mask[3:]), mask[3:].nonzero().squeeze(1))
+        assert torch.equal(sparse_nonzero(mask[::2]), mask[::2].nonzero().squeeze(1))
+
+
+def test_sparse_nonzero_finds_the_last_and_first_entries() -> None:
+    mask = torch.zeros(100_005, dtype=torch.bool)
+    mask[[0, 7, 8, 99_999, 100_000, 100_004]] = True
+    assert sparse_nonzero(mask).tolist() == [0, 7, 8, 99_999, 100_000, 100_004]
+
+
+def test_nonzero_at_least_counts_exactly_when_the_sample_is_not_plain() -> None:
+    dense = torch.randn(100_000)
+    assert _nonzero_at_least(dense, 1000) == 1000  # plainly more than k non-zeros
+    sparse = torch.zeros(100_000)
+    sparse[5_000:5_250] = 1.0  # 250 non-zeros against k = 1000 (an embedding's touched rows)
+    assert _nonzero_at_least(sparse, 1000) == 250
+    assert _nonzero_at_least(torch.zeros(100), 10) == 0
+
+
 def test_candidate_selection_refuses_k_out_of_range() -> None:
     with pytest.raises(ValueError, match="k=11"):
         topk_indices(torch.ones(10), 11)
     with pytest.raises(ValueError, match="k=0"):
         kth_largest(torch.ones(10), 0)
+    with pytest.raises(ValueError, match="k=-1"):
+        largest_in_order(torch.ones(10), -1)
 
 
 def test_threshold_trace_keeps_a_bounded_window() -> None:

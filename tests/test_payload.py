@@ -105,3 +105,20 @@ def test_gap_list_escapes_gaps_beyond_16_bits_and_halves_index_bytes() -> None:
     wide = SparseLayout(numel, 2000, torch.float32, "int32")
     assert SparseLayout(numel, 2000, torch.float32, "delta16").index_bytes == 4000 + 4 * 7
     assert wide.index_bytes == 8000
+
+
+@pytest.mark.parametrize("indices", ["delta16", "int32"])
+def test_layout_bytes_do_not_depend_on_the_order_entries_come_in(indices: str) -> None:
+    """Ascending indices skip the sort; shuffled ones are sorted: the same payload."""
+    numel = 300_000
+    chosen = torch.randperm(numel)[:900].sort().values
+    values = torch.randn(900)
+    layout = SparseLayout(numel, 1000, torch.float32, indices)
+    shuffle = torch.randperm(900)
+    ascending = layout.encode(chosen, values)
+    shuffled = layout.encode(chosen[shuffle], values[shuffle])
+    if indices == "delta16":
+        assert torch.equal(ascending, shuffled)
+    got_indices, got_values = layout.decode(shuffled)
+    order = torch.argsort(got_indices)
+    assert torch.equal(got_indices[order], chosen) and torch.equal(got_values[order], values)

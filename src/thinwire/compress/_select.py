@@ -1,4 +1,4 @@
-"""Exact top-k selection without a pass over the whole tensor in ``torch.topk``.
+"""Exact selection without a full sort: top-k, the k-th largest, the indices of a sparse mask.
 
 A strided sample of the magnitudes gives a lower bound that, with margin,
 the k-th largest entry clears; only the entries at or above that bound (the
@@ -18,6 +18,39 @@ import torch
 
 SAMPLE = 4096  # entries sampled to place the lower bound
 MAX_FRACTION = 0.1  # above k / N this, torch.topk on everything is as cheap
+WORD = 8  # mask bytes read as one int64 word by sparse_nonzero
+
+
+def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """The indices of the true entries of a 1-D bool mask, ascending (``mask.nonzero()``).
+
+    A mask that is mostly false (a threshold passing about 1 % of a layer) is
+    read eight bytes at a time: one ``nonzero`` over the int64 words finds the
+    words with a true byte, a second one over just those words' bytes places
+    the entries. On one CPU thread that is about half the time of
+    ``nonzero`` on the bytes themselves for a 4M-entry layer at 1 %. When
+    more than two thirds of the words hold a true byte, plain ``nonzero`` is
+    used. Exact: the same indices, in the same order.
+
+    Args:
+        mask: 1-D bool, contiguous; not modified.
+
+    Returns:
+        int64 indices of shape ``(count,)`` on ``mask``'s device.
+    """
+    numel = mask.numel()
+    whole = numel // WORD * WORD
+    if whole < 4 * SAMPLE or not mask.is_contiguous() or mask.storage_offset() % WORD:
+        return mask.nonzero().squeeze(1)
+    words = mask[:whole].view(torch.int64)
+    hot = words.nonzero().squeeze(1)
+    if 3 * hot.numel() > 2 * words.numel():  # dense: nothing to skip
+        return mask.nonzero().squeeze(1)
+    within = words.index_select(0, hot).view(torch.bool).nonzero().squeeze(1)
+    indices = hot.index_select(0, within >> 3).mul_(WORD).add_(within & (WORD - 1))
+    if whole == numel:
+        return indices
+    return torch.cat([indices, mask[whole:].nonzero().squeeze(1).add_(whole)])
 
 
 def _lower_bound(magnitudes: torch.Tensor, k: int) -> torch.Tensor | None:
@@ -38,7 +71,7 @@ def _candidates(magnitudes: torch.Tensor, k: int) -> torch.Tensor | None:
     bound = _lower_bound(magnitudes, k)
     if bound is None:
         return None
-    candidates = (magnitudes >= bound).nonzero().squeeze(1)
+    candidates = sparse_nonzero(magnitudes >= bound)
     return candidates if candidates.numel() >= k else None
 
 
@@ -62,7 +95,7 @@ def topk_indices(magnitudes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     if candidates is None:
         values, indices = torch.topk(magnitudes, k, sorted=False)
         return values, indices
-    values, chosen = torch.topk(magnitudes[candidates], k, sorted=False)
+    values, chosen = torch.topk(magnitudes.index_select(0, candidates), k, sorted=False)
     return values, candidates[chosen]
 
 
@@ -80,5 +113,33 @@ def kth_largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     if not 1 <= k <= numel:
         raise ValueError(f"k={k!r} is outside the allowed range [1, {numel}]")
     candidates = _candidates(magnitudes, k)
-    pool = magnitudes if candidates is None else magnitudes[candidates]
+    pool = magnitudes if candidates is None else magnitudes.index_select(0, candidates)
     return torch.kthvalue(pool, pool.numel() - k + 1).values
+
+
+def largest_in_order(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k largest entries of a 1-D tensor, in ascending order.
+
+    Ties at the k-th largest value are broken towards the lowest positions,
+    so the choice is the same on every call and the order needs no sort (a
+    sparse payload's index gaps need ascending indices).
+
+    Args:
+        magnitudes: 1-D, not modified.
+        k: in [0, numel].
+
+    Raises:
+        ValueError: ``k`` outside [0, numel].
+    """
+    numel = magnitudes.numel()
+    if not 0 <= k <= numel:
+        raise ValueError(f"k={k!r} is outside the allowed range [0, {numel}]")
+    if k == numel:
+        return torch.arange(numel, device=magnitudes.device)
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
+    kth = topk_indices(magnitudes, k)[0].min()
+    keep = magnitudes > kth
+    ties = (magnitudes == kth).nonzero().squeeze(1)
+    keep[ties[: k - int(keep.sum())]] = True
+    return keep.nonzero().squeeze(1)

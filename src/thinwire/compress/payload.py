@@ -46,6 +46,11 @@ def _padded(part: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(part, (0, _pad4(part.numel()) - part.numel()))
 
 
+def _ascending(indices: torch.Tensor) -> bool:
+    """Whether ``indices`` (1-D) are strictly ascending, so a gap code needs no sort first."""
+    return indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a flat bool mask into bytes, least significant bit first."""
     pad = (-mask.numel()) % 8
@@ -244,7 +249,7 @@ class SparseLayout:
         out = torch.zeros(self.nbytes, dtype=torch.uint8, device=values.device)
         out[:HEADER_BYTES].view(torch.int32).fill_(count)
         area = out[HEADER_BYTES: HEADER_BYTES + self.index_bytes]
-        if self.uses_bitmap or self.indices == "delta16":
+        if (self.uses_bitmap or self.indices == "delta16") and not _ascending(indices):
             indices, order = torch.sort(indices)
             values = values[order]
         if self.uses_bitmap:

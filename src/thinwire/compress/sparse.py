@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-from thinwire.compress._select import kth_largest, topk_indices
+from thinwire.compress._select import (
+    SAMPLE,
+    kth_largest,
+    largest_in_order,
+    sparse_nonzero,
+    topk_indices,
+)
 from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
 from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, SparsePayload
 
@@ -129,7 +135,8 @@ class Sparsifier(Compressor):
         indices, tau = self._select(magnitudes, info, call)
         room = self.capacity(magnitudes.numel())
         if indices.numel() > room:  # the largest go now, the rest stay in the error memory
-            indices = indices[topk_indices(magnitudes[indices], room)[1]]
+            indices = indices.index_select(
+                0, largest_in_order(magnitudes.index_select(0, indices), room))
         density = indices.numel() / magnitudes.numel()
         trace = self.trace.setdefault(info.key, deque(maxlen=TRACE_LENGTH))
         trace.append((call, tau, density))
@@ -149,8 +156,8 @@ class Sparsifier(Compressor):
 
 
 def _above(magnitudes: torch.Tensor, tau: float) -> torch.Tensor:
-    mask = magnitudes >= tau if tau > 0 else magnitudes > 0
-    return mask.nonzero().squeeze(1)
+    """Ascending indices of the entries at or above ``tau`` (above 0 when ``tau`` is 0)."""
+    return sparse_nonzero(magnitudes >= tau if tau > 0 else magnitudes > 0)
 
 
 class TopK(Sparsifier):
@@ -285,9 +292,7 @@ class DCTThreshold(Sparsifier):
         that selecting the room's largest among the passing entries grows costly.
         """
         assert self.gain is not None
-        target = k
-        if count < k:  # an O(N) count, only on calls that under-send
-            target = min(k, int(torch.count_nonzero(magnitudes)))
+        target = k if count >= k else min(k, _nonzero_at_least(magnitudes, k))
         sent = count if count > 2 * room else min(count, room)
         if sent == target:
             return 1.0
@@ -308,6 +313,25 @@ class DCTThreshold(Sparsifier):
 
 
 _CLAMP = 16.0  # most count / target one density correction acts on
+
+
+def _nonzero_at_least(magnitudes: torch.Tensor, k: int) -> int:
+    """The count of non-zero entries, or ``k`` when a strided sample shows plainly more.
+
+    An exact count costs a pass over the tensor; the density control only
+    needs it when zeros may leave fewer than ``k`` entries to send (an
+    embedding's untouched rows). When at least twice the fraction ``k / N``
+    of a strided sample of :data:`~thinwire.compress._select.SAMPLE` entries
+    is non-zero, the answer is taken to be ``k`` without counting. (Non-zeros
+    striped in step with the sample can pass for more than they are; the
+    control then aims at k, as it does on a dense layer.)
+    """
+    numel = magnitudes.numel()
+    if numel > 4 * SAMPLE:
+        sample = magnitudes[:: numel // SAMPLE]
+        if int(torch.count_nonzero(sample)) * numel >= 2 * k * sample.numel():
+            return k
+    return int(torch.count_nonzero(magnitudes))
 
 
 class LaplaceThreshold(Sparsifier):

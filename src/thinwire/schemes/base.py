@@ -268,14 +268,22 @@ class CompressedScheme(Scheme):
     @staticmethod
     def _sum_sparse(buffer: torch.Tensor, gathered: tuple[SparseLayout, list[torch.Tensor]],
                     n: int) -> None:
-        """Write the mean of every rank's sparse payload into ``buffer`` (rank order)."""
+        """Write the mean of every rank's sparse payload into ``buffer`` (rank order).
+
+        Sums in rank order, then divides only the entries some rank sent (a
+        duplicate index writes the same quotient twice): the same bits as
+        dividing the whole buffer, without a pass over it.
+        """
         layout, rows = gathered
         buffer.zero_()
+        touched = []
         for row in rows:
             indices, values = layout.decode(row)
             buffer.index_add_(0, indices, values.to(buffer.dtype))
+            touched.append(indices)
         if n > 1:  # x / 1 == x
-            buffer.div_(n)
+            sent = torch.cat(touched)
+            buffer.index_copy_(0, sent, buffer.index_select(0, sent).div_(n))
 
     def _record(self, segments: Sequence[tuple[str, int]], collective: str, n: int) -> None:
         if self.meter is not None:
