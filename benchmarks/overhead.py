@@ -11,10 +11,12 @@ ratios against exact top-k, and against each row's floor.
 Rows ``floor <name>`` do the same work written directly in plain torch ops
 (``torch.topk`` or a comparison, a gather, a scatter into zeros; for the
 scheme rows also the error feedback, the residual by zeroing the sent
-entries, and for PowerSGD the two products, QR and the reconstruction), so
-``<name> / floor <name>`` is what the library adds to the least the maths
-needs. The candidate-based exact selection can beat its ``torch.topk`` /
-``kthvalue`` floor.
+entries, and for PowerSGD the two products, QR and the reconstruction as r
+outer products added elementwise, the least that keeps replicas bit
+identical whatever thread a callback runs on), so ``<name> / floor <name>``
+is what the library adds to the least the maths needs. The candidate-based
+exact selection can beat its ``torch.topk`` / ``kthvalue`` floor (clt-k's
+leader selects exactly, its default).
 
 Rows ``scheme <name>`` time one whole step of a registered scheme on a
 near-square matrix of the same size, in one process (collectives are no-ops
@@ -62,8 +64,10 @@ def interleaved(rows: dict[str, Step], repeats: int,
         prepare: per row, untimed work run before each timed call (a fresh gradient).
     """
     prepare = prepare or {}
-    for run in rows.values():
-        run()  # warm-up: first calls allocate
+    for name, run in rows.items():  # warm-up: first calls allocate
+        if name in prepare:
+            prepare[name]()
+        run()
     samples: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(repeats):
         for name, run in rows.items():
@@ -152,18 +156,18 @@ def scheme_available(name: str) -> str | None:
     return None
 
 
-def scheme_step(name: str, grad: torch.Tensor, sparsity: float, life_span: int,
-                rank: int) -> Step:
-    """One step of scheme ``name`` on ``grad`` in one process (no collectives), as the DDP
-    hook runs it: :meth:`~thinwire.schemes.base.Scheme.launch_flat` on a bucket holding a
-    copy of ``grad`` (the copy stands for DDP filling its bucket)."""
+def scheme_step(name: str, grad: torch.Tensor, bucket: torch.Tensor, sparsity: float,
+                life_span: int, rank: int) -> Step:
+    """One step of scheme ``name`` in one process (no collectives), as the DDP hook runs
+    it: :meth:`~thinwire.schemes.base.Scheme.launch_flat` on ``bucket``, which the caller
+    fills with ``grad`` before each call, untimed (DDP fills its bucket whatever the hook)."""
     from thinwire import schemes
     from thinwire.compress import TensorInfo
     from thinwire.jobs.compare import scheme_config
 
     scheme = schemes.build(name, **scheme_config(name, sparsity, life_span, [f"rank={rank}"]))
     infos = [TensorInfo.of("w", grad)]
-    return lambda: scheme.launch_flat(grad.reshape(-1).clone(), infos).wait()
+    return lambda: scheme.launch_flat(bucket, infos).wait()
 
 
 def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> Step | None:
@@ -195,9 +199,8 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     if name == "dct-dp":
         tau = float(torch.kthvalue(grad.abs().reshape(-1), numel - k + 1).values)
         return sparse_step(lambda p: (p.abs() >= tau).nonzero().squeeze(1))
-    if name == "clt-k" and numel % k == 0:
-        starts = torch.arange(k) * (numel // k)
-        return sparse_step(lambda p: p.abs().view(k, -1).argmax(dim=1) + starts)
+    if name == "clt-k":  # the leader's exact top-k (the default selection)
+        return sparse_step(lambda p: torch.topk(p.abs(), k, sorted=False).indices)
     if name == "powersgd":
         rows, cols = shape
         state["q"] = torch.randn(cols, rank)
@@ -207,7 +210,10 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
             matrix = grad + state["e"]
             p_hat = torch.linalg.qr(matrix @ state["q"]).Q
             q = (p_hat.t() @ matrix).t()
-            approx = p_hat @ q.t()
+            # r outer products added elementwise: a rank-r BLAS product may round
+            # differently on ranks whose callbacks run on other threads, and replicas drift.
+            approx = sum(torch.outer(p_hat[:, j], q[:, j]) for j in range(1, rank))
+            approx = torch.outer(p_hat[:, 0], q[:, 0]) + approx
             state["e"] = matrix - approx
             state["q"] = q
             return approx
@@ -222,13 +228,17 @@ def measure_schemes(names: list[str], numel: int, sparsity: float, life_span: in
     Every row gets a fresh Gaussian gradient before each timed call (untimed).
     """
     grad = torch.randn(matrix_shape(numel))
+    bucket = torch.empty(numel)
     rows: dict[str, Step] = {}
+    prepare: dict[str, Step] = {}
     for name in names:
-        rows[f"scheme {name}"] = scheme_step(name, grad, sparsity, life_span, rank)
+        rows[f"scheme {name}"] = scheme_step(name, grad, bucket, sparsity, life_span, rank)
+        prepare[f"scheme {name}"] = lambda: bucket.copy_(grad.normal_().reshape(-1))
         floor = scheme_floor(name, grad, sparsity, rank)
         if floor is not None:
             rows[f"floor scheme {name}"] = floor
-    return interleaved(rows, repeats, {name: grad.normal_ for name in rows})
+            prepare[f"floor scheme {name}"] = grad.normal_
+    return interleaved(rows, repeats, prepare)
 
 
 def measure_scheme(name: str, numel: int, sparsity: float, life_span: int, rank: int,

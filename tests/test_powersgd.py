@@ -79,7 +79,8 @@ def test_each_function_is_its_algorithm_line() -> None:
     matrix = torch.randn(20, 30, dtype=torch.float64)
     q = codec.q("w", matrix).clone()
     p = codec.left("w", matrix)
-    torch.testing.assert_close(p, matrix @ q, rtol=0, atol=0)
+    # Q laid out column-major: the same products, perhaps summed in another order
+    torch.testing.assert_close(p, matrix @ q, rtol=1e-12, atol=1e-12)
     p_hat = orthonormalize(p)
     torch.testing.assert_close(p_hat.T @ p_hat, torch.eye(3, dtype=torch.float64))
     q_new = right(matrix, p_hat)
@@ -102,6 +103,26 @@ def test_without_warm_start_every_step_draws_a_fresh_shared_q() -> None:
         twin.finish("w", orthonormalize(matrix @ q), q)
         qs.append(q)
     assert not torch.equal(qs[0], qs[1])
+
+
+@pytest.mark.parametrize("shape", [(1000, 1000), (257, 1031), (3, 5)])
+def test_reconstruct_is_the_elementwise_sum_of_outer_products_at_any_thread_count(
+        shape: tuple[int, int]) -> None:
+    """Bit for bit ``p_1 q_1 + p_2 q_2 + p_3 q_3``, each product rounded once, whatever
+    the intra-op thread count (replicas must not depend on the thread a callback runs on)."""
+    rows, cols = shape
+    p_hat = orthonormalize(torch.randn(rows, 3))  # column-major, as QR returns it
+    q = torch.randn(cols, 3)
+    expected = p_hat[:, :1] * q[:, 0]
+    for j in (1, 2):
+        expected = expected + p_hat[:, j: j + 1] * q[:, j]
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(reconstruct(p_hat, q), expected)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_orthonormalize_survives_zero_and_repeated_columns() -> None:

@@ -6,8 +6,9 @@ candidates, a few times k) go through ``torch.topk``. When the bound turns
 out too high (fewer than k candidates: an adversarial layout or heavy ties
 the sample missed) the full ``torch.topk`` runs instead, so the result is
 always exact: the same values as ``torch.topk`` / ``torch.kthvalue`` on the
-whole tensor. Which of several tied indices is returned is, as for
-``torch.topk`` itself, unspecified but deterministic.
+whole tensor. Of several entries tied at the k-th largest value, the
+lowest positions are kept, and the k positions come out ascending, so no
+sort follows (:func:`largest_in_order`).
 """
 
 from __future__ import annotations
@@ -75,30 +76,6 @@ def _candidates(magnitudes: torch.Tensor, k: int) -> torch.Tensor | None:
     return candidates if candidates.numel() >= k else None
 
 
-def topk_indices(magnitudes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of a 1-D tensor and their indices, unsorted.
-
-    Args:
-        magnitudes: 1-D, not modified.
-        k: in [0, numel].
-
-    Returns:
-        ``(values, indices)`` with the same values as ``torch.topk(magnitudes, k)``.
-
-    Raises:
-        ValueError: ``k`` outside [0, numel].
-    """
-    numel = magnitudes.numel()
-    if not 0 <= k <= numel:
-        raise ValueError(f"k={k!r} is outside the allowed range [0, {numel}]")
-    candidates = _candidates(magnitudes, k)
-    if candidates is None:
-        values, indices = torch.topk(magnitudes, k, sorted=False)
-        return values, indices
-    values, chosen = torch.topk(magnitudes.index_select(0, candidates), k, sorted=False)
-    return values, candidates[chosen]
-
-
 def kth_largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest entry of a 1-D tensor (a 0-d tensor), as ``torch.kthvalue`` finds it.
 
@@ -122,7 +99,10 @@ def largest_in_order(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
 
     Ties at the k-th largest value are broken towards the lowest positions,
     so the choice is the same on every call and the order needs no sort (a
-    sparse payload's index gaps need ascending indices).
+    sparse payload's index gaps need ascending indices). Like
+    :func:`topk_indices`, only the candidates above a sampled bound are
+    ranked when there are enough of them; they come out of ``nonzero``
+    ascending, so keeping the k largest of them keeps the order.
 
     Args:
         magnitudes: 1-D, not modified.
@@ -138,7 +118,11 @@ def largest_in_order(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
         return torch.arange(numel, device=magnitudes.device)
     if k == 0:
         return torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
-    kth = topk_indices(magnitudes, k)[0].min()
+    candidates = _candidates(magnitudes, k)
+    if candidates is not None and candidates.numel() < numel:
+        return candidates.index_select(
+            0, largest_in_order(magnitudes.index_select(0, candidates), k))
+    kth = torch.topk(magnitudes, k, sorted=False).values.min()
     keep = magnitudes > kth
     ties = (magnitudes == kth).nonzero().squeeze(1)
     keep[ties[: k - int(keep.sum())]] = True

@@ -20,7 +20,7 @@ Selection (the leader only), per layer of ``N`` entries keeping ``k``:
   vectorised argmax, no sort.
 * ``"exact"`` (default): the exact top-k of ``|p|``, found among the entries
   above a sampled lower bound of the k-th magnitude, without a sort of ``N``
-  (:func:`~thinwire.compress._select.topk_indices`). One-per-chunk selection
+  (:func:`~thinwire.compress._select.largest_in_order`). One-per-chunk selection
   keeps only part of top-k's energy on layers whose large entries cluster
   (:func:`captured_energy`), and CLT-k then converges far slower
   (docs/convergence.md), so exact is the default.
@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from thinwire.compress._select import topk_indices
+from thinwire.compress._select import largest_in_order
 from thinwire.compress.base import keep_count
 from thinwire.compress.payload import pack_bits, unpack_bits
 
@@ -81,12 +81,13 @@ def captured_energy(tensor: torch.Tensor, indices: torch.Tensor) -> float:
 
 
 def exact_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest entries (``torch.topk``), ascending."""
+    """Indices of the ``k`` largest entries (``torch.topk``'s values), ascending.
+
+    Of entries tied at the k-th largest value, the first ones are kept
+    (:func:`~thinwire.compress._select.largest_in_order`: no sort).
+    """
     _check_k(k, magnitudes.numel())
-    if k == 0:
-        return torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
-    indices = topk_indices(magnitudes, k)[1]
-    return torch.sort(indices).values
+    return largest_in_order(magnitudes, k)
 
 
 SELECTIONS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
