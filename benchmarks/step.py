@@ -14,7 +14,13 @@ per variant and the ratios the project tracks:
 * ``powersgd / torch-powersgd``: thinwire's PowerSGD against
   ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` (one DDP
   bucket: torch's hook deadlocks on gloo with several, see
-  ``benchmarks/powersgd_gloo.py``), both at rank 2 after 2 dense steps.
+  ``benchmarks/powersgd_gloo.py``), both at rank 2 after 2 dense steps;
+* ``dct-dp / floor-dct-dp``: thinwire's dct-dp against the same work
+  written as a plain DDP hook in torch ops (:func:`floor_hook`: momentum
+  correction, error feedback, a reused per-tensor threshold with the density
+  control, the payload room of k, one padded all-gather, the mean decoded
+  into the bucket), with none of the library's checks, metering or
+  bookkeeping: what the step costs at the least on this machine.
 
 Loopback moves bytes through memory, so this measures codec and framework
 cost, not the network. Results go to ``docs/data/step.json`` with the
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -58,12 +65,14 @@ SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {  # thinwire variant -> (schem
     "clt-k": ("clt-k", {"ratio": 0.01}),
     "powersgd": ("powersgd", {"rank": 2, "start_iter": 2}),
 }
-VARIANTS = ("compute", "ddp", *SCHEMES, "torch-powersgd", "torch-fp16")
+VARIANTS = ("compute", "ddp", *SCHEMES, "floor-dct-dp", "torch-powersgd", "torch-fp16")
 # ratio name -> (numerator, denominator)
 RATIOS = {"dense/ddp": ("dense", "ddp"),
           **{f"{name}/compute": (name, "compute") for name in SCHEMES if name != "dense"},
           "ddp/compute": ("ddp", "compute"),
           "powersgd/torch-powersgd": ("powersgd", "torch-powersgd"),
+          "dct-dp/floor-dct-dp": ("dct-dp", "floor-dct-dp"),
+          "floor-dct-dp/compute": ("floor-dct-dp", "compute"),
           "torch-fp16/compute": ("torch-fp16", "compute")}
 
 
@@ -97,6 +106,88 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(SIZES[-2], SIZES[-1]))
 
 
+class FloorState:
+    """Per-tensor state of :func:`floor_hook`, keyed by parameter (DDP re-buckets)."""
+
+    def __init__(self, density: float = 0.01, momentum: float = 0.9, gain: float = 0.05,
+                 min_numel: int = 1024) -> None:
+        self.density, self.momentum, self.gain, self.min_numel = density, momentum, gain, min_numel
+        self.velocity: dict[int, torch.Tensor] = {}
+        self.error: dict[int, torch.Tensor] = {}
+        self.tau: dict[int, float] = {}
+
+
+def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """dct-dp's step in plain torch ops: the floor that thinwire's hook is measured against.
+
+    Per tensor: ``v <- mu v + g``, ``p = e + v``; tensors under ``min_numel``
+    entries travel dense (added to a dense part), the others send the entries
+    of ``|p| >= tau`` (the k largest of them when more pass), ``e`` keeps ``p``
+    with those zeroed and tau moves by ``exp(gain (sent / k - 1))`` (a count
+    beyond twice the room counting in full, as in ``DCTThreshold``). One
+    all-gather carries every rank's padded indices and values; the mean is
+    decoded into the bucket. The dense part is summed in the same payload.
+    """
+    buffer = bucket.buffer()
+    world = dist.get_world_size()
+    chosen, sent, dense = [], [], []
+    offset = 0
+    params = bucket.parameters()
+    for param, view in zip(params, buffer.split([p.numel() for p in params])):
+        key = id(param)
+        velocity = state.velocity.get(key)
+        if velocity is None:
+            velocity = state.velocity[key] = view.clone()
+            state.error[key] = torch.zeros_like(view)
+        else:
+            velocity.mul_(state.momentum).add_(view)
+        p = state.error[key].add_(velocity)
+        if view.numel() < state.min_numel:
+            dense.append((offset, p.clone()))
+            p.zero_()
+        else:
+            k = max(1, math.ceil(view.numel() * state.density))
+            magnitudes = p.abs()
+            if key not in state.tau:
+                state.tau[key] = float(torch.kthvalue(magnitudes, view.numel() - k + 1).values)
+            index = (magnitudes >= state.tau[key]).nonzero().squeeze(1)
+            count = index.numel()
+            if count > k:
+                index = index[torch.topk(magnitudes[index], k, sorted=False).indices]
+            sent_count = count if count > 2 * k else min(count, k)  # as DCTThreshold's control
+            state.tau[key] *= math.exp(state.gain * (min(sent_count / k, 16.0) - 1))
+            chosen.append(index + offset)
+            sent.append(p[index])
+            p[index] = 0.0
+        offset += view.numel()
+    room = sum(max(1, math.ceil(p.numel() * state.density)) for p in params
+               if p.numel() >= state.min_numel)
+    dense_numel = sum(part.numel() for _, part in dense)
+    payload = torch.zeros(2 * room + dense_numel + 1)
+    indices = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.int64)
+    payload[0] = indices.numel()
+    payload[1: 1 + indices.numel()].view(torch.int32).copy_(indices)
+    payload[1 + room: 1 + room + indices.numel()] = torch.cat(sent) if sent else payload[:0]
+    if dense:
+        payload[1 + 2 * room:] = torch.cat([part for _, part in dense])
+    gathered = torch.empty(world * payload.numel())
+    work = dist.all_gather_into_tensor(gathered, payload, async_op=True)
+
+    def decode(_: torch.futures.Future[Any]) -> torch.Tensor:
+        buffer.zero_()
+        for row in gathered.view(world, -1):
+            count = int(row[0])
+            index = row[1: 1 + count].view(torch.int32).long()
+            buffer.index_add_(0, index, row[1 + room: 1 + room + count])
+            start = 1 + 2 * room
+            for at, part in dense:
+                buffer[at: at + part.numel()] += row[start: start + part.numel()]
+                start += part.numel()
+        return buffer.div_(world)
+
+    return work.get_future().then(decode)
+
+
 def _install(variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A fresh replica set up as ``variant`` (all start from the same weights)."""
     model = _model()
@@ -112,6 +203,10 @@ def _install(variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         net = DistributedDataParallel(model)
         if variant == "torch-fp16":
             net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif variant == "floor-dct-dp":  # its momentum is in the hook, as coupled thinwire's
+            # No annotations reach DDP's check (this module's are strings).
+            net.register_comm_hook(FloorState(), lambda state, bucket: floor_hook(state, bucket))
+            return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.0)
         elif variant in SCHEMES:
             name, options = SCHEMES[variant]
             state = ddp.register(net, schemes.build(name, **options))
