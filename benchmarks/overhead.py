@@ -175,47 +175,46 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
 
     Error feedback, selection or factorisation, the residual and the decoded
     result: what the scheme must do at the least, with none of its
-    bookkeeping. None for a scheme without a floor here.
+    bookkeeping, in place into buffers kept across steps (a fresh buffer of
+    25M entries costs its page faults on every step, which would flatter the
+    library). None for a scheme without a floor here.
     """
     shape = tuple(grad.shape)
     numel = grad.numel()
     k = keep_count(numel, 1 - sparsity)
-    state: dict[str, torch.Tensor] = {"e": torch.zeros(numel)}
+    error, out, scratch = torch.zeros(numel), torch.empty(numel), torch.empty(numel)
 
     def sparse_step(select: Callable[[torch.Tensor], torch.Tensor]) -> Step:
         def run() -> object:
-            p = grad.reshape(-1) + state["e"]
-            indices = select(p)
+            p = error.add_(grad.reshape(-1))  # p = g + e, in the memory
+            indices = select(torch.abs(p, out=scratch))
             values = p[indices]
             p[indices] = 0.0  # the residual: p with the sent entries zeroed
-            state["e"] = p
-            out = torch.zeros(numel)
+            out.zero_()
             out[indices] = values
             return out
         return run
 
-    if name == "topk":
-        return sparse_step(lambda p: torch.topk(p.abs(), k, sorted=False).indices)
+    if name in ("topk", "clt-k"):  # clt-k: the leader's exact top-k, its default selection
+        return sparse_step(lambda m: torch.topk(m, k, sorted=False).indices)
     if name == "dct-dp":
         tau = float(torch.kthvalue(grad.abs().reshape(-1), numel - k + 1).values)
-        return sparse_step(lambda p: (p.abs() >= tau).nonzero().squeeze(1))
-    if name == "clt-k":  # the leader's exact top-k (the default selection)
-        return sparse_step(lambda p: torch.topk(p.abs(), k, sorted=False).indices)
+        return sparse_step(lambda m: (m >= tau).nonzero().squeeze(1))
     if name == "powersgd":
         rows, cols = shape
-        state["q"] = torch.randn(cols, rank)
-        state["e"] = torch.zeros(shape)
+        state = {"q": torch.randn(rank, cols).t()}  # column-major, as the products want it
+        matrix, approx, term = error.view(shape), out.view(shape), scratch.view(shape)
 
         def power_step() -> object:
-            matrix = grad + state["e"]
+            matrix.add_(grad)  # M = g + e, in the memory
             p_hat = torch.linalg.qr(matrix @ state["q"]).Q
-            q = (p_hat.t() @ matrix).t()
+            q = state["q"] = (p_hat.t() @ matrix).t()
             # r outer products added elementwise: a rank-r BLAS product may round
             # differently on ranks whose callbacks run on other threads, and replicas drift.
-            approx = sum(torch.outer(p_hat[:, j], q[:, j]) for j in range(1, rank))
-            approx = torch.outer(p_hat[:, 0], q[:, 0]) + approx
-            state["e"] = matrix - approx
-            state["q"] = q
+            torch.mul(p_hat[:, :1], q[:, 0], out=approx)
+            for j in range(1, rank):
+                approx.add_(torch.mul(p_hat[:, j: j + 1], q[:, j], out=term))
+            matrix.sub_(approx)  # e = M - G_hat
             return approx
         return power_step
     return None

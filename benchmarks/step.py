@@ -171,7 +171,7 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
     if dense:
         payload[1 + 2 * room:] = torch.cat([part for _, part in dense])
     gathered = torch.empty(world * payload.numel())
-    work = dist.all_gather_into_tensor(gathered, payload, async_op=True)
+    work = dist.all_gather_single(gathered, payload, async_op=True)
 
     def decode(_: torch.futures.Future[Any]) -> torch.Tensor:
         buffer.zero_()

@@ -59,6 +59,8 @@ FULL = {"rates": "1gbit,100mbit", "workers": "2,4", "cap_s": 30.0, "reference_ca
 QUICK = {"rates": "100mbit", "workers": "2", "cap_s": 8.0, "reference_cap_s": 8.0,
          "max_steps": 200}
 
+DCT_LIFE_SPAN = schemes.config_class("dct-dp")().life_span  # dct-dp's own default
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -112,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="steps timed at least, even once the target is reached")
     parser.add_argument("--sparsity", type=float, default=0.99,
                         help="fraction dropped by sparsifiers (ratio = 1 - sparsity)")
-    parser.add_argument("--life-span", type=int, default=100, help="DCT threshold life-span")
+    parser.add_argument("--life-span", type=int, default=DCT_LIFE_SPAN,
+                        help=f"DCT threshold life-span (default {DCT_LIFE_SPAN}, dct-dp's own)")
     parser.add_argument("--rank", type=int, default=2,
                         help="low-rank factor rank (torch-powersgd and schemes with 'rank')")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
