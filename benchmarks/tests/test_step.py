@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from benchmarks.step import RATIOS, VARIANTS, order, summarise
@@ -25,3 +27,40 @@ def test_summary_takes_medians_over_rounds_and_divides_them() -> None:
     assert result["ratios"]["powersgd/torch-powersgd"] == pytest.approx(0.5)
     assert "topk/compute" not in result["ratios"]  # not measured: left out
     assert set(result["ratios"]) <= set(RATIOS)
+
+
+def test_floor_hook_loses_nothing_its_error_memory_does_not_hold(tmp_path: object) -> None:
+    """One rank: the floor hook applies what it sends and keeps the rest, so its weights
+    differ from plain SGD with momentum by exactly ``lr`` times its error memory
+    (sum of sent + error == sum of velocities). The floor does all of dct-dp's maths."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks.step import FloorState, floor_hook
+
+    store = dist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        # A loss linear in the weights: both models see the same gradients at any weights.
+        reference = torch.nn.Linear(40, 60)
+        model = DistributedDataParallel(copy.deepcopy(reference))
+        state = FloorState(density=0.05, min_numel=1024)
+        model.register_comm_hook(state, lambda state, bucket: floor_hook(state, bucket))
+        plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        coupled = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
+        for _ in range(6):
+            x, weights = torch.randn(16, 40), torch.randn(16, 60)
+            for net, optimizer in ((reference, plain), (model, coupled)):
+                optimizer.zero_grad()
+                (net(x) * weights).sum().backward()
+                optimizer.step()
+        held = 0
+        for mine, theirs in zip(model.module.parameters(), reference.parameters()):
+            error = state.error[id(mine)].view(mine.shape)
+            held += int(error.count_nonzero())
+            torch.testing.assert_close(mine - theirs, 0.1 * error, rtol=0, atol=1e-5)
+        assert held > 0  # most entries waited: the check compares something
+    finally:
+        dist.destroy_process_group()
