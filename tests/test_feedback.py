@@ -145,3 +145,16 @@ def test_ef21_sparse_update_and_state_round_trip() -> None:
     assert torch.equal(copy.buffers["w"], dense.buffers["w"])
     assert torch.equal(copy.estimates["w"], dense.estimates["w"])
     assert copy.estimates["w"] is not dense.estimates["w"]
+
+
+def test_estimate_settles_in_place_bit_for_bit_as_it_settles_a_copy() -> None:
+    kept, in_place = Estimate(), Estimate()
+    for step in range(3):
+        mean = torch.randn(6, 5)
+        expected = kept.settle("w", mean)
+        bucket = mean.reshape(-1).clone()  # a flat view, as in a DDP bucket
+        in_place.settle_("w", bucket)
+        assert torch.equal(bucket.view(6, 5), expected), step
+        assert torch.equal(in_place.estimates["w"], kept.estimates["w"])
+    expected.add_(1.0)  # the copy settle returns is the caller's: the estimate is untouched
+    assert torch.equal(in_place.estimates["w"], kept.estimates["w"])

@@ -80,6 +80,10 @@ class Memory(ABC):
         """
         return mean
 
+    def settle_(self, key: str, mean: torch.Tensor) -> None:
+        """:meth:`settle` in place: ``mean`` (a view of a bucket is fine) becomes what the
+        optimiser steps with. Here nothing changes."""
+
     def state_dict(self) -> dict[str, Any]:
         return {"buffers": {k: v.clone() for k, v in self.buffers.items()}}
 

@@ -75,6 +75,15 @@ class Estimate(Memory):
             estimate.add_(mean.view(estimate.shape))
         return estimate.clone().view(mean.shape)
 
+    def settle_(self, key: str, mean: torch.Tensor) -> None:
+        """:meth:`settle` in place: ``G <- G + mean``, then ``mean`` holds ``G`` (no copy kept
+        for the caller: ``mean`` is the caller's own buffer)."""
+        estimate = self.estimates.get(key)
+        if estimate is None:
+            self.estimates[key] = mean.clone()
+        else:
+            mean.copy_(estimate.add_(mean.view(estimate.shape)).view(mean.shape))
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),
                 "estimates": {k: v.clone() for k, v in self.estimates.items()}}

@@ -100,6 +100,9 @@ class MomentumCorrection(Memory):
     def settle(self, key: str, mean: torch.Tensor) -> torch.Tensor:
         return self.inner.settle(key, mean)
 
+    def settle_(self, key: str, mean: torch.Tensor) -> None:
+        self.inner.settle_(key, mean)
+
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(),
                 "velocity": {k: v.clone() for k, v in self.velocity.items()}}

@@ -274,7 +274,7 @@ class CyclicLocalTopK(_SelectedTopK):
         tensors; the memory is updated in place where it can be
         (:meth:`~thinwire.feedback.LowPass.update_selected_`), the mean is
         decoded straight into ``buffer`` and settled there
-        (:meth:`~thinwire.feedback.Memory.settle`, an EF21 estimate when coupled).
+        (:meth:`~thinwire.feedback.Memory.settle_`, an EF21 estimate when coupled).
 
         Returns:
             A future holding ``buffer``, overwritten with the mean over ranks.
@@ -355,10 +355,7 @@ class CyclicLocalTopK(_SelectedTopK):
                 views[info.key].copy_(mean[offset: offset + info.numel])
                 offset += info.numel
             for info in infos:  # what the optimiser steps with (EF21 keeps an estimate)
-                view = views[info.key]
-                settled = self.memory.settle(info.key, view)
-                if settled is not view:
-                    view.copy_(settled.view(view.shape))
+                self.memory.settle_(info.key, views[info.key])
             self._charge(time.perf_counter() - begin)
             return buffer
 
