@@ -405,6 +405,56 @@ def overhead_section(record: dict[str, Any], source: Path, figures: Path, docs: 
     return "\n".join(lines)
 
 
+WORKLOAD_FILES = "netem-workload-*.json"  # benchmarks.netem --workload NAME runs, shipped
+
+
+def workloads_section(records: list[tuple[dict[str, Any], Path]]) -> str:
+    """Time to target per scheme on each workload's shaped-link run, one column a workload.
+
+    Args:
+        records: ``(results.json of benchmarks.netem --workload NAME, its path)`` each.
+    """
+    cells = [(record, rate, workers) for record, _ in records
+             for rate, workers in _cells(record)]
+    header = ["scheme"] + [f"{record['options']['workload']} ({rate}, {workers} workers)"
+                           for record, rate, workers in cells]
+    lines = ["## Time to target on the workload matrix", "",
+             "Each column is one run of `benchmarks.netem --workload NAME` (each workload's "
+             "own recipe and target, seed 0; thinwire's sparse schemes couple the momentum). "
+             "Seconds of training to the target, `m` measured or `p` projected, `@` the "
+             "steps; in brackets how many times sooner than torch-powersgd.", ""]
+    for record, path in records:
+        opts = record["options"]
+        note = provisional(record)
+        lines.append(f"- {opts['workload']}: {opts['optimizer']} lr {opts['lr']} momentum "
+                     f"{opts['momentum']}, batch {opts['batch_size']} per worker, target "
+                     f"{opts['target']:.1%}. Source `{path.as_posix()}`: `{record['command']}`, "
+                     f"{record['date']}. {activity(record)}"
+                     + (f" Provisional: {note}." if note else ""))
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    ratios = [speedups(record["runs"], "torch-powersgd") for record, _, _ in cells]
+    order: list[str] = []
+    for record, _, _ in cells:
+        order += [name for name in _schemes(record["runs"]) if name not in order]
+    for scheme in order:
+        row = [scheme]
+        for (record, rate, workers), ratio in zip(cells, ratios):
+            run = next((r for r in record["runs"] if (r["rate"], r["workers"], r["scheme"])
+                        == (rate, workers, scheme)), None)
+            if run is None:
+                row.append("")
+            elif run["time_to_target_s"] is None:
+                row.append(f"not reached ({run['steps']} steps)")
+            else:
+                kind = "m" if run["time_to_target_kind"] == "measured" else "p"
+                versus = ratio.get((rate, workers, scheme))
+                row.append(f"{fmt_seconds(run['time_to_target_s'])} {kind} "
+                           f"@{run['steps_to_target']}"
+                           + (f" ({versus:.1f}x)" if versus else ""))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def render(netem: tuple[dict[str, Any], Path] | None,
            overhead: tuple[dict[str, Any], Path] | None, docs: Path) -> str:
     """The whole page; writes the figures under ``docs/figures``."""
@@ -420,6 +470,10 @@ def render(netem: tuple[dict[str, Any], Path] | None,
                   "(root: network namespaces and tc), then this command again.", ""]
     else:
         parts.append(netem_section(netem[0], netem[1], figures, docs))
+    workloads = [(json.loads(path.read_text()), path)
+                 for path in sorted((docs / "data").glob(WORKLOAD_FILES))]
+    if workloads:
+        parts.append(workloads_section(workloads))
     if overhead is None:
         parts += ["## Compression overhead per step", "",
                   "No results yet. Run `python -m benchmarks.overhead`, then this command "

@@ -366,6 +366,23 @@ def test_report_renders_tables_and_figures_from_results_files(tmp_path: Path) ->
                                                                              "100mbit"]
 
 
+def test_report_adds_a_column_per_shipped_workload_run(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    (docs / "data").mkdir(parents=True)
+    record = _netem_record(load=0.2)
+    record["options"] |= {"workload": "dlrm-click", "optimizer": "sgd", "target": 0.79}
+    record["runs"] = [run for run in record["runs"] if run.get("rate") == "100mbit"
+                      or run["status"] != "ok"]
+    record["rates"] = ["100mbit"]
+    (docs / "data" / "netem-workload-dlrm-click.json").write_text(json.dumps(record))
+    page = report.render(None, None, docs)
+    assert "## Time to target on the workload matrix" in page
+    assert "| scheme | dlrm-click (100mbit, 2 workers) |" in page
+    assert "- dlrm-click: sgd lr 0.05 momentum 0.9, batch 32 per worker, target 79.0%." in page
+    assert "| dct-dp | 12.00 m @200 |" in page  # no torch-powersgd here: no ratio
+    assert "not reached (100 steps)" in page
+
+
 def test_cpu_used_by_others_is_busy_time_less_our_own() -> None:
     ticks = os.sysconf("SC_CLK_TCK")
     stat = f"cpu  {3 * ticks} {ticks} {2 * ticks} {50 * ticks} 7 {ticks} {ticks} 0 0 0\ncpu0 1\n"

@@ -99,10 +99,10 @@ def largest_in_order(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
 
     Ties at the k-th largest value are broken towards the lowest positions,
     so the choice is the same on every call and the order needs no sort (a
-    sparse payload's index gaps need ascending indices). Like
-    :func:`topk_indices`, only the candidates above a sampled bound are
-    ranked when there are enough of them; they come out of ``nonzero``
-    ascending, so keeping the k largest of them keeps the order.
+    sparse payload's index gaps need ascending indices). Only the candidates
+    above a sampled bound are ranked when there are enough of them; they
+    come out of ``nonzero`` ascending, so keeping the k largest of them
+    keeps the order.
 
     Args:
         magnitudes: 1-D, not modified.
