@@ -82,7 +82,11 @@ class Memory(ABC):
 
     def settle_(self, key: str, mean: torch.Tensor) -> None:
         """:meth:`settle` in place: ``mean`` (a view of a bucket is fine) becomes what the
-        optimiser steps with. Here nothing changes."""
+        optimiser steps with. This default copies what :meth:`settle` returns, if another
+        tensor; :class:`~thinwire.feedback.Estimate` works without the copy."""
+        settled = self.settle(key, mean)
+        if settled is not mean:
+            mean.copy_(settled.view(mean.shape))
 
     def state_dict(self) -> dict[str, Any]:
         return {"buffers": {k: v.clone() for k, v in self.buffers.items()}}
