@@ -125,7 +125,7 @@ class PowerSGD:
         self.seed = seed
         self.qs: dict[str, torch.Tensor] = {}  # key -> (m, r) Q for the next step
         self.draws: dict[str, int] = {}  # key -> Qs drawn so far (seeds the next draw)
-        self._local = threading.local()  # per-thread scratch of reconstruct
+        self._scratches: dict[int, torch.Tensor] = {}  # thread id -> reconstruct's scratch
 
     def compresses(self, shape: tuple[int, ...]) -> bool:
         """Whether a tensor of ``shape`` goes through PowerSGD (else it travels dense)."""
@@ -160,11 +160,12 @@ class PowerSGD:
         Callbacks of different DDP buckets may run at once on different gloo
         threads, so each thread has its own; it grows to the largest matrix.
         """
-        kept = getattr(self._local, "scratch", None)
+        thread = threading.get_ident()
+        kept = self._scratches.get(thread)
         if (kept is None or kept.numel() < like.numel() or kept.dtype != like.dtype
                 or kept.device != like.device):
-            kept = self._local.scratch = torch.empty(like.numel(), dtype=like.dtype,
-                                                     device=like.device)
+            kept = self._scratches[thread] = torch.empty(like.numel(), dtype=like.dtype,
+                                                         device=like.device)
         return kept
 
     def finish(self, key: str, p_hat: torch.Tensor, q_mean: torch.Tensor,
