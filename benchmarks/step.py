@@ -163,14 +163,15 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
     room = sum(max(1, math.ceil(p.numel() * state.density)) for p in params
                if p.numel() >= state.min_numel)
     dense_numel = sum(part.numel() for _, part in dense)
-    payload = torch.zeros(2 * room + dense_numel + 1)
-    indices = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.int64)
+    payload = torch.zeros(2 * room + dense_numel + 1, device=buffer.device)
+    indices = (torch.cat(chosen) if chosen
+               else torch.zeros(0, dtype=torch.int64, device=buffer.device))
     payload[0] = indices.numel()
     payload[1: 1 + indices.numel()].view(torch.int32).copy_(indices)
     payload[1 + room: 1 + room + indices.numel()] = torch.cat(sent) if sent else payload[:0]
     if dense:
         payload[1 + 2 * room:] = torch.cat([part for _, part in dense])
-    gathered = torch.empty(world * payload.numel())
+    gathered = payload.new_empty(world * payload.numel())
     work = dist.all_gather_single(gathered, payload, async_op=True)
 
     def decode(_: torch.futures.Future[Any]) -> torch.Tensor:
