@@ -10,8 +10,9 @@ ratios against exact top-k, and against each row's floor.
 
 Rows ``floor <name>`` do the same work written directly in plain torch ops
 (``torch.topk`` or a comparison, a gather, a scatter into zeros; for the
-scheme rows also the error feedback, the residual by zeroing the sent
-entries, and for PowerSGD the two products, QR and the reconstruction as r
+scheme rows also the non-finite check by one reduction, the error feedback,
+the residual by zeroing the sent entries, and for PowerSGD the two
+products, QR and the reconstruction as r
 outer products added elementwise, the least that keeps replicas bit
 identical whatever thread a callback runs on), so ``<name> / floor <name>``
 is what the library adds to the least the maths needs. The candidate-based
@@ -173,7 +174,9 @@ def scheme_step(name: str, grad: torch.Tensor, bucket: torch.Tensor, sparsity: f
 def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> Step | None:
     """The work of one step of scheme ``name``, written directly in plain torch ops.
 
-    Error feedback, selection or factorisation, the residual and the decoded
+    The non-finite check at the cost of one reduction (what the library's
+    ``nonfinite`` policy needs: :func:`thinwire.feedback.all_finite`), error
+    feedback, selection or factorisation, the residual and the decoded
     result: what the scheme must do at the least, with none of its
     bookkeeping, in place into buffers kept across steps (a fresh buffer of
     25M entries costs its page faults on every step, which would flatter the
@@ -184,8 +187,12 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     k = keep_count(numel, 1 - sparsity)
     error, out, scratch = torch.zeros(numel), torch.empty(numel), torch.empty(numel)
 
+    def finite() -> bool:  # the one reduction the non-finite policy costs
+        return bool(torch.isfinite(grad.sum(dtype=torch.float32)))
+
     def sparse_step(select: Callable[[torch.Tensor], torch.Tensor]) -> Step:
         def run() -> object:
+            finite()
             p = error.add_(grad.reshape(-1))  # p = g + e, in the memory
             indices = select(torch.abs(p, out=scratch))
             values = p[indices]
@@ -206,6 +213,7 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
         matrix, approx, term = error.view(shape), out.view(shape), scratch.view(shape)
 
         def power_step() -> object:
+            finite()
             matrix.add_(grad)  # M = g + e, in the memory
             p_hat = torch.linalg.qr(matrix @ state["q"]).Q
             q = state["q"] = (p_hat.t() @ matrix).t()

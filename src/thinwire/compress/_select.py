@@ -123,7 +123,9 @@ def largest_in_order(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
         return candidates.index_select(
             0, largest_in_order(magnitudes.index_select(0, candidates), k))
     kth = torch.topk(magnitudes, k, sorted=False).values.min()
-    keep = magnitudes > kth
-    ties = (magnitudes == kth).nonzero().squeeze(1)
-    keep[ties[: k - int(keep.sum())]] = True
+    keep = magnitudes >= kth
+    extra = int(keep.sum()) - k  # entries tied at the k-th value beyond k: the highest go
+    if extra:
+        ties = (magnitudes == kth).nonzero().squeeze(1)
+        keep[ties[ties.numel() - extra:]] = False
     return keep.nonzero().squeeze(1)

@@ -123,9 +123,12 @@ def all_finite(grads: Mapping[str, torch.Tensor], policy: str,
     Raises:
         FloatingPointError: under ``"raise"``, naming the first bad tensor.
     """
-    tensors = [flat] if flat is not None else list(grads.values())
-    sums = [t.sum(dtype=torch.float32) for t in tensors]
-    if not sums or bool(torch.isfinite(torch.stack(sums).sum())):
+    if flat is not None:
+        total = flat.sum(dtype=torch.float32)
+    else:
+        sums = [t.sum(dtype=torch.float32) for t in grads.values()]
+        total = torch.stack(sums).sum() if sums else torch.zeros(())
+    if bool(torch.isfinite(total)):
         return True
     for key, grad in grads.items():
         if not bool(torch.isfinite(grad).all()):
