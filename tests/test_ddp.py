@@ -305,9 +305,13 @@ def test_flat_bucket_path_is_bit_identical_to_the_per_tensor_path(
             assert torch.equal(a, b)
         memory, expected = flat["scheme"]["memory"], reference["scheme"]["memory"]
         if expected is not None:
-            assert memory["buffers"].keys() == expected["buffers"].keys()
+            assert memory["buffers"].keys() <= expected["buffers"].keys()
             for key, buffer in expected["buffers"].items():
-                assert torch.equal(memory["buffers"][key], buffer)
+                kept = memory["buffers"].get(key)
+                if kept is None:  # a tensor sent whole and exactly leaves no error to keep
+                    assert not buffer.any()
+                else:
+                    assert torch.equal(kept, buffer)
         assert flat["scheme"]["compressor"] == reference["scheme"]["compressor"]
     if name == "dct-dp-drain":
         assert runs[0][f"flat-{name}"]["scheme"]["memory"]["drains"] > 0

@@ -96,7 +96,8 @@ def test_error_feedback_invariant_holds_exactly(name: str, config: dict[str, obj
                for key, g in grads.items()}
         sent = scheme.reduce(grads)  # one process: the mean is what this rank sent
         for key, grad in grads.items():
-            new = scheme.memory.buffers[key]
+            # No buffer: the tensor was sent whole and exactly, so its error is zero.
+            new = scheme.memory.buffers.get(key, torch.zeros(grad.numel()))
             assert torch.equal(grad.reshape(-1) + old[key], sent[key].reshape(-1) + new)
         assert int((sent["w"] != 0).sum()) <= scheme.compressor.capacity(1200)  # type: ignore[attr-defined]
 
@@ -138,3 +139,18 @@ def test_mixed_dtypes_reduce_each_in_its_own_dtype() -> None:
     out = schemes.build("topk", ratio=0.01).reduce(grads)
     assert out["w"].dtype == torch.float64 and out["h"].dtype == torch.float32
     assert int((out["w"] != 0).sum()) == 30 and int((out["h"] != 0).sum()) == 20
+
+
+def test_a_tensor_sent_whole_and_exactly_keeps_no_error_buffer() -> None:
+    """Its error is zero; a lossy dense cast (fp16) keeps its rounding in the memory."""
+    grads = {"b": torch.randn(30), "v": torch.randn(2000)}  # "b" is under min_numel: dense
+    exact = schemes.build("topk", ratio=0.05)
+    lossy = schemes.build("topk", ratio=0.05, values="fp16")
+    for scheme in (exact, lossy):
+        assert isinstance(scheme, CompressedScheme) and scheme.memory is not None
+        out = scheme.reduce(grads)
+        assert "v" in scheme.memory.buffers
+    assert torch.equal(out["b"], grads["b"].half().float())
+    assert "b" not in exact.memory.buffers  # type: ignore[union-attr]
+    assert torch.equal(lossy.memory.buffers["b"],  # type: ignore[union-attr]
+                       grads["b"] - grads["b"].half().float())

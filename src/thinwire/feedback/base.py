@@ -18,6 +18,10 @@ class Memory(ABC):
     ``sent``, then ``update(key, p, sent)``.
     """
 
+    # True when ``update(key, p, p)`` leaves no error behind (the next compensate adds
+    # nothing), so a tensor sent whole and exactly need not be recorded at all.
+    forgets_what_is_sent = False
+
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 

@@ -55,6 +55,11 @@ class MomentumCorrection(Memory):
         self.velocity: dict[str, torch.Tensor] = {}
 
     @property
+    def forgets_what_is_sent(self) -> bool:  # type: ignore[override]
+        """As the inner memory: the velocity moves on in :meth:`compensate` either way."""
+        return self.inner.forgets_what_is_sent
+
+    @property
     def buffers(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The error buffers, which the inner memory owns."""
         return self.inner.buffers

@@ -31,6 +31,8 @@ class Residual(Memory):
             step) and a checkpoint resumes them exactly.
     """
 
+    forgets_what_is_sent = True  # e = p - p = 0 (a drain empties a buffer that is empty)
+
     def __init__(self, drain_every: int | None = None, seed: int = 0) -> None:
         super().__init__()
         if drain_every is not None and (isinstance(drain_every, bool)

@@ -13,7 +13,7 @@ import torch
 
 from thinwire.comm import Meter, all_reduce_mean, world
 from thinwire.comm.collectives import Future, Group, all_gather_fixed, done, split_flat
-from thinwire.compress import Compressor, Dense, Payload, Sparsifier, TensorInfo
+from thinwire.compress import Compressor, Dense, DensePayload, Payload, Sparsifier, TensorInfo
 from thinwire.compress import decode as decode_payload
 from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.feedback import Memory, all_finite
@@ -219,7 +219,8 @@ class CompressedScheme(Scheme):
                 payloads.append(self.compressor.empty(info))
                 continue
             payload = self.compressor.compress(view, info)
-            if self.memory is not None:
+            exact = isinstance(payload, DensePayload) and payload.values.dtype == view.dtype
+            if self.memory is not None and not (exact and self.memory.forgets_what_is_sent):
                 self.memory.update(info.key, view, decode_payload(payload, info).reshape(-1))
             payloads.append(payload)
         flat = torch.cat([p.values for p in payloads])  # type: ignore[union-attr]
