@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -24,8 +25,8 @@ class TensorInfo:
     role: str = "W_grad"  # one of ROLES
     device: torch.device = torch.device("cpu")  # where decoded tensors are made
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # computed once: the hot path asks for it per tensor per step
         return math.prod(self.shape)
 
     @staticmethod
