@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from thinwire.compress import DCTThreshold, TensorInfo, TopK
-from thinwire.feedback import Estimate, Residual, all_finite
+from thinwire.feedback import Estimate, MomentumCorrection, Residual, all_finite
 from thinwire.schemes import build
 
 
@@ -158,3 +160,22 @@ def test_estimate_settles_in_place_bit_for_bit_as_it_settles_a_copy() -> None:
         assert torch.equal(in_place.estimates["w"].view(-1), kept.estimates["w"].view(-1))
     expected.add_(1.0)  # the copy settle returns is the caller's: the estimate is untouched
     assert torch.equal(in_place.estimates["w"].view(-1), kept.estimates["w"].view(-1))
+
+
+@pytest.mark.parametrize("options", [{}, {"nesterov": True}, {"dampening": 0.1}])
+def test_batched_velocity_advance_gives_the_bits_of_one_key_at_a_time(
+        options: dict[str, Any]) -> None:
+    one = MomentumCorrection(Residual(), 0.9, **options)
+    batched = MomentumCorrection(Residual(), 0.9, **options)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        grads = {"w": torch.randn(5, 3, generator=generator),
+                 "b": torch.randn(7, generator=generator)}
+        expected = {key: one.absorb_(key, grad).clone() for key, grad in grads.items()}
+        batched.advance_(grads)
+        for key, grad in grads.items():  # advanced once, not again by absorb_
+            assert torch.equal(batched.absorb_(key, grad), expected[key])
+            assert torch.equal(batched.velocity[key], one.velocity[key])
+        for key, p in expected.items():  # send half, as a scheme would
+            one.update(key, p, p / 2)
+            batched.update(key, p, p / 2)

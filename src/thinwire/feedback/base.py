@@ -44,6 +44,16 @@ class Memory(ABC):
             target.add_(error.view(target.shape))
         return target
 
+    def advance_(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Begin a round for every tensor of ``grads`` at once (not modified).
+
+        Called before their :meth:`compensate_` / :meth:`absorb_` by engines
+        that hold a whole round; here nothing.
+        :class:`~thinwire.feedback.MomentumCorrection` advances every
+        velocity in two batched ops instead of two per tensor.
+        """
+        return None
+
     def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """``p = grad + e`` in a tensor the memory may own and reuse (here: a new one).
 

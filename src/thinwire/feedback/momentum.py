@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class MomentumCorrection(Memory):
         self.dampening = dampening
         self.nesterov = nesterov
         self.velocity: dict[str, torch.Tensor] = {}
+        self._advanced: set[str] = set()  # keys advance_ moved on this round, not yet used
 
     @property
     def forgets_what_is_sent(self) -> bool:  # type: ignore[override]
@@ -67,16 +69,38 @@ class MomentumCorrection(Memory):
     def _advance(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """Advance ``key``'s velocity with ``grad``; the tensor to send in its place.
 
-        The first call starts the velocity at ``grad``, as ``torch.optim.SGD`` does.
+        The first call starts the velocity at ``grad``, as ``torch.optim.SGD`` does;
+        a key that :meth:`advance_` already moved on this round is not moved again.
         """
         velocity = self.velocity.get(key)
-        if velocity is None:
+        if key in self._advanced and velocity is not None:
+            self._advanced.discard(key)
+        elif velocity is None:
             velocity = self.velocity[key] = grad.clone()
         else:
             velocity.mul_(self.momentum).add_(grad.view(velocity.shape),
                                               alpha=1.0 - self.dampening)
         return grad.add(velocity.view(grad.shape), alpha=self.momentum) if self.nesterov \
             else velocity.view(grad.shape)
+
+    def advance_(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Advance the velocity of every key of ``grads`` that has one, batched.
+
+        ``torch._foreach_mul_`` / ``_foreach_add_`` apply the same per-tensor
+        kernels as ``mul_`` / ``add_`` (``torch.optim.SGD``'s foreach path uses
+        them too), so the bits are those of advancing one key at a time; what
+        goes is the per-tensor dispatch, which dominates on models of many
+        small tensors. The round's :meth:`compensate_` / :meth:`absorb_` then
+        use the moved velocity; a key without one yet starts there.
+        """
+        keys = [key for key, grad in grads.items()
+                if key in self.velocity and self.velocity[key].numel() == grad.numel()]
+        self._advanced = set(keys)
+        if keys:
+            velocities = [self.velocity[key] for key in keys]
+            torch._foreach_mul_(velocities, self.momentum)
+            torch._foreach_add_(velocities, [grads[key].view(self.velocity[key].shape)
+                                             for key in keys], alpha=1.0 - self.dampening)
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """Advance ``key``'s velocity with ``grad``; velocity + error as a new tensor."""
@@ -115,3 +139,4 @@ class MomentumCorrection(Memory):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         self.velocity = {k: v.clone() for k, v in state["velocity"].items()}
+        self._advanced = set()

@@ -177,6 +177,7 @@ class CompressedScheme(Scheme):
         sparse_keys = {info.key for info in sparse}
         dense = [info for info in infos if info.key not in sparse_keys]
         if finite and self.memory is not None:  # sparse tensors: in the memory, below
+            self.memory.advance_(views)  # the round's per-tensor state, batched
             for info in dense:
                 self.memory.compensate_(info.key, views[info.key])
         futures = []
