@@ -154,3 +154,9 @@ def test_a_tensor_sent_whole_and_exactly_keeps_no_error_buffer() -> None:
     assert "b" not in exact.memory.buffers  # type: ignore[union-attr]
     assert torch.equal(lossy.memory.buffers["b"],  # type: ignore[union-attr]
                        grads["b"] - grads["b"].half().float())
+    # An error kept from before (a fp16 checkpoint resumed in fp32) goes out once, then is gone.
+    error = torch.randn(30)
+    exact.memory.buffers["b"] = error.clone()  # type: ignore[union-attr]
+    assert torch.equal(exact.reduce(grads)["b"], grads["b"] + error)
+    assert "b" not in exact.memory.buffers  # type: ignore[union-attr]
+    assert torch.equal(exact.reduce(grads)["b"], grads["b"])

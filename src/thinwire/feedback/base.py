@@ -139,9 +139,10 @@ def all_finite(grads: Mapping[str, torch.Tensor], policy: str,
     """
     if flat is not None:
         total = flat.sum(dtype=torch.float32)
+    elif grads:
+        total = torch.stack([t.sum(dtype=torch.float32) for t in grads.values()]).sum()
     else:
-        sums = [t.sum(dtype=torch.float32) for t in grads.values()]
-        total = torch.stack(sums).sum() if sums else torch.zeros(())
+        return True
     if bool(torch.isfinite(total)):
         return True
     for key, grad in grads.items():

@@ -221,7 +221,9 @@ class CompressedScheme(Scheme):
                 continue
             payload = self.compressor.compress(view, info)
             exact = isinstance(payload, DensePayload) and payload.values.dtype == view.dtype
-            if self.memory is not None and not (exact and self.memory.forgets_what_is_sent):
+            if self.memory is not None and exact and self.memory.forgets_what_is_sent:
+                self.memory.buffers.pop(info.key, None)  # sent whole: no error is left
+            elif self.memory is not None:
                 self.memory.update(info.key, view, decode_payload(payload, info).reshape(-1))
             payloads.append(payload)
         flat = torch.cat([p.values for p in payloads])  # type: ignore[union-attr]
