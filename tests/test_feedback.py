@@ -179,3 +179,24 @@ def test_batched_velocity_advance_gives_the_bits_of_one_key_at_a_time(
         for key, p in expected.items():  # send half, as a scheme would
             one.update(key, p, p / 2)
             batched.update(key, p, p / 2)
+
+
+@pytest.mark.parametrize("options", [{}, {"nesterov": True}, {"dampening": 0.1}])
+def test_batched_compensation_gives_the_bits_of_one_key_at_a_time(
+        options: dict[str, Any]) -> None:
+    one = MomentumCorrection(Residual(), 0.9, **options)
+    batched = MomentumCorrection(Residual(), 0.9, **options)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(4):
+        grads = {"w": torch.randn(15, generator=generator),
+                 "b": torch.randn(7, generator=generator)}
+        expected = {key: one.compensate_(key, grad.clone()) for key, grad in grads.items()}
+        targets = {key: grad.clone() for key, grad in grads.items()}
+        if step % 2:  # moved by advance_ first, or left to compensate_all_
+            batched.advance_(targets)
+        batched.compensate_all_(targets)
+        for key, target in targets.items():
+            assert torch.equal(target, expected[key]), (step, key)
+            assert torch.equal(batched.velocity[key], one.velocity[key]), (step, key)
+            one.update(key, target, target / 2)  # leave an error behind for the next round
+            batched.update(key, target, target / 2)

@@ -54,6 +54,11 @@ class Memory(ABC):
         """
         return None
 
+    def compensate_all_(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """:meth:`compensate_` for every key of ``targets``, batched where a memory can."""
+        for key, target in targets.items():
+            self.compensate_(key, target)
+
     def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """``p = grad + e`` in a tensor the memory may own and reuse (here: a new one).
 

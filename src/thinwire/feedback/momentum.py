@@ -111,6 +111,20 @@ class MomentumCorrection(Memory):
         target.copy_(self._advance(key, target))
         return self.inner.compensate_(key, target)
 
+    def compensate_all_(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """:meth:`compensate_` for every key; the velocities :meth:`advance_` moved are
+        copied in one batched op (a copy is exact, so the bits are the same)."""
+        moved = [] if self.nesterov else [key for key in targets if key in self._advanced]
+        if moved:
+            torch._foreach_copy_([targets[key] for key in moved],
+                                 [self.velocity[key].view(targets[key].shape) for key in moved])
+            self._advanced.difference_update(moved)
+        done = set(moved)
+        for key, target in targets.items():
+            if key not in done:
+                target.copy_(self._advance(key, target))
+        self.inner.compensate_all_(targets)
+
     def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """Velocity + error in the inner memory's own buffer (see :meth:`Memory.absorb_`)."""
         return self.inner.absorb_(key, self._advance(key, grad))

@@ -178,8 +178,7 @@ class CompressedScheme(Scheme):
         dense = [info for info in infos if info.key not in sparse_keys]
         if finite and self.memory is not None:  # sparse tensors: in the memory, below
             self.memory.advance_(views)  # the round's per-tensor state, batched
-            for info in dense:
-                self.memory.compensate_(info.key, views[info.key])
+            self.memory.compensate_all_({info.key: views[info.key] for info in dense})
         futures = []
         if dense and len(dense) == len(infos) and self.memory is None and isinstance(
                 compressor, Dense):
@@ -201,9 +200,8 @@ class CompressedScheme(Scheme):
             if sparse:
                 self._sum_sparse(buffer, results.pop(), n)
             if dense:
-                for view, part in zip([views[info.key] for info in dense],
-                                      split_flat(results.pop(), [i.numel for i in dense])):
-                    view.copy_(part)
+                torch._foreach_copy_([views[info.key] for info in dense],
+                                     split_flat(results.pop(), [i.numel for i in dense]))
             self._charge(time.perf_counter() - begin)
             return buffer
 
@@ -213,6 +211,22 @@ class CompressedScheme(Scheme):
     def _launch_dense(self, dense: Sequence[TensorInfo], views: Mapping[str, torch.Tensor],
                       finite: bool, group: Group) -> Future[Any]:
         """All-reduce the tensors the compressor keeps dense, as one concatenation."""
+        compressor, memory = self.compressor, self.memory
+        if (isinstance(compressor, Sparsifier)
+                and all(views[info.key].dtype == compressor.value_dtype for info in dense)
+                and (memory is None or memory.forgets_what_is_sent)):
+            # Sent whole and exactly: the payload is the tensor and no error is left,
+            # so there is nothing to encode or remember per tensor.
+            if finite:
+                flat = torch.cat([views[info.key] for info in dense])
+                if memory is not None:
+                    for info in dense:
+                        memory.buffers.pop(info.key, None)
+            else:
+                flat = views[dense[0].key].new_zeros(sum(info.numel for info in dense))
+            self._record([(info.key, info.numel * flat.element_size()) for info in dense],
+                         "all_reduce", world(group)[1])
+            return all_reduce_mean(flat, group)
         payloads: list[Payload] = []
         for info in dense:
             view = views[info.key]
