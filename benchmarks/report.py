@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import convergence, step, wire_format
-from benchmarks.netem.summary import FRAME_OVERHEAD, fmt_seconds, speedups
+from benchmarks.netem.summary import FRAME_OVERHEAD, fmt_seconds, median_runs, speedups
 
 BASELINES = ("torch-dense", "torch-powersgd")  # time-to-target ratios are taken against these
 SHARED = 0.1  # share of all cores other processes used during a run: above, it is provisional
@@ -78,7 +78,8 @@ def stamp(record: dict[str, Any], machine: str) -> str:
 
 
 def _ok(record: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for r in record["runs"] if r.get("status") == "ok"]
+    """The finished runs, one per cell: the median round's (see ``median_runs``)."""
+    return median_runs([r for r in record["runs"] if r.get("status") == "ok"])
 
 
 def _schemes(runs: list[dict[str, Any]]) -> list[str]:
@@ -422,24 +423,30 @@ def workloads_section(records: list[tuple[dict[str, Any], Path]]) -> str:
              "Each column is one run of `benchmarks.netem --workload NAME` (each workload's "
              "own recipe and target, seed 0; thinwire's sparse schemes couple the momentum). "
              "Seconds of training to the target, `m` measured or `p` projected, `@` the "
-             "steps; in brackets how many times sooner than torch-powersgd.", ""]
+             "steps; in brackets how many times sooner than torch-powersgd. With several "
+             "rounds (every scheme run once per round, interleaved), a cell is the scheme's "
+             "median round and the ratio is of medians.", ""]
     for record, path in records:
         opts = record["options"]
         note = provisional(record)
+        rounds = record.get("rounds", 1)
         lines.append(f"- {opts['workload']}: {opts['optimizer']} lr {opts['lr']} momentum "
                      f"{opts['momentum']}, batch {opts['batch_size']} per worker, target "
-                     f"{opts['target']:.1%}. Source `{path.as_posix()}`: `{record['command']}`, "
+                     f"{opts['target']:.1%}"
+                     + (f", median of {rounds} rounds" if rounds > 1 else "")
+                     + f". Source `{path.as_posix()}`: `{record['command']}`, "
                      f"{record['date']}. {activity(record)}"
                      + (f" Provisional: {note}." if note else ""))
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    ratios = [speedups(record["runs"], "torch-powersgd") for record, _, _ in cells]
+    medians = {id(record): median_runs(record["runs"]) for record, _ in records}
+    ratios = [speedups(medians[id(record)], "torch-powersgd") for record, _, _ in cells]
     order: list[str] = []
     for record, _, _ in cells:
         order += [name for name in _schemes(record["runs"]) if name not in order]
     for scheme in order:
         row = [scheme]
         for (record, rate, workers), ratio in zip(cells, ratios):
-            run = next((r for r in record["runs"] if (r["rate"], r["workers"], r["scheme"])
+            run = next((r for r in medians[id(record)] if (r["rate"], r["workers"], r["scheme"])
                         == (rate, workers, scheme)), None)
             if run is None:
                 row.append("")

@@ -37,7 +37,7 @@ import thinwire
 from benchmarks.machine import CpuWatch, cpu_model
 from benchmarks.netem import net
 from benchmarks.netem.anchors import ANCHORS
-from benchmarks.netem.summary import derive, fmt_seconds
+from benchmarks.netem.summary import derive, fmt_seconds, median_runs
 from thinwire import schemes
 from thinwire.jobs.compare import parse_bandwidth, scheme_config
 from thinwire.jobs.workloads import RECIPES, WORKLOADS, load
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"SGD momentum or AdamW's beta1 (default: "
                              f"{DEMO_RECIPE['momentum']}, or the workload's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every scheme this many times, interleaved round by round; "
+                             "tables and the page take each scheme's median run")
     parser.add_argument("--target", type=float, default=None,
                         help=f"test accuracy to reach (default: {DEMO_RECIPE['target']}, or "
                              "the workload's)")
@@ -158,7 +161,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"workers={args.workers!r} must list counts in [2, 64]")
     if not 0 < args.target <= 1:
         raise ValueError(f"target={args.target!r} must be in (0, 1]")
-    for name in ("eval_every", "max_steps", "hidden", "depth", "batch_size", "rank"):
+    for name in ("eval_every", "max_steps", "hidden", "depth", "batch_size", "rank", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name}={getattr(args, name)!r} must be >= 1")
     for name in ("cap_s", "reference_cap_s"):
@@ -388,8 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = args.out / stamp
     folder.mkdir(parents=True, exist_ok=True)
     options = worker_options(args)
-    total = len(args.rate_list) * len(args.worker_list) * len(entries)
-    per_rate = len(args.worker_list) * len(entries)
+    total = len(args.rate_list) * len(args.worker_list) * len(entries) * args.rounds
+    per_rate = len(args.worker_list) * len(entries) * args.rounds
     bound = per_rate * (args.reference_cap_s + (len(args.rate_list) - 1) * args.cap_s
                         + 8 * len(args.rate_list))
     print(f"{total} runs of {args.workload}; each stops at {args.target:.0%} test accuracy "
@@ -402,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_before": list(os.getloadavg()), "quick": args.quick,
         "options": {**options, "reference_cap_s": args.reference_cap_s},
         "sparsity": args.sparsity, "life_span": args.life_span, "rates": args.rate_list,
-        "workers": args.worker_list, "notes": notes,
+        "workers": args.worker_list, "rounds": args.rounds, "notes": notes,
         "tbf": {rate: vars(net.tbf_for(bps)) for rate, bps in zip(args.rate_list,
                                                                   args.rate_bps)},
     }
@@ -429,10 +432,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for workers in args.worker_list:
                     label = f"{rate}-{workers}w"
                     before = topology.qdisc_stats()
-                    for result in launcher.run(workers, entries, rate_options, label,
-                                               progress):
-                        runs.append({**result, "rate": rate, "rate_bps": rate_bps,
-                                     "workers": workers, "cap_s": cap})
+                    for round_ in range(args.rounds):  # each round runs every scheme once
+                        for result in launcher.run(workers, entries, rate_options, label,
+                                                   progress):
+                            runs.append({**result, "rate": rate, "rate_bps": rate_bps,
+                                         "workers": workers, "cap_s": cap, "round": round_})
                     record.setdefault("qdisc", {})[label] = _delta(before,
                                                                    topology.qdisc_stats())
     except Interrupted as why:
@@ -455,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # An interrupted run is kept for inspection but never taken for the results page.
     path = folder / ("results.json" if status == 0 else "results-incomplete.json")
     path.write_text(json.dumps(record, indent=2))
-    print_table(record["runs"])
+    print_table(median_runs(record["runs"]))
     print(f"wrote {path}; regenerate the page with: python -m benchmarks.report")
     failed = [r["scheme"] for r in runs if r.get("status") != "ok"]
     if failed and status == 0:

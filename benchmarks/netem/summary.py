@@ -85,10 +85,35 @@ def derive(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _reference(run: dict[str, Any], runs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     for other in runs:
         if (other is not run and other.get("status") == "ok"
-                and other.get("reached_step") is not None
+                and other.get("reached_step") is not None and other["rate"] != run["rate"]
                 and (other["scheme"], other["workers"]) == (run["scheme"], run["workers"])):
             return other
     return None
+
+
+def median_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per (rate, workers, scheme): the median of its rounds by time to target.
+
+    A run that never reached the target counts as slower than any that did; with
+    an even number of rounds the lower median is taken. The run chosen is a
+    whole run (its step times, bytes and curve belong together), with the times
+    to target of every round added as ``time_to_target_rounds_s``. Failed runs
+    stand only where a cell has no finished one. With one round, ``runs`` as is.
+    """
+    cells: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        cells.setdefault((run["rate"], run["workers"], run["scheme"]), []).append(run)
+    out = []
+    for group in cells.values():
+        ok = [run for run in group if run.get("status") == "ok"]
+        if len(group) == 1 or not ok:
+            out.append(group[0])
+            continue
+        ranked = sorted(ok, key=lambda run: (run["time_to_target_s"] is None,
+                                             run["time_to_target_s"] or 0.0))
+        out.append({**ranked[(len(ranked) - 1) // 2],
+                    "time_to_target_rounds_s": [run["time_to_target_s"] for run in ok]})
+    return out
 
 
 def speedups(runs: list[dict[str, Any]], baseline: str) -> dict[tuple[str, int, str], float]:

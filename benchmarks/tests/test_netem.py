@@ -20,7 +20,7 @@ from benchmarks import overhead, report
 from benchmarks.machine import CpuWatch, busy_seconds
 from benchmarks.netem import harness, net
 from benchmarks.netem.anchors import ANCHORS, powersgd_bytes
-from benchmarks.netem.summary import derive, floor_s, same_trajectory, speedups
+from benchmarks.netem.summary import derive, floor_s, median_runs, same_trajectory, speedups
 from benchmarks.netem.worker import WireMeter, shaper_bytes, task, train, window_traffic
 from thinwire import schemes
 from thinwire.comm import Meter
@@ -248,6 +248,27 @@ def test_time_to_target_is_measured_or_projected_from_the_same_schemes_steps() -
     assert not same_trajectory([1.0, 2.5], [1.0, 2.0]) and not same_trajectory([], [1.0])
 
 
+def test_rounds_collapse_to_each_schemes_median_run() -> None:
+    losses = [2.3, 1.9]
+    rounds = [  # dct-dp reaches the target at 30, never, 10 s; dense at 20, 40 s
+        _run("dct-dp", "100mbit", 1e8, 2, 0.3, 150_000, 100, 100, losses),
+        _run("torch-dense", "100mbit", 1e8, 2, 0.2, 17_399_848, 100, 100, losses),
+        _run("dct-dp", "100mbit", 1e8, 2, 0.5, 150_000, None, 100, losses),
+        _run("torch-dense", "100mbit", 1e8, 2, 0.4, 17_399_848, 100, 100, losses),
+        _run("dct-dp", "100mbit", 1e8, 2, 0.1, 150_000, 100, 100, losses),
+        {"scheme": "topk", "status": "failed", "rate": "100mbit", "workers": 2},
+    ]
+    runs = median_runs(derive(rounds))
+    assert [run["scheme"] for run in runs] == ["dct-dp", "torch-dense", "topk"]
+    dct, dense, topk = runs
+    assert dct["median_step_s"] == 0.3  # the whole median run, not a mix of fields
+    assert dct["time_to_target_rounds_s"] == pytest.approx([30.0, None, 10.0])
+    assert dense["time_to_target_s"] == pytest.approx(20.0)  # lower median of two
+    assert topk["status"] == "failed"
+    assert speedups(runs, "torch-dense")[("100mbit", 2, "dct-dp")] == pytest.approx(20 / 30)
+    assert median_runs(rounds[:2]) == rounds[:2]  # one round: as it was
+
+
 def test_window_traffic_leaves_the_warm_up_steps_out() -> None:
     meter = Meter(rank=0, world_size=2)
     for step in range(5):
@@ -381,6 +402,13 @@ def test_report_adds_a_column_per_shipped_workload_run(tmp_path: Path) -> None:
     assert "- dlrm-click: sgd lr 0.05 momentum 0.9, batch 32 per worker, target 79.0%." in page
     assert "| dct-dp | 12.00 m @200 |" in page  # no torch-powersgd here: no ratio
     assert "not reached (100 steps)" in page
+    slower = [{**run, "time_to_target_s": 3 * run["time_to_target_s"]}
+              for run in record["runs"] if run.get("time_to_target_s")]
+    record |= {"rounds": 3, "runs": record["runs"] + slower + slower}
+    (docs / "data" / "netem-workload-dlrm-click.json").write_text(json.dumps(record))
+    page = report.render(None, None, docs)
+    assert "target 79.0%, median of 3 rounds." in page
+    assert "| dct-dp | 36.00 m @200 |" in page  # the median round: 12, 36, 36 s
 
 
 def test_cpu_used_by_others_is_busy_time_less_our_own() -> None:
