@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 from thinwire.compress import DCTThreshold, TensorInfo, TopK
-from thinwire.feedback import Estimate, MomentumCorrection, Residual, all_finite
+from thinwire.feedback import Estimate, LowPass, Memory, MomentumCorrection, Residual, all_finite
 from thinwire.schemes import build
 
 
@@ -107,6 +108,29 @@ def test_sparse_update_equals_the_dense_update() -> None:
         dense.update("w", compensated, decoded)
         assert torch.equal(sparse.buffers["w"], dense.buffers["w"])
         assert torch.equal(sparse.buffers["w"] + decoded, compensated)
+
+
+@pytest.mark.parametrize("memory", [Residual, lambda: Residual(drain_every=2, seed=1), Estimate,
+                                    lambda: LowPass(0.5)])  # Estimate: the generic form
+def test_an_exactly_sent_selection_updates_as_the_dense_update(
+        memory: Callable[[], Memory]) -> None:
+    selected, dense = memory(), memory()
+    generator = torch.Generator().manual_seed(2)
+    for step in range(6):
+        grad = torch.randn(50, generator=generator)
+        grad[7] = -0.0  # a signed zero kept or sent stays what update() makes of it
+        indices = torch.randperm(50, generator=generator)[:5]
+        for memory_ in (selected, dense):
+            p = memory_.absorb_("w", grad)
+            if memory_ is selected:
+                memory_.update_selected_("w", p, indices)
+            else:
+                sent = torch.zeros_like(p)
+                sent[indices] = p[indices]
+                memory_.update("w", p, sent)
+        assert torch.equal(selected.buffers["w"], dense.buffers["w"]), step
+        assert torch.equal(torch.signbit(selected.buffers["w"]),
+                           torch.signbit(dense.buffers["w"])), step
 
 
 def test_ef21_estimate_adds_exactly_what_was_sent() -> None:

@@ -70,26 +70,42 @@ class Residual(Memory):
         The buffer becomes ``compensated`` (in place when ``compensated`` is
         the buffer itself, from :meth:`absorb_`; else a copy) with
         ``compensated[i] - sent_i`` at the sent indices:
-        bit for bit what :meth:`update` stores for the decoded payload (0 there
-        when values travel in the gradient's dtype).
+        bit for bit what :meth:`update` stores for the decoded payload.
 
         Args:
             compensated: ``grad + e``, 1-D (a view of a bucket is fine); not modified.
             indices: int64 positions in ``compensated`` that were sent, distinct.
             sent: the values as they travel (any dtype), one per index.
         """
+        flat = self._rewrite(key, compensated)
+        if flat is not None:
+            kept = compensated.index_select(0, indices) - sent.to(compensated.dtype)
+            flat.index_copy_(0, indices, kept)
+
+    def update_selected_(self, key: str, compensated: torch.Tensor,
+                         indices: torch.Tensor) -> None:
+        """:meth:`update_sparse` for values sent exactly: the sent entries become 0.
+
+        ``p_i - p_i`` is +0 for every finite ``p_i``, so zeroing them is bit for
+        bit :meth:`update`, without reading the values again.
+        """
+        flat = self._rewrite(key, compensated.reshape(-1))
+        if flat is not None:
+            flat.index_fill_(0, indices, 0.0)
+
+    def _rewrite(self, key: str, compensated: torch.Tensor) -> torch.Tensor | None:
+        """The key's buffer, flat, holding ``compensated`` (1-D); None once drained to 0."""
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() != compensated.numel():
             buffer = torch.empty_like(compensated)
+        self.buffers[key] = buffer
         flat = buffer.view(-1)
         if self._drained(key):
             flat.zero_()
-        else:
-            if flat.data_ptr() != compensated.data_ptr():  # not already p (see absorb_)
-                flat.copy_(compensated)
-            kept = compensated.index_select(0, indices) - sent.to(compensated.dtype)
-            flat.index_copy_(0, indices, kept)
-        self.buffers[key] = buffer
+            return None
+        if flat.data_ptr() != compensated.data_ptr():  # not already p (see absorb_)
+            flat.copy_(compensated)
+        return flat
 
     def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """``e <- e + grad`` in the key's buffer: it then holds ``p = grad + e``.

@@ -269,7 +269,10 @@ class CompressedScheme(Scheme):
                 magnitudes = torch.abs(p, out=scratch[offset: offset + info.numel])
                 local = compressor.indices(magnitudes, info)
                 values = p.index_select(0, local).to(layout.value_dtype)
-                if self.memory is not None:
+                if (self.memory is not None and self.memory.forgets_what_is_sent
+                        and values.dtype == p.dtype):  # sent exactly: those entries become 0
+                    self.memory.update_selected_(info.key, p, local)
+                elif self.memory is not None:
                     self.memory.update_sparse(info.key, p, local, values)
                 chosen.append(local)
                 sent.append(values)
