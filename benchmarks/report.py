@@ -457,7 +457,7 @@ def workloads_section(records: list[tuple[dict[str, Any], Path]]) -> str:
                 versus = ratio.get((rate, workers, scheme))
                 row.append(f"{fmt_seconds(run['time_to_target_s'])} {kind} "
                            f"@{run['steps_to_target']}"
-                           + (f" ({versus:.1f}x)" if versus else ""))
+                           + (f" ({versus:.2f}x)" if versus else ""))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
