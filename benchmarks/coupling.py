@@ -30,6 +30,7 @@ import json
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,14 @@ RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
 
 def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers: int,
              steps: int, warmup: int, eval_every: int = 10,
-             selection: str = "exact", min_numel: int = MIN_NUMEL) -> tuple[int | None, float]:
-    """Steps until the digits MLP reaches its target test accuracy (None: not in ``steps``)
-    and dense's bytes over the bytes each worker sent, up to then."""
+             selection: str = "exact", min_numel: int = MIN_NUMEL,
+             targets: Sequence[float] = ()) -> tuple[dict[float, int | None], float]:
+    """Steps until the digits MLP first reaches each test accuracy of ``targets`` and its own
+    target (None: not in ``steps``), and dense's bytes over the bytes each worker sent, up
+    to the last of them."""
     work = workloads.load("digits-mlp", seed=seed)
+    wanted = sorted({*targets, work.target})
+    reached: dict[float, int | None] = dict.fromkeys(wanted)
     shards = [work.train.shard(r, workers) for r in range(workers)]
     streams = [batches(s, 32, seed * 1000 + r) for r, s in enumerate(shards)]
     model = work.model(seed)
@@ -117,9 +122,14 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
             for memory in memories[1:]:  # every rank keeps the same estimate
                 memory.settle(key, total / workers)
         optimizer.step()
-        if (step + 1) % eval_every == 0 and work.accuracy(model) >= work.target:
-            return step + 1, dense_bytes / sent_bytes
-    return None, dense_bytes / sent_bytes
+        if (step + 1) % eval_every == 0:
+            accuracy = work.accuracy(model)
+            for target in wanted:
+                if reached[target] is None and accuracy >= target:
+                    reached[target] = step + 1
+            if all(reached.values()):
+                break
+    return reached, dense_bytes / sent_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,8 +145,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="clt-k's leader selection (default: exact)")
     parser.add_argument("--min-numel", type=int, default=MIN_NUMEL,
                         help=f"topk and dct-dp send smaller tensors dense (default {MIN_NUMEL})")
+    parser.add_argument("--targets", default="",
+                        help="comma-separated test accuracies to record the steps to as well "
+                             "(each run goes on until it has reached them all): whether a "
+                             "scheme lags by a number of steps or by a factor")
     parser.add_argument("--out", type=Path, default=Path("docs/data/coupling.json"))
     args = parser.parse_args(argv)
+    targets = [float(t) for t in args.targets.split(",") if t.strip()]
+    if any(not 0 < t <= 1 for t in targets):
+        parser.error(f"--targets {args.targets!r}: each must be in (0, 1]")
     torch.set_num_threads(1)
     runs: list[dict[str, Any]] = []
     for optimizer_name in args.optimizers.split(","):
@@ -144,10 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             for variant in args.variants.split(",") if scheme != "dense" else ["plain"]:
                 got = [simulate(scheme, variant, optimizer_name, seed, args.workers,
                                 args.steps, args.warmup, selection=args.selection,
-                                min_numel=args.min_numel)
+                                min_numel=args.min_numel, targets=targets)
                        for seed in range(args.seeds)]
+                own = workloads.load("digits-mlp").target
                 runs.append({"optimizer": optimizer_name, "scheme": scheme, "variant": variant,
-                             "steps_to_target": [steps for steps, _ in got],
+                             "steps_to_target": [steps[own] for steps, _ in got],
+                             "steps_to": {str(t): [steps[t] for steps, _ in got]
+                                          for t in targets},
                              "dense_over_sent_bytes": [ratio for _, ratio in got]})
                 print(optimizer_name, scheme, variant, got, flush=True)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout
@@ -157,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(table(record))
+    if targets:
+        print(targets_table(record))
     return 0
 
 
@@ -175,6 +197,27 @@ def table(record: dict[str, Any]) -> str:
         less = statistics.median(r.get("dense_over_sent_bytes") or [float("nan")])
         lines.append(f"| {r['optimizer']} | {r['scheme']} | {r['variant']} | {shown} | "
                      f"{ratio} | {less:.0f}x |")
+    return "\n".join(lines)
+
+
+def targets_table(record: dict[str, Any]) -> str:
+    """Markdown: per accuracy of ``--targets``, each run's median steps as a multiple of
+    dense's and the median number of steps more than dense (seeds paired)."""
+    targets = sorted({t for r in record["runs"] for t in r.get("steps_to", {})}, key=float)
+    dense = {r["optimizer"]: r["steps_to"] for r in record["runs"] if r["scheme"] == "dense"}
+    lines = ["| optimiser | scheme | variant | " + " | ".join(
+        f"{float(t):.0%}: x dense (+steps)" for t in targets) + " |",
+        "|---|---|---|" + "---|" * len(targets)]
+    for r in record["runs"]:
+        cells = []
+        for t in targets:
+            pairs = list(zip(r["steps_to"][t], dense.get(r["optimizer"], {}).get(t, [])))
+            ratios = [float("inf") if s is None else s / b for s, b in pairs if b]
+            extra = [s - b for s, b in pairs if b and s is not None]
+            cells.append(f"{statistics.median(ratios):.2f} (+{statistics.median(extra):.0f})"
+                         if ratios and extra else "-")
+        lines.append(f"| {r['optimizer']} | {r['scheme']} | {r['variant']} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,28 @@
+"""The coupling simulation's bookkeeping: steps to several targets and their table."""
+
+from __future__ import annotations
+
+from benchmarks import coupling
+
+
+def test_every_target_gets_the_step_it_was_first_reached_and_the_rest_none() -> None:
+    reached, less = coupling.simulate("topk", "coupled", "sgd", seed=0, workers=2, steps=20,
+                                      warmup=0, targets=[0.05, 0.999])
+    own = sorted(reached)[1]  # the workload's own target, between the two asked for
+    assert sorted(reached) == [0.05, own, 0.999]
+    assert reached[0.05] == 10  # above chance at the first evaluation
+    assert reached[0.999] is None and reached[own] is None
+    assert 1 < less < 100  # dense's bytes over topk's: fewer, not free
+
+
+def test_targets_table_pairs_seeds_with_dense() -> None:
+    record = {"runs": [
+        {"optimizer": "sgd", "scheme": "dense", "variant": "plain",
+         "steps_to": {"0.8": [30, 40], "0.9": [60, 80]}},
+        {"optimizer": "sgd", "scheme": "topk", "variant": "coupled",
+         "steps_to": {"0.8": [45, 60], "0.9": [90, None]}},
+    ]}
+    table = coupling.targets_table(record)
+    assert "| sgd | dense | plain | 1.00 (+0) | 1.00 (+0) |" in table
+    # 0.8: ratios 1.5, 1.5, 15 and 20 steps more; 0.9: 1.5 and never (inf), 30 more
+    assert "| sgd | topk | coupled | 1.50 (+18) | inf (+30) |" in table
