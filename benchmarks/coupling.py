@@ -151,9 +151,13 @@ def main(argv: list[str] | None = None) -> int:
                              "scheme lags by a number of steps or by a factor")
     parser.add_argument("--out", type=Path, default=Path("docs/data/coupling.json"))
     args = parser.parse_args(argv)
-    targets = [float(t) for t in args.targets.split(",") if t.strip()]
+    try:
+        targets = [float(t) for t in args.targets.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--targets {args.targets!r}: comma-separated numbers in (0, 1]")
     if any(not 0 < t <= 1 for t in targets):
         parser.error(f"--targets {args.targets!r}: each must be in (0, 1]")
+    own = workloads.load("digits-mlp").target  # the workload's own, always recorded
     torch.set_num_threads(1)
     runs: list[dict[str, Any]] = []
     for optimizer_name in args.optimizers.split(","):
@@ -163,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
                                 args.steps, args.warmup, selection=args.selection,
                                 min_numel=args.min_numel, targets=targets)
                        for seed in range(args.seeds)]
-                own = workloads.load("digits-mlp").target
                 runs.append({"optimizer": optimizer_name, "scheme": scheme, "variant": variant,
                              "steps_to_target": [steps[own] for steps, _ in got],
                              "steps_to": {str(t): [steps[t] for steps, _ in got]
