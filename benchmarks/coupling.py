@@ -16,8 +16,11 @@ sweep over candidates and seeds fits a busy machine. Candidates:
   the optimiser steps with a dense estimate of the mean velocity that the
   sent entries refresh (what ``couple`` installs for clt-k).
 
-Tensors under ``--min-numel`` entries (default 1024, as in the schemes)
-travel dense for topk and dct-dp. Bytes are counted as the schemes send them: 4 per value and 4 per
+topk and dct-dp are the registered schemes' sparsifiers at their defaults,
+selecting per tensor or, with ``--scopes bucket``, once over all the sparsified
+tensors of a worker (what ``scope="bucket"`` does on a DDP bucket). Tensors under
+``--min-numel`` entries (default 1024, as in the schemes) travel dense for
+topk and dct-dp. Bytes are counted as the schemes send them: 4 per value and 4 per
 index, 4 per entry of a dense tensor.
 
 Usage: ``python -m benchmarks.coupling [--seeds 8] [--workers 4] [--out docs/data/coupling.json]``
@@ -26,6 +29,7 @@ Usage: ``python -m benchmarks.coupling [--seeds 8] [--workers 4] [--out docs/dat
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -36,12 +40,14 @@ from typing import Any
 
 import torch
 
-from thinwire.compress import DCTThreshold, TensorInfo, TopK
+from thinwire import schemes
+from thinwire.compress import Sparsifier, TensorInfo
 from thinwire.compress.cltk import layer_k, select, sparsify
-from thinwire.compress.sparse import MIN_NUMEL
+from thinwire.compress.sparse import MIN_NUMEL, SCOPES
 from thinwire.data.digits import batches
 from thinwire.feedback import Estimate, LowPass, Memory, MomentumCorrection, Residual
 from thinwire.jobs import workloads
+from thinwire.schemes.base import CompressedScheme
 
 RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
     "sgd": (0.05, 0.9),
@@ -53,7 +59,8 @@ RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
 def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers: int,
              steps: int, warmup: int, eval_every: int = 10,
              selection: str = "exact", min_numel: int = MIN_NUMEL,
-             targets: Sequence[float] = ()) -> tuple[dict[float, int | None], float]:
+             targets: Sequence[float] = (),
+             scope: str = "layer") -> tuple[dict[float, int | None], float]:
     """Steps until the digits MLP first reaches each test accuracy of ``targets`` and its own
     target (None: not in ``steps``), and dense's bytes over the bytes each worker sent, up
     to the last of them."""
@@ -79,8 +86,9 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
                 group["betas"] = (0.0, group["betas"][1])
             else:
                 group.update(momentum=0.0, nesterov=False)
-    compressors = [DCTThreshold(0.99, 1000, 2.0, 0.25, min_numel=min_numel) if scheme == "dct-dp"
-                   else TopK(0.01, min_numel=min_numel) for _ in range(workers)]
+    compressors = [_compressor(scheme, min_numel, scope) for _ in range(workers)]
+    infos = [TensorInfo.of(key, param.reshape(-1)) for key, param in params.items()]
+    sparse = [info for info in infos if not compressors[0].is_dense(info)]
     sent_bytes = dense_bytes = 0
     for step in range(steps):
         grads = []
@@ -89,47 +97,81 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
             model.zero_grad()
             work.loss(model(batch.inputs), batch.targets).backward()
             grads.append({k: p.grad.detach().clone() for k, p in params.items()})  # type: ignore[union-attr]
+        dense_bytes += 4 * sum(info.numel for info in infos)
+        if scheme == "dense":
+            for key, param in params.items():
+                param.grad = sum(g[key] for g in grads) / workers  # type: ignore[assignment]
+            sent_bytes += 4 * sum(info.numel for info in infos)
+            optimizer.step()
+            reached_all = _evaluate(work, model, step, eval_every, reached)
+            if reached_all:
+                break
+            continue
         density = 0.01
         if variant == "warmup" and step < warmup:
             density = max(0.01, 0.25 ** (1 + 4 * step // warmup))
-        for key, param in params.items():
-            dense_bytes += 4 * param.numel()
-            if scheme == "dense":
-                param.grad = sum(g[key] for g in grads) / workers  # type: ignore[assignment]
-                sent_bytes += 4 * param.numel()
-                continue
-            compensated = [memories[r].compensate(key, grads[r][key]) for r in range(workers)]
-            k = layer_k(param.numel(), density)
-            leader = (select(compensated[step % workers], k, selection) if scheme == "clt-k"
-                      else None)
-            total = torch.zeros_like(param)
-            for r, p in enumerate(compensated):
-                info = TensorInfo.of(key, p)
-                if leader is not None:
-                    sent = sparsify(p, leader)
-                elif density > 0.01 and not compressors[r].is_dense(info):
-                    sent = sparsify(p, select(p, k, "exact"))
-                else:
-                    sent = compressors[r].decompress(compressors[r].compress(p, info), info)
-                memories[r].update(key, p, sent)
+        compensated = [{key: memories[r].compensate(key, grads[r][key]) for key in params}
+                       for r in range(workers)]
+        totals = {key: torch.zeros_like(param) for key, param in params.items()}
+        for r in range(workers):
+            chosen = _choose(scheme, compressors[r], compensated, r, step, sparse, density,
+                             selection)
+            for info in infos:
+                p = compensated[r][info.key]
+                sent = sparsify(p, chosen[info.key]) if info.key in chosen else p.clone()
+                memories[r].update(info.key, p, sent)
                 if variant == "masked":  # DGC Eq. 8: no momentum left where it was sent
-                    memories[r].velocity[key][sent != 0] = 0  # type: ignore[attr-defined]
-                total += sent
-            dense_sent = leader is None and compressors[0].is_dense(TensorInfo.of(key, param))
-            sent_bytes += 4 * param.numel() if dense_sent else 8 * int(
-                (sent != 0).sum())  # the last worker's, as the others'
-            param.grad = memories[0].settle(key, total / workers)
+                    memories[r].velocity[info.key][sent != 0] = 0  # type: ignore[attr-defined]
+                totals[info.key] += sent
+                if r == workers - 1:  # the last worker's bytes, as the others'
+                    sent_bytes += (8 * chosen[info.key].numel() if info.key in chosen
+                                   else 4 * info.numel)
+        for key, param in params.items():
+            param.grad = memories[0].settle(key, totals[key] / workers)
             for memory in memories[1:]:  # every rank keeps the same estimate
-                memory.settle(key, total / workers)
+                memory.settle(key, totals[key] / workers)
         optimizer.step()
-        if (step + 1) % eval_every == 0:
-            accuracy = work.accuracy(model)
-            for target in wanted:
-                if reached[target] is None and accuracy >= target:
-                    reached[target] = step + 1
-            if all(reached.values()):
-                break
+        if _evaluate(work, model, step, eval_every, reached):
+            break
     return reached, dense_bytes / sent_bytes
+
+
+def _compressor(scheme: str, min_numel: int, scope: str) -> Sparsifier:
+    """The scheme's own sparsifier at its defaults (99 % sparsity); topk's for clt-k."""
+    built = schemes.build("dct-dp" if scheme == "dct-dp" else "topk", min_numel=min_numel,
+                          scope=scope)
+    assert isinstance(built, CompressedScheme) and isinstance(built.compressor, Sparsifier)
+    return built.compressor
+
+
+def _choose(scheme: str, compressor: Sparsifier,
+            compensated: list[dict[str, torch.Tensor]], rank: int, step: int,
+            sparse: list[TensorInfo], density: float, selection: str) -> dict[str, torch.Tensor]:
+    """Indices rank ``rank`` sends of each sparsified tensor (absent keys go dense)."""
+    mine = compensated[rank]
+    if scheme == "clt-k":  # the step's leader picks for everyone, every tensor
+        leader = compensated[step % len(compensated)]
+        return {key: select(leader[key], layer_k(p.numel(), density), selection)
+                for key, p in mine.items()}
+    if density > 0.01:  # sparsity warm-up: exact top-k at the warm-up's density
+        return {info.key: select(mine[info.key], layer_k(info.numel, density), "exact")
+                for info in sparse}
+    if not sparse:
+        return {}
+    magnitudes = torch.cat([mine[info.key].reshape(-1).abs() for info in sparse])
+    return dict(zip([info.key for info in sparse], compressor.select_all(magnitudes, sparse)))
+
+
+def _evaluate(work: workloads.Workload, model: torch.nn.Module, step: int, every: int,
+              reached: dict[float, int | None]) -> bool:
+    """Record the targets first reached at this step; whether all of them are."""
+    if (step + 1) % every:
+        return False
+    accuracy = work.accuracy(model)
+    for target in reached:
+        if reached[target] is None and accuracy >= target:
+            reached[target] = step + 1
+    return all(reached.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="clt-k's leader selection (default: exact)")
     parser.add_argument("--min-numel", type=int, default=MIN_NUMEL,
                         help=f"topk and dct-dp send smaller tensors dense (default {MIN_NUMEL})")
+    parser.add_argument("--scopes", default="layer",
+                        help="comma-separated selection scopes of topk and dct-dp: layer "
+                             "(each tensor at 1 %%) and/or bucket (1 %% of all, one selection)")
     parser.add_argument("--targets", default="",
                         help="comma-separated test accuracies to record the steps to as well "
                              "(each run goes on until it has reached them all): whether a "
@@ -157,22 +202,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--targets {args.targets!r}: comma-separated numbers in (0, 1]")
     if any(not 0 < t <= 1 for t in targets):
         parser.error(f"--targets {args.targets!r}: each must be in (0, 1]")
+    scope_list = args.scopes.split(",")
+    if any(scope not in SCOPES for scope in scope_list):
+        parser.error(f"--scopes {args.scopes!r}: each must be one of {SCOPES}")
     own = workloads.load("digits-mlp").target  # the workload's own, always recorded
     torch.set_num_threads(1)
     runs: list[dict[str, Any]] = []
     for optimizer_name in args.optimizers.split(","):
         for scheme in args.schemes.split(","):
-            for variant in args.variants.split(",") if scheme != "dense" else ["plain"]:
+            variants = args.variants.split(",") if scheme != "dense" else ["plain"]
+            scopes = scope_list if scheme in ("topk", "dct-dp") else ["layer"]
+            for variant, scope in itertools.product(variants, scopes):
                 got = [simulate(scheme, variant, optimizer_name, seed, args.workers,
                                 args.steps, args.warmup, selection=args.selection,
-                                min_numel=args.min_numel, targets=targets)
+                                min_numel=args.min_numel, targets=targets, scope=scope)
                        for seed in range(args.seeds)]
                 runs.append({"optimizer": optimizer_name, "scheme": scheme, "variant": variant,
+                             "scope": scope,
                              "steps_to_target": [steps[own] for steps, _ in got],
                              "steps_to": {str(t): [steps[t] for steps, _ in got]
                                           for t in targets},
                              "dense_over_sent_bytes": [ratio for _, ratio in got]})
-                print(optimizer_name, scheme, variant, got, flush=True)
+                print(optimizer_name, scheme, variant, scope, got, flush=True)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout
     record = {"config": vars(args) | {"out": str(args.out)}, "runs": runs,
               "when": time.strftime("%Y-%m-%d %H:%M %Z"),
@@ -198,7 +249,7 @@ def table(record: dict[str, Any]) -> str:
         shown = ", ".join("-" if s is None else str(s) for s in r["steps_to_target"])
         ratio = f"{statistics.median(ratios):.2f}" if ratios else "-"
         less = statistics.median(r.get("dense_over_sent_bytes") or [float("nan")])
-        lines.append(f"| {r['optimizer']} | {r['scheme']} | {r['variant']} | {shown} | "
+        lines.append(f"| {r['optimizer']} | {r['scheme']} | {_variant(r)} | {shown} | "
                      f"{ratio} | {less:.0f}x |")
     return "\n".join(lines)
 
@@ -219,9 +270,15 @@ def targets_table(record: dict[str, Any]) -> str:
             extra = [s - b for s, b in pairs if b and s is not None]
             cells.append(f"{statistics.median(ratios):.2f} (+{statistics.median(extra):.0f})"
                          if ratios and extra else "-")
-        lines.append(f"| {r['optimizer']} | {r['scheme']} | {r['variant']} | "
+        lines.append(f"| {r['optimizer']} | {r['scheme']} | {_variant(r)} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _variant(run: dict[str, Any]) -> str:
+    """The variant, with the selection scope when it is not the layer (older files have none)."""
+    scope = run.get("scope", "layer")
+    return run["variant"] if scope == "layer" else f"{run['variant']}, {scope}"
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
     generator = torch.Generator().manual_seed(10 + rank)
     grads = {"w": torch.randn(32, 8, generator=generator, dtype=torch.float64),
              "b": torch.randn(8, generator=generator, dtype=torch.float64)}
-    options = {"sparsity": 0.9, "life_span": 1, "min_numel": 0, "capacity": 1.25}
+    options = {"sparsity": 0.9, "life_span": 1, "min_numel": 0, "capacity": 1.25,
+               "scope": "layer"}
     scheme = build(name, **options) if name == "dct-dp" else build(name)
     scheme.meter = Meter(rank, 2)
     out = scheme.reduce(grads, group)

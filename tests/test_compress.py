@@ -295,3 +295,37 @@ def test_dct_density_control_rejects_a_bad_gain() -> None:
     for bad in (0.0, 1.5, -0.5, float("nan")):
         with pytest.raises(ValueError, match="gain"):
             DCTThreshold(0.9, gain=bad)
+
+
+def _picks(compressor: DCTThreshold, parts: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """``select_all`` on ``parts`` as one call (one DDP bucket), per key."""
+    infos = [TensorInfo.of(key, part) for key, part in parts.items()]
+    chosen = compressor.select_all(torch.cat(list(parts.values())), infos)
+    return {info.key: local.tolist() for info, local in zip(infos, chosen)}
+
+
+def test_bucket_scope_selects_again_in_the_groups_it_last_used() -> None:
+    """DDP's first step after a resume puts every tensor in one bucket, in another order:
+    each tensor is still selected with the tensors it was last selected with."""
+    def step(seed: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        return {key: torch.rand(n, generator=generator) * scale
+                for key, n, scale in (("a", 1000, 1.0), ("b", 3000, 2.0), ("c", 2000, 1.0))}
+
+    straight = DCTThreshold(0.99, life_span=3, min_numel=0, scope="bucket")
+    for seed in range(2):  # DDP's rebuilt buckets: (a, b) and (c)
+        magnitudes = step(seed)
+        _picks(straight, {"a": magnitudes["a"], "b": magnitudes["b"]})
+        _picks(straight, {"c": magnitudes["c"]})
+    resumed = DCTThreshold(0.99, life_span=3, min_numel=0, scope="bucket")
+    resumed.load_state_dict(straight.state_dict())
+    magnitudes = step(2)
+    expected = {**_picks(straight, {"a": magnitudes["a"], "b": magnitudes["b"]}),
+                **_picks(straight, {"c": magnitudes["c"]})}
+    got = _picks(resumed, {key: magnitudes[key] for key in ("c", "b", "a")})
+    assert got == expected and len(got["a"]) < len(got["b"])  # b's entries are larger
+    assert resumed.tau == straight.tau and set(resumed.tau) == {"a..b", "c"}
+    # A bucket that splits a group is a new group, remembered from then on.
+    _picks(resumed, {"a": magnitudes["a"], "c": magnitudes["c"]})
+    assert resumed.groups == {"a": ("a", "c"), "b": ("a", "b"), "c": ("a", "c")}
+    assert "a..c" in resumed.tau

@@ -191,18 +191,21 @@ def _mismatch_at_first_call(rank: int) -> str:
         return str(error)
     return ""
 # Tensors of 3 and 16 entries travel dense, the rest sparse: both paths in each bucket.
+# Per layer, so that the per-tensor path is the reference (bucket scope: test_schemes).
+LAYER = {"min_numel": 20, "scope": "layer"}
 FLAT = {
-    "topk": ("topk", {"ratio": 0.1, "min_numel": 20}),
-    "topk-no-feedback": ("topk", {"ratio": 0.1, "min_numel": 20, "error_feedback": False}),
-    "topk-fp16": ("topk", {"ratio": 0.1, "min_numel": 20, "values": "fp16"}),
-    "dct-dp": ("dct-dp", {"sparsity": 0.9, "life_span": 2, "min_numel": 20}),
-    "dct-dp-drain": ("dct-dp", {"sparsity": 0.9, "life_span": 2, "min_numel": 20,
-                                "drain_every": 2}),
+    "topk": ("topk", {"ratio": 0.1, **LAYER}),
+    "topk-no-feedback": ("topk", {"ratio": 0.1, "error_feedback": False, **LAYER}),
+    "topk-fp16": ("topk", {"ratio": 0.1, "values": "fp16", **LAYER}),
+    "dct-dp": ("dct-dp", {"sparsity": 0.9, "life_span": 2, **LAYER}),
+    "dct-dp-drain": ("dct-dp", {"sparsity": 0.9, "life_span": 2, "drain_every": 2, **LAYER}),
     "laplace": ("laplace", {"sparsity": 0.9, "min_numel": 20, "capacity": 1.5}),
-    "dct-dp-delta16": ("dct-dp", {"sparsity": 0.97, "life_span": 2, "min_numel": 20,
-                                  "indices": "delta16"}),
+    "dct-dp-delta16": ("dct-dp", {"sparsity": 0.97, "life_span": 2, "indices": "delta16",
+                                  **LAYER}),
 }
-DRAIN = {"sparsity": 0.8, "life_span": 4, "min_numel": 20, "drain_every": 2}
+# Sparse tensors in several buckets, which DDP builds anew after its first step.
+DRAIN = {"sparsity": 0.8, "life_span": 4, "min_numel": 20, "drain_every": 2,
+         "scope": "bucket"}
 
 
 def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
@@ -227,6 +230,8 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
                         (1, 2)),
         "drain-straight": _resume_run(rank, world_size, STEPS, DRAIN),
         "drain-resumed": _resume_run(rank, world_size, 3, DRAIN),
+        "layer-drain-straight": _resume_run(rank, world_size, STEPS, {**DRAIN, "scope": "layer"}),
+        "layer-drain-resumed": _resume_run(rank, world_size, 3, {**DRAIN, "scope": "layer"}),
         **{f"flat-{name}": _ddp_run(rank, world_size, scheme, config, 0.001)
            for name, (scheme, config) in FLAT.items()},
         **{f"reference-{name}": _reference_run(rank, world_size, scheme, config)
@@ -288,11 +293,16 @@ def test_dct_hook_equals_reduce_without_ddp_for_any_bucketing(runs: list[dict[st
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["", "drain-"])
+@pytest.mark.parametrize("name", ["", "drain-", "layer-drain-"])
 def test_checkpoint_resume_is_bit_identical_to_an_uninterrupted_run(
         runs: list[dict[str, Any]], name: str) -> None:
+    """Bucket scope too: the resumed run's first step, in DDP's first-step buckets,
+    selects in the groups the uninterrupted run had."""
     for a, b in zip(runs[0][f"{name}straight"], runs[0][f"{name}resumed"]):
         assert torch.equal(a, b)
+    if name == "drain-":  # the scope changes what is sent
+        assert not all(torch.equal(a, b) for a, b in zip(runs[0]["drain-straight"],
+                                                           runs[0]["layer-drain-straight"]))
 
 
 @pytest.mark.parametrize("name", list(FLAT))

@@ -23,6 +23,8 @@ def test_foundation_schemes_are_registered() -> None:
     ("topk", {"ratio": 1.01}, "ratio=1.01"),
     ("topk", {"values": "bf16"}, "values='bf16'"),
     ("topk", {"indices": "int16"}, "indices='int16'"),
+    ("topk", {"scope": "model"}, "scope='model'"),
+    ("dct-dp", {"scope": ""}, "scope=''"),
     ("dct-dp", {"capacity": 0.5}, "capacity=0.5"),
     ("laplace", {"min_numel": -1}, "min_numel=-1"),
     ("dense", {"nonfinite": "ignore"}, "nonfinite='ignore'"),
@@ -76,14 +78,16 @@ def test_dct_dp_include_compresses_only_the_matching_parameters() -> None:
     kept = int((sent["top.0.weight"] != 0).sum())
     assert kept == 60  # 10 % of 600: sparsified
     assert scheme.compressor.is_dense(TensorInfo("emb.0.weight", (50, 8)))
-    everything = schemes.build("dct-dp", sparsity=0.9, min_numel=0).reduce(grads)
+    everything = schemes.build("dct-dp", sparsity=0.9, min_numel=0, scope="layer").reduce(grads)
     assert int((everything["emb.0.weight"] != 0).sum()) == 40
     with pytest.raises(ValueError, match="include='top.*'"):
         schemes.build("dct-dp", include="top.*")
 @pytest.mark.parametrize("name,config", [
     ("topk", {"ratio": 0.05, "min_numel": 100}),
+    ("topk", {"ratio": 0.05, "min_numel": 100, "scope": "layer"}),
     ("topk", {"ratio": 0.05, "values": "fp16"}),
     ("dct-dp", {"sparsity": 0.95, "life_span": 3, "min_numel": 100}),
+    ("dct-dp", {"sparsity": 0.95, "life_span": 3, "min_numel": 100, "scope": "layer"}),
     ("laplace", {"sparsity": 0.95, "capacity": 1.0}),
 ])
 def test_error_feedback_invariant_holds_exactly(name: str, config: dict[str, object]) -> None:
@@ -99,7 +103,11 @@ def test_error_feedback_invariant_holds_exactly(name: str, config: dict[str, obj
             # No buffer: the tensor was sent whole and exactly, so its error is zero.
             new = scheme.memory.buffers.get(key, torch.zeros(grad.numel()))
             assert torch.equal(grad.reshape(-1) + old[key], sent[key].reshape(-1) + new)
-        assert int((sent["w"] != 0).sum()) <= scheme.compressor.capacity(1200)  # type: ignore[attr-defined]
+        capacity = scheme.compressor.capacity  # type: ignore[attr-defined]
+        if getattr(scheme.compressor, "scope", "layer") == "layer":
+            assert int((sent["w"] != 0).sum()) <= capacity(1200)
+        else:  # one selection over both sparsified tensors
+            assert int((sent["w"] != 0).sum() + (sent["v"] != 0).sum()) <= capacity(3200)
 
 
 def test_entries_beyond_the_capacity_are_the_smallest_and_wait_in_the_memory() -> None:
@@ -160,3 +168,54 @@ def test_a_tensor_sent_whole_and_exactly_keeps_no_error_buffer() -> None:
     assert torch.equal(exact.reduce(grads)["b"], grads["b"] + error)
     assert "b" not in exact.memory.buffers  # type: ignore[union-attr]
     assert torch.equal(exact.reduce(grads)["b"], grads["b"])
+
+
+def _bucket_reference(grads: dict[str, torch.Tensor], error: dict[str, torch.Tensor],
+                      k: int) -> dict[str, torch.Tensor]:
+    """Plain torch: the k largest |g + e| over all tensors at once, zero elsewhere."""
+    compensated = {key: g.reshape(-1) + error[key] for key, g in grads.items()}
+    flat = torch.cat(list(compensated.values()))
+    mask = torch.zeros_like(flat, dtype=torch.bool)
+    mask[torch.topk(flat.abs(), k).indices] = True
+    masks = mask.split([g.numel() for g in grads.values()])
+    return {key: torch.where(m, p, 0.0).view(grads[key].shape)
+            for (key, p), m in zip(compensated.items(), masks)}
+
+
+def test_bucket_scope_sends_the_largest_of_all_tensors_and_keeps_the_rest() -> None:
+    """scope="bucket": one top-k over every sparsified tensor (k = 1 % of all of them),
+    so a small tensor with large entries takes more than its 1 %; error feedback exact."""
+    scheme = schemes.build("topk", ratio=0.01, scope="bucket")
+    assert isinstance(scheme, CompressedScheme) and scheme.memory is not None
+    error = {"big": torch.zeros(50_000), "small": torch.zeros(2_000)}
+    for step in range(5):
+        generator = torch.Generator().manual_seed(step)
+        grads = {"big": torch.randn(250, 200, generator=generator),
+                 "small": 30 * torch.randn(2_000, generator=generator)}
+        expected = _bucket_reference(grads, error, 520)  # ceil(0.01 * 52,000)
+        sent = scheme.reduce(grads)
+        for key, grad in grads.items():
+            assert torch.equal(sent[key], expected[key]), (step, key)
+            error[key] = grad.reshape(-1) + error[key] - expected[key].reshape(-1)
+            assert torch.equal(scheme.memory.buffers[key], error[key])
+        assert int((sent["small"] != 0).sum()) > 20 * 2  # far beyond its own 1 %
+    trace = scheme.compressor.trace  # type: ignore[attr-defined]
+    assert set(trace) == {"big", "small"}  # each tensor's share, per call
+    shares = [trace["big"][-1][2] * 50_000, trace["small"][-1][2] * 2_000]
+    assert sum(shares) == 520
+
+
+def test_bucket_scope_of_one_tensor_is_the_layer_scope() -> None:
+    layer, bucket = (schemes.build("dct-dp", sparsity=0.99, life_span=2, scope=scope)
+                     for scope in ("layer", "bucket"))
+    for step in range(4):
+        grads = {"w": torch.randn(3000, generator=torch.Generator().manual_seed(step)),
+                 "b": torch.randn(10)}  # "b" travels dense
+        a, b = layer.reduce(grads), bucket.reduce(grads)
+        assert all(torch.equal(a[key], b[key]) for key in grads)
+    assert isinstance(layer, CompressedScheme) and isinstance(bucket, CompressedScheme)
+    kept = bucket.compressor.state_dict()
+    assert kept.pop("groups") == {"w": ("w",)}
+    same = layer.compressor.state_dict()
+    assert same.pop("groups") == {}
+    assert kept == same  # the same thresholds, refreshes and call counts

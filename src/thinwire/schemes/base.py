@@ -93,9 +93,10 @@ class CompressedScheme(Scheme):
        (:func:`thinwire.feedback.all_finite`);
     2. each tensor's error memory absorbs its gradient in place (DCT Alg. 1
        line 3: ``p = g + e``);
-    3. per tensor, on views of one ``|p|`` scratch buffer, the compressor
-       picks the indices to send (its own threshold per layer, Alg. 1 lines
-       4-9); tensors the compressor keeps dense go by all-reduce instead;
+    3. on one ``|p|`` scratch buffer, the compressor picks the indices to
+       send (:meth:`~thinwire.compress.Sparsifier.select_all`: its own
+       threshold per layer, Alg. 1 lines 4-9, or one over the bucket);
+       tensors the compressor keeps dense go by all-reduce instead;
     4. the sparse entries of the whole buffer travel as one fixed-capacity
        payload (:class:`~thinwire.compress.SparseLayout`) by one all-gather;
     5. the residual is ``p`` with the sent entries zeroed, in the memory's
@@ -253,6 +254,7 @@ class CompressedScheme(Scheme):
         assert isinstance(compressor, Sparsifier)
         offsets = dict(zip([info.key for info in infos],
                            itertools.accumulate([0] + [info.numel for info in infos])))
+        # Room for each tensor's own capacity, which also holds any grouped selection.
         layout = SparseLayout(buffer.numel(), sum(compressor.capacity(info.numel)
                                                   for info in sparse),
                               compressor.value_dtype, compressor.index_format)
@@ -260,21 +262,24 @@ class CompressedScheme(Scheme):
         sent: list[torch.Tensor] = []
         if finite:
             scratch = self._magnitudes(buffer)
-            for info in sparse:
+            compensated = []
+            start = 0
+            for info in sparse:  # their |p| back to back, so one selection can span them
                 view = views[info.key]
                 # p = g + e, held by the memory when there is one (Residual: in its
                 # buffer, so the residual is p with the sent entries zeroed, in place).
                 p = view if self.memory is None else self.memory.absorb_(info.key, view)
-                offset = offsets[info.key]
-                magnitudes = torch.abs(p, out=scratch[offset: offset + info.numel])
-                local = compressor.indices(magnitudes, info)
+                torch.abs(p, out=scratch[start: start + info.numel])
+                start += info.numel
+                compensated.append(p)
+            chosen = compressor.select_all(scratch[:start], sparse)
+            for info, p, local in zip(sparse, compensated, chosen):
                 values = p.index_select(0, local).to(layout.value_dtype)
                 if (self.memory is not None and self.memory.forgets_what_is_sent
                         and values.dtype == p.dtype):  # sent exactly: those entries become 0
                     self.memory.update_selected_(info.key, p, local)
                 elif self.memory is not None:
                     self.memory.update_sparse(info.key, p, local, values)
-                chosen.append(local)
                 sent.append(values)
         else:
             chosen = [torch.zeros(0, dtype=torch.int64, device=buffer.device) for _ in sparse]

@@ -32,6 +32,7 @@ class TopKConfig:
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
     error_feedback: bool = True  # keep what was not sent for the next step
+    scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
     def __post_init__(self) -> None:
@@ -52,6 +53,7 @@ class DCTConfig:
     capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     include: tuple[str, ...] = ()  # fnmatch patterns of parameters to compress; others dense
+    scope: str = "bucket"  # "bucket": one tau over the bucket; "layer": tau per tensor (Alg. 1)
 
     def __post_init__(self) -> None:
         validate_sparsity(self.sparsity)
@@ -98,7 +100,7 @@ def _fp16(config: DenseConfig) -> Scheme:
 @register("topk", TopKConfig)
 def _topk(config: TopKConfig) -> Scheme:
     compressor = TopK(config.ratio, min_numel=config.min_numel, values=config.values,
-                      indices=config.indices)
+                      indices=config.indices, scope=config.scope)
     memory = Residual() if config.error_feedback else None
     return CompressedScheme(compressor, memory, config.nonfinite)
 
@@ -108,7 +110,8 @@ def _dct_dp(config: DCTConfig) -> Scheme:
     compressor = DCTThreshold(config.sparsity, config.life_span, config.refresh_above,
                               config.gain, min_numel=config.min_numel,
                               values=config.values, capacity=config.capacity,
-                              indices=config.indices, include=config.include)
+                              indices=config.indices, include=config.include,
+                              scope=config.scope)
     return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
 
 
