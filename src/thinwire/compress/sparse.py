@@ -177,7 +177,8 @@ class Sparsifier(Compressor):
             if len(members) == 1:
                 out[group[0]] = self.indices(parts[group[0]], members[0])
                 continue
-            together = torch.cat([parts[i] for i in group])
+            whole = group == list(range(len(infos)))  # the usual case: no copy
+            together = magnitudes if whole else torch.cat([parts[i] for i in group])
             first = members[0]
             key = TensorInfo(f"{first.key}..{members[-1].key}", (together.numel(),),
                              first.dtype, first.role, first.device)
