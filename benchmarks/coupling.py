@@ -16,14 +16,17 @@ sweep over candidates and seeds fits a busy machine. Candidates:
   the optimiser steps with a dense estimate of the mean velocity that the
   sent entries refresh (what ``couple`` installs for clt-k).
 
-topk and dct-dp are the registered schemes' sparsifiers at their defaults,
-selecting per tensor or, with ``--scopes bucket``, once over all the sparsified
-tensors of a worker (what ``scope="bucket"`` does on a DDP bucket). Tensors under
+topk and dct-dp are the registered schemes' sparsifiers at their defaults:
+``--scopes bucket`` (the default) selects once over all the sparsified tensors
+of a worker, as ``scope="bucket"`` does on a DDP bucket; ``layer`` per tensor.
+The digits MLP has a recipe per optimiser; ``--workload`` runs another
+workload under its own recipe. Tensors under
 ``--min-numel`` entries (default 1024, as in the schemes) travel dense for
 topk and dct-dp. Bytes are counted as the schemes send them: 4 per value and 4 per
 index, 4 per entry of a dense tensor.
 
-Usage: ``python -m benchmarks.coupling [--seeds 8] [--workers 4] [--out docs/data/coupling.json]``
+Usage: ``python -m benchmarks.coupling [--workload digits-mlp] [--seeds 8] [--workers 4]
+[--scopes layer,bucket] [--out docs/data/coupling.json]``
 """
 
 from __future__ import annotations
@@ -60,18 +63,19 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
              steps: int, warmup: int, eval_every: int = 10,
              selection: str = "exact", min_numel: int = MIN_NUMEL,
              targets: Sequence[float] = (),
-             scope: str = "layer") -> tuple[dict[float, int | None], float]:
-    """Steps until the digits MLP first reaches each test accuracy of ``targets`` and its own
+             scope: str = "layer", workload: str = "digits-mlp",
+             ) -> tuple[dict[float, int | None], float]:
+    """Steps until ``workload`` first reaches each test accuracy of ``targets`` and its own
     target (None: not in ``steps``), and dense's bytes over the bytes each worker sent, up
     to the last of them."""
-    work = workloads.load("digits-mlp", seed=seed)
+    work = workloads.load(workload, seed=seed)
     wanted = sorted({*targets, work.target})
     reached: dict[float, int | None] = dict.fromkeys(wanted)
     shards = [work.train.shard(r, workers) for r in range(workers)]
-    streams = [batches(s, 32, seed * 1000 + r) for r, s in enumerate(shards)]
+    lr, momentum, batch_size = recipe(workload, optimizer_name)
+    streams = [batches(s, batch_size, seed * 1000 + r) for r, s in enumerate(shards)]
     model = work.model(seed)
     params = dict(model.named_parameters())
-    lr, momentum = RECIPES[optimizer_name]
     optimizer = workloads.optimizer(optimizer_name, model.parameters(), lr, momentum)
     coupled = variant != "plain" and scheme != "dense"
     memories: list[Memory] = [Estimate() if variant == "ef21" else
@@ -95,7 +99,7 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
         for r in range(workers):
             batch = shards[r].rows(next(streams[r]))
             model.zero_grad()
-            work.loss(model(batch.inputs), batch.targets).backward()
+            work.loss(model(batch.inputs, **batch.side), batch.targets).backward()
             grads.append({k: p.grad.detach().clone() for k, p in params.items()})  # type: ignore[union-attr]
         dense_bytes += 4 * sum(info.numel for info in infos)
         if scheme == "dense":
@@ -134,6 +138,21 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
         if _evaluate(work, model, step, eval_every, reached):
             break
     return reached, dense_bytes / sent_bytes
+
+
+def recipe(workload: str, optimizer_name: str) -> tuple[float, float, int]:
+    """(lr, momentum, batch size): the digits MLP's for each optimiser, else the workload's own.
+
+    Raises:
+        ValueError: another workload with an optimiser other than its recipe's.
+    """
+    if workload == "digits-mlp":
+        return (*RECIPES[optimizer_name], 32)
+    own = workloads.RECIPES[workload]
+    if optimizer_name != own["optimizer"]:
+        raise ValueError(f"optimizer={optimizer_name!r}: {workload} runs its own recipe's "
+                         f"optimiser, {own['optimizer']!r}")
+    return own["lr"], own["momentum"], own["batch_size"]
 
 
 def _compressor(scheme: str, min_numel: int, scope: str) -> Sparsifier:
@@ -180,14 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=40)
-    parser.add_argument("--optimizers", default="sgd,nesterov,adamw")
+    parser.add_argument("--workload", default="digits-mlp", choices=sorted(workloads.WORKLOADS),
+                        help="model and data (default: digits-mlp, with a recipe per "
+                             "optimiser; the others run their own recipe)")
+    parser.add_argument("--optimizers", default=None,
+                        help="comma-separated (default: sgd,nesterov,adamw on digits-mlp, "
+                             "else the workload's recipe)")
     parser.add_argument("--schemes", default="dense,topk,dct-dp,clt-k")
     parser.add_argument("--variants", default="plain,coupled,masked,warmup,ef21")
     parser.add_argument("--selection", default="exact",
                         help="clt-k's leader selection (default: exact)")
     parser.add_argument("--min-numel", type=int, default=MIN_NUMEL,
                         help=f"topk and dct-dp send smaller tensors dense (default {MIN_NUMEL})")
-    parser.add_argument("--scopes", default="layer",
+    parser.add_argument("--scopes", default="bucket",
                         help="comma-separated selection scopes of topk and dct-dp: layer "
                              "(each tensor at 1 %%) and/or bucket (1 %% of all, one selection)")
     parser.add_argument("--targets", default="",
@@ -205,7 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     scope_list = args.scopes.split(",")
     if any(scope not in SCOPES for scope in scope_list):
         parser.error(f"--scopes {args.scopes!r}: each must be one of {SCOPES}")
-    own = workloads.load("digits-mlp").target  # the workload's own, always recorded
+    if args.optimizers is None:
+        args.optimizers = ("sgd,nesterov,adamw" if args.workload == "digits-mlp"
+                           else workloads.RECIPES[args.workload]["optimizer"])
+    try:
+        for name in args.optimizers.split(","):
+            recipe(args.workload, name)
+    except (KeyError, ValueError) as error:
+        parser.error(f"--optimizers {args.optimizers!r}: {error}")
+    own = workloads.load(args.workload).target  # the workload's own, always recorded
     torch.set_num_threads(1)
     runs: list[dict[str, Any]] = []
     for optimizer_name in args.optimizers.split(","):
@@ -215,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             for variant, scope in itertools.product(variants, scopes):
                 got = [simulate(scheme, variant, optimizer_name, seed, args.workers,
                                 args.steps, args.warmup, selection=args.selection,
-                                min_numel=args.min_numel, targets=targets, scope=scope)
+                                min_numel=args.min_numel, targets=targets, scope=scope,
+                                workload=args.workload)
                        for seed in range(args.seeds)]
                 runs.append({"optimizer": optimizer_name, "scheme": scheme, "variant": variant,
                              "scope": scope,

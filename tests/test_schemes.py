@@ -87,7 +87,7 @@ def test_dct_dp_include_compresses_only_the_matching_parameters() -> None:
     ("topk", {"ratio": 0.05, "min_numel": 100, "scope": "layer"}),
     ("topk", {"ratio": 0.05, "values": "fp16"}),
     ("dct-dp", {"sparsity": 0.95, "life_span": 3, "min_numel": 100}),
-    ("dct-dp", {"sparsity": 0.95, "life_span": 3, "min_numel": 100, "scope": "layer"}),
+    ("dct-dp", {"sparsity": 0.95, "life_span": 3, "min_numel": 100, "scope": "bucket"}),
     ("laplace", {"sparsity": 0.95, "capacity": 1.0}),
 ])
 def test_error_feedback_invariant_holds_exactly(name: str, config: dict[str, object]) -> None:

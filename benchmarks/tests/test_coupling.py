@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import coupling
 
 
@@ -26,3 +28,24 @@ def test_targets_table_pairs_seeds_with_dense() -> None:
     assert "| sgd | dense | plain | 1.00 (+0) | 1.00 (+0) |" in table
     # 0.8: ratios 1.5, 1.5, 15 and 20 steps more; 0.9: 1.5 and never (inf), 30 more
     assert "| sgd | topk | coupled | 1.50 (+18) | inf (+30) |" in table
+
+
+def test_other_workloads_run_their_own_recipe_only() -> None:
+    assert coupling.recipe("digits-mlp", "adamw") == (1e-3, 0.9, 32)
+    assert coupling.recipe("transformer-digits", "adamw") == (1e-3, 0.9, 32)
+    with pytest.raises(ValueError, match="optimizer='sgd': transformer-digits runs"):
+        coupling.recipe("transformer-digits", "sgd")
+    with pytest.raises(SystemExit):
+        coupling.main(["--workload", "dlrm-click", "--optimizers", "adamw"])
+
+
+def test_tables_name_the_scope_when_it_is_not_the_layer() -> None:
+    runs = [{"optimizer": "sgd", "scheme": "dense", "variant": "plain",
+             "steps_to_target": [10], "steps_to": {}},
+            {"optimizer": "sgd", "scheme": "topk", "variant": "coupled", "scope": "bucket",
+             "steps_to_target": [15], "steps_to": {}},
+            {"optimizer": "sgd", "scheme": "topk", "variant": "coupled", "scope": "layer",
+             "steps_to_target": [20], "steps_to": {}}]
+    table = coupling.table({"runs": runs})
+    assert "| sgd | topk | coupled, bucket | 15 | 1.50 |" in table
+    assert "| sgd | topk | coupled | 20 | 2.00 |" in table

@@ -169,9 +169,9 @@ class Sparsifier(Compressor):
             Per tensor, ascending indices into its own part.
         """
         parts = magnitudes.split([info.numel for info in infos])
-        if self.scope == "layer":
+        if self.scope == "layer" or not infos:
             return [self.indices(part, info) for part, info in zip(parts, infos)]
-        out: list[torch.Tensor] = [parts[0]] * len(infos)  # placeholders
+        out = list(parts)  # each replaced by its tensor's indices below
         for group in self._groups(infos):
             members = [infos[i] for i in group]
             if len(members) == 1:
@@ -180,9 +180,9 @@ class Sparsifier(Compressor):
             whole = group == list(range(len(infos)))  # the usual case: no copy
             together = magnitudes if whole else torch.cat([parts[i] for i in group])
             first = members[0]
-            key = TensorInfo(f"{first.key}..{members[-1].key}", (together.numel(),),
-                             first.dtype, first.role, first.device)
-            picked, call, tau = self._pick(together, key)  # ascending
+            bucket = TensorInfo(f"{first.key}..{members[-1].key}", (together.numel(),),
+                                first.dtype, first.role, first.device)
+            picked, call, tau = self._pick(together, bucket)  # ascending
             ends = list(itertools.accumulate(info.numel for info in members))
             cuts = torch.searchsorted(picked, torch.tensor(ends, device=picked.device)).tolist()
             for i, info, start, low, high in zip(group, members, [0, *ends], [0, *cuts], cuts):

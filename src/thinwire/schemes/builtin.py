@@ -53,7 +53,7 @@ class DCTConfig:
     capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     include: tuple[str, ...] = ()  # fnmatch patterns of parameters to compress; others dense
-    scope: str = "bucket"  # "bucket": one tau over the bucket; "layer": tau per tensor (Alg. 1)
+    scope: str = "layer"  # "layer": tau per tensor (Alg. 1); "bucket": one tau over the bucket
 
     def __post_init__(self) -> None:
         validate_sparsity(self.sparsity)
