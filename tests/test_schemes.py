@@ -7,6 +7,7 @@ import torch
 
 from thinwire import schemes
 from thinwire.compress import TensorInfo
+from thinwire.schemes import base
 from thinwire.schemes.base import CompressedScheme
 
 
@@ -219,3 +220,29 @@ def test_bucket_scope_of_one_tensor_is_the_layer_scope() -> None:
     same = layer.compressor.state_dict()
     assert same.pop("groups") == {}
     assert kept == same  # the same thresholds, refreshes and call counts
+
+
+def test_bucket_room_is_the_capacity_of_its_selection_not_one_per_tensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forty 30-entry tensors at 1 %: per layer each has room for 1 entry (40), one
+    selection over the bucket keeps ceil(0.01 * 1200) = 12, and the payload has room for 12."""
+    grads = {f"t{i}": torch.randn(30, generator=torch.Generator().manual_seed(i))
+             for i in range(40)}
+    infos = [TensorInfo.of(key, grad) for key, grad in grads.items()]
+    handed: list[int] = []
+    original = base.all_gather_fixed
+
+    def gather(payload: torch.Tensor, *args: object, **kwargs: object) -> object:
+        handed.append(payload.numel())
+        return original(payload, *args, **kwargs)
+
+    monkeypatch.setattr(base, "all_gather_fixed", gather)
+    for scope in ("layer", "bucket"):
+        scheme = schemes.build("topk", ratio=0.01, min_numel=0, scope=scope)
+        assert isinstance(scheme, CompressedScheme)
+        assert scheme.compressor.room(infos) == {"layer": 40, "bucket": 12}[scope]
+        out = scheme.reduce(grads)
+    expected = _bucket_reference(grads, {key: torch.zeros(30) for key in grads}, 12)
+    assert all(torch.equal(out[key], expected[key]) for key in grads)
+    layer, bucket = handed
+    assert layer - bucket == (40 - 12) * (4 + 2)  # fp32 values, 16-bit gaps

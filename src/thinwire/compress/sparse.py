@@ -192,8 +192,23 @@ class Sparsifier(Compressor):
                     self._trace(info.key, call, tau, (high - low) / info.numel)
         return out
 
+    def room(self, infos: Sequence[TensorInfo]) -> int:
+        """Most entries one payload of ``infos``' tensors carries (same on every rank).
+
+        ``scope="layer"``: each tensor's :meth:`capacity`. ``scope="bucket"``: the
+        capacity of each group selected together, so a bucket of many small
+        tensors carries no room that its one selection could not fill. It
+        records the grouping as :meth:`select_all` does, so a rank that skips a
+        non-finite step keeps the same groups, and the same room, as the others.
+        """
+        if self.scope == "layer":
+            return sum(self.capacity(info.numel) for info in infos)
+        return sum(self.capacity(sum(infos[i].numel for i in group))
+                   for group in self._groups(infos))
+
     def _groups(self, infos: Sequence[TensorInfo]) -> list[list[int]]:
-        """Positions in ``infos`` of each group to select together (``scope="bucket"``)."""
+        """Positions in ``infos`` of each group to select together (``scope="bucket"``);
+        a new grouping is recorded as the tensors' last groups."""
         position = {info.key: i for i, info in enumerate(infos)}
         last = [self.groups.get(info.key) for info in infos]
         if not all(group is not None and all(key in position for key in group)

@@ -254,10 +254,8 @@ class CompressedScheme(Scheme):
         assert isinstance(compressor, Sparsifier)
         offsets = dict(zip([info.key for info in infos],
                            itertools.accumulate([0] + [info.numel for info in infos])))
-        # Room for each tensor's own capacity, which also holds any grouped selection.
-        layout = SparseLayout(buffer.numel(), sum(compressor.capacity(info.numel)
-                                                  for info in sparse),
-                              compressor.value_dtype, compressor.index_format)
+        layout = SparseLayout(buffer.numel(), compressor.room(sparse), compressor.value_dtype,
+                              compressor.index_format)
         chosen: list[torch.Tensor] = []  # per sparse tensor, indices into its own view
         sent: list[torch.Tensor] = []
         if finite:
