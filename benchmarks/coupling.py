@@ -21,7 +21,7 @@ topk and dct-dp are the registered schemes' sparsifiers at their defaults:
 of a worker, as ``scope="bucket"`` does on a DDP bucket; ``layer`` per tensor.
 The digits MLP has a recipe per optimiser; ``--workload`` runs another
 workload under its own recipe. Tensors under
-``--min-numel`` entries (default 1024, as in the schemes) travel dense for
+``--min-numels`` entries (default 1024, as in the schemes; a list sweeps) travel dense for
 topk and dct-dp. Bytes are counted as the schemes send them: 4 per value and 4 per
 index, 4 per entry of a dense tensor.
 
@@ -209,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="plain,coupled,masked,warmup,ef21")
     parser.add_argument("--selection", default="exact",
                         help="clt-k's leader selection (default: exact)")
-    parser.add_argument("--min-numel", type=int, default=MIN_NUMEL,
-                        help=f"topk and dct-dp send smaller tensors dense (default {MIN_NUMEL})")
+    parser.add_argument("--min-numels", default=str(MIN_NUMEL),
+                        help="comma-separated: topk and dct-dp send tensors under this many "
+                             f"entries dense (default {MIN_NUMEL}; 0: every tensor sparse)")
     parser.add_argument("--scopes", default="bucket",
                         help="comma-separated selection scopes of topk and dct-dp: layer "
                              "(each tensor at 1 %%) and/or bucket (1 %% of all, one selection)")
@@ -227,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 0 < t <= 1 for t in targets):
         parser.error(f"--targets {args.targets!r}: each must be in (0, 1]")
     scope_list = args.scopes.split(",")
+    try:
+        min_numels = [int(m) for m in args.min_numels.split(",")]
+    except ValueError:
+        parser.error(f"--min-numels {args.min_numels!r}: comma-separated integers >= 0")
+    if any(m < 0 for m in min_numels):
+        parser.error(f"--min-numels {args.min_numels!r}: each must be >= 0")
     if any(scope not in SCOPES for scope in scope_list):
         parser.error(f"--scopes {args.scopes!r}: each must be one of {SCOPES}")
     if args.optimizers is None:
@@ -243,20 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     for optimizer_name in args.optimizers.split(","):
         for scheme in args.schemes.split(","):
             variants = args.variants.split(",") if scheme != "dense" else ["plain"]
-            scopes = scope_list if scheme in ("topk", "dct-dp") else ["layer"]
-            for variant, scope in itertools.product(variants, scopes):
+            local = scheme in ("topk", "dct-dp")
+            scopes = scope_list if local else ["layer"]
+            for variant, scope, min_numel in itertools.product(
+                    variants, scopes, min_numels if local else [MIN_NUMEL]):
                 got = [simulate(scheme, variant, optimizer_name, seed, args.workers,
                                 args.steps, args.warmup, selection=args.selection,
-                                min_numel=args.min_numel, targets=targets, scope=scope,
+                                min_numel=min_numel, targets=targets, scope=scope,
                                 workload=args.workload)
                        for seed in range(args.seeds)]
                 runs.append({"optimizer": optimizer_name, "scheme": scheme, "variant": variant,
-                             "scope": scope,
+                             "scope": scope, "min_numel": min_numel,
                              "steps_to_target": [steps[own] for steps, _ in got],
                              "steps_to": {str(t): [steps[t] for steps, _ in got]
                                           for t in targets},
                              "dense_over_sent_bytes": [ratio for _, ratio in got]})
-                print(optimizer_name, scheme, variant, scope, got, flush=True)
+                print(optimizer_name, scheme, variant, scope, min_numel, got, flush=True)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout
     record = {"config": vars(args) | {"out": str(args.out)}, "runs": runs,
               "when": time.strftime("%Y-%m-%d %H:%M %Z"),
@@ -309,9 +318,14 @@ def targets_table(record: dict[str, Any]) -> str:
 
 
 def _variant(run: dict[str, Any]) -> str:
-    """The variant, with the selection scope when it is not the layer (older files have none)."""
-    scope = run.get("scope", "layer")
-    return run["variant"] if scope == "layer" else f"{run['variant']}, {scope}"
+    """The variant, with the selection scope when it is not the layer and ``min_numel`` when
+    it is not the default (older files have neither)."""
+    label = run["variant"]
+    if run.get("scope", "layer") != "layer":
+        label += f", {run['scope']}"
+    if run.get("min_numel", MIN_NUMEL) != MIN_NUMEL:
+        label += f", min_numel={run['min_numel']}"
+    return label
 
 
 if __name__ == "__main__":
