@@ -18,7 +18,8 @@ sweep over candidates and seeds fits a busy machine. Candidates:
 
 topk and dct-dp are the registered schemes' sparsifiers at their defaults:
 ``--scopes bucket`` (the default) selects once over all the sparsified tensors
-of a worker, as ``scope="bucket"`` does on a DDP bucket; ``layer`` per tensor.
+of a worker (for clt-k: the leader, over all tensors), as ``scope="bucket"``
+does on a DDP bucket; ``layer`` per tensor.
 The digits MLP has a recipe per optimiser; ``--workload`` runs another
 workload under its own recipe. Tensors under
 ``--min-numels`` entries (default 1024, as in the schemes; a list sweeps) travel dense for
@@ -46,6 +47,7 @@ import torch
 from thinwire import schemes
 from thinwire.compress import Sparsifier, TensorInfo
 from thinwire.compress.cltk import layer_k, select, sparsify
+from thinwire.compress.grouping import split_ascending
 from thinwire.compress.sparse import MIN_NUMEL, SCOPES
 from thinwire.data.digits import batches
 from thinwire.feedback import Estimate, LowPass, Memory, MomentumCorrection, Residual
@@ -119,7 +121,7 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
         totals = {key: torch.zeros_like(param) for key, param in params.items()}
         for r in range(workers):
             chosen = _choose(scheme, compressors[r], compensated, r, step, sparse, density,
-                             selection)
+                             selection, scope)
             for info in infos:
                 p = compensated[r][info.key]
                 sent = sparsify(p, chosen[info.key]) if info.key in chosen else p.clone()
@@ -165,11 +167,17 @@ def _compressor(scheme: str, min_numel: int, scope: str) -> Sparsifier:
 
 def _choose(scheme: str, compressor: Sparsifier,
             compensated: list[dict[str, torch.Tensor]], rank: int, step: int,
-            sparse: list[TensorInfo], density: float, selection: str) -> dict[str, torch.Tensor]:
+            sparse: list[TensorInfo], density: float, selection: str,
+            scope: str = "layer") -> dict[str, torch.Tensor]:
     """Indices rank ``rank`` sends of each sparsified tensor (absent keys go dense)."""
     mine = compensated[rank]
     if scheme == "clt-k":  # the step's leader picks for everyone, every tensor
         leader = compensated[step % len(compensated)]
+        if scope == "bucket":  # one selection over all of them
+            keys = list(mine)
+            together = torch.cat([leader[key].reshape(-1) for key in keys])
+            picked = select(together, layer_k(together.numel(), density), selection)
+            return dict(zip(keys, split_ascending(picked, [mine[key].numel() for key in keys])))
         return {key: select(leader[key], layer_k(p.numel(), density), selection)
                 for key, p in mine.items()}
     if density > 0.01:  # sparsity warm-up: exact top-k at the warm-up's density
@@ -213,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: topk and dct-dp send tensors under this many "
                              f"entries dense (default {MIN_NUMEL}; 0: every tensor sparse)")
     parser.add_argument("--scopes", default="bucket",
-                        help="comma-separated selection scopes of topk and dct-dp: layer "
-                             "(each tensor at 1 %%) and/or bucket (1 %% of all, one selection)")
+                        help="comma-separated selection scopes of topk, dct-dp and clt-k: "
+                             "layer (each tensor at 1 %%) and/or bucket (1 %% of all, one "
+                             "selection)")
     parser.add_argument("--targets", default="",
                         help="comma-separated test accuracies to record the steps to as well "
                              "(each run goes on until it has reached them all): whether a "
@@ -251,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         for scheme in args.schemes.split(","):
             variants = args.variants.split(",") if scheme != "dense" else ["plain"]
             local = scheme in ("topk", "dct-dp")
-            scopes = scope_list if local else ["layer"]
+            scopes = scope_list if scheme != "dense" else ["layer"]
             for variant, scope, min_numel in itertools.product(
                     variants, scopes, min_numels if local else [MIN_NUMEL]):
                 got = [simulate(scheme, variant, optimizer_name, seed, args.workers,

@@ -142,10 +142,11 @@ def _grads(step: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Ten
             "fc.bias": torch.randn(10, generator=generator, dtype=dtype)}
 
 
+@pytest.mark.parametrize("scope", ["layer", "bucket"])
 @pytest.mark.parametrize("name", ["clt-k", "local-topk"])
-def test_one_worker_with_beta_one_is_topk_with_error_feedback(name: str) -> None:
-    ours = schemes.build(name, ratio=0.1, selection="exact", beta=1.0)
-    reference = schemes.build("topk", ratio=0.1, min_numel=0, scope="layer")
+def test_one_worker_with_beta_one_is_topk_with_error_feedback(name: str, scope: str) -> None:
+    ours = schemes.build(name, ratio=0.1, selection="exact", beta=1.0, scope=scope)
+    reference = schemes.build("topk", ratio=0.1, min_numel=0, scope=scope)
     for step in range(5):
         grads = _grads(step, torch.float32)  # the topk scheme sends fp32 values
         got, expected = ours.reduce(grads), reference.reduce(grads)
@@ -200,13 +201,14 @@ def test_nonfinite_gradients_are_skipped_without_touching_memory() -> None:
         schemes.build("clt-k").reduce(bad)
 
 
+@pytest.mark.parametrize("scope", ["layer", "bucket"])
 @pytest.mark.parametrize("name", ["clt-k", "local-topk"])
-def test_state_dict_resumes_exactly(name: str) -> None:
-    scheme = schemes.build(name, ratio=0.1, beta=0.5)
+def test_state_dict_resumes_exactly(name: str, scope: str) -> None:
+    scheme = schemes.build(name, ratio=0.1, beta=0.5, scope=scope)
     for step in range(3):
         scheme.reduce(_grads(step))
     state = copy.deepcopy(scheme.state_dict())
-    resumed = schemes.build(name, ratio=0.1, beta=0.5)
+    resumed = schemes.build(name, ratio=0.1, beta=0.5, scope=scope)
     resumed.load_state_dict(state)
     for step in range(3, 6):
         got, expected = resumed.reduce(_grads(step)), scheme.reduce(_grads(step))
@@ -220,10 +222,16 @@ def test_state_dict_resumes_exactly(name: str) -> None:
 @pytest.mark.parametrize("option,value", [
     ("beta", 0.0), ("beta", 1.01), ("ratio", 0.0), ("ratio", 1.5), ("k", 0), ("k", 2.5),
     ("selection", "sorted"), ("warmup_steps", -1), ("exclude", [3]), ("nonfinite", "ignore"),
+    ("scope", "model"),
 ])
 def test_bad_config_is_a_value_error(name: str, option: str, value: object) -> None:
     with pytest.raises(ValueError, match=option):
         schemes.build(name, **{option: value})
+
+
+def test_a_per_layer_k_with_bucket_scope_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="k=5 is per layer"):
+        schemes.build("clt-k", k=5, scope="bucket")
 
 # ---------------------------------------------------------------- distributed (gloo)
 
@@ -247,6 +255,8 @@ CONFIGS = {  # name -> (scheme, options)
     # as thinwire.optim.couple leaves it under SGD momentum: EF21 behind momentum correction
     # (momentum 0.5 keeps the sums exact, so a bucket's layout cannot change their rounding)
     "coupled": ("clt-k", {"ratio": 0.2, "selection": "exact"}),
+    # one leader top-k over all three tensors (k = 20 % of them all)
+    "bucket": ("clt-k", {"ratio": 0.2, "beta": 0.5, "selection": "exact", "scope": "bucket"}),
 }
 
 
@@ -286,6 +296,11 @@ def _cltk_worker(rank: int, world_size: int, group: dist.ProcessGroup | None = N
 BUCKETS = ([["conv.weight", "fc.weight"], ["fc.bias"]],
            [["fc.bias", "fc.weight"], ["conv.weight"]],
            [["fc.weight", "fc.bias", "conv.weight"]])
+# scope="bucket" selects over a bucket, so only the order may change: the tensors are
+# selected together in their first grouping (and order) whatever the order they arrive in.
+ONE_BUCKET = ([["conv.weight", "fc.weight", "fc.bias"]],
+              [["fc.bias", "conv.weight", "fc.weight"]],
+              [["fc.weight", "fc.bias", "conv.weight"]])
 
 
 def _flat_run(rank: int, group: dist.ProcessGroup | None) -> dict[str, list[dict[str, object]]]:
@@ -300,7 +315,8 @@ def _flat_run(rank: int, group: dist.ProcessGroup | None) -> dict[str, list[dict
             grads = _worker_grads(rank, step)
             before = {key: m.clone() for key, m in scheme.memory.buffers.items()}
             result: dict[str, torch.Tensor] = {}
-            for keys in BUCKETS[step % len(BUCKETS)]:
+            layouts = ONE_BUCKET if label == "bucket" else BUCKETS
+            for keys in layouts[step % len(layouts)]:
                 buffer = torch.cat([grads[key].reshape(-1) for key in keys])
                 infos = [TensorInfo.of(key, grads[key]) for key in keys]
                 out = scheme.launch_flat(buffer, infos, group).wait()
@@ -367,11 +383,22 @@ def _reference(label: str, world_size: int) -> list[dict[str, object]]:
         leader = step % world_size
         expected: dict[str, object] = {"leader": leader, "result": {}, "indices": {},
                                        "memory": [{} for _ in range(world_size)]}
+        if options.get("scope") == "bucket":  # one top-k over the tensors back to back
+            together = torch.cat([(grads[leader][key] + memory[leader][key]).reshape(-1)
+                                  for key in grads[0]]).numpy()
+            k = int(np.ceil(together.size * ratio - 1e-9))
+            picked = sorted(np.argsort(-np.abs(together))[:k].tolist())
+            ends = np.cumsum([0] + [g.numel() for g in grads[0].values()])
+            shares = {key: torch.tensor([i - ends[j] for i in picked if ends[j] <= i < ends[j + 1]],
+                                        dtype=torch.int64)
+                      for j, key in enumerate(grads[0])}
         for key in grads[0]:
             ps = [grads[r][key] + memory[r][key] for r in range(world_size)]
             k = max(1, int(np.ceil(ps[0].numel() * ratio - 1e-9)))
             lead = ps[leader].reshape(-1).numpy()
-            if selection == "chunk":
+            if options.get("scope") == "bucket":
+                chosen = shares[key]
+            elif selection == "chunk":
                 chosen = torch.tensor(_chunk_reference(lead, k))
             else:
                 chosen = torch.tensor(sorted(np.argsort(-np.abs(lead))[:k].tolist()))
@@ -392,7 +419,7 @@ def runs() -> dict[int, list[dict[str, object]]]:
     return {n: [ranks[n] for ranks in per_rank if n in ranks] for n in (2, 3)}
 
 
-@pytest.mark.parametrize("label", ["chunk", "exact"])
+@pytest.mark.parametrize("label", ["chunk", "exact", "bucket"])
 def test_cltk_result_is_cltk_of_the_mean_at_the_leaders_indices(
         runs: dict[int, list[dict[str, object]]], label: str) -> None:
     for n, ranks in runs.items():
@@ -407,7 +434,7 @@ def test_cltk_result_is_cltk_of_the_mean_at_the_leaders_indices(
                     assert torch.equal(got["memory"][key], expected["memory"][rank][key])
 
 
-@pytest.mark.parametrize("label", ["chunk", "exact", "coupled"])
+@pytest.mark.parametrize("label", ["chunk", "exact", "coupled", "bucket"])
 def test_cltk_flat_path_is_bit_identical_to_the_per_tensor_path_across_rebucketing(
         runs: dict[int, list[dict[str, object]]], label: str) -> None:
     for n, ranks in runs.items():

@@ -38,7 +38,6 @@ Choices every sparsifier here shares (the papers leave them open):
 
 from __future__ import annotations
 
-import itertools
 import math
 from abc import abstractmethod
 from collections import deque
@@ -55,6 +54,7 @@ from thinwire.compress._select import (
     sparse_nonzero,
 )
 from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
+from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, SparsePayload
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -184,12 +184,11 @@ class Sparsifier(Compressor):
             bucket = TensorInfo(f"{first.key}..{members[-1].key}", (together.numel(),),
                                 first.dtype, first.role, first.device)
             picked, call, tau = self._pick(together, bucket)  # ascending
-            ends = list(itertools.accumulate(info.numel for info in members))
-            cuts = torch.searchsorted(picked, torch.tensor(ends, device=picked.device)).tolist()
-            for i, info, start, low, high in zip(group, members, [0, *ends], [0, *cuts], cuts):
-                out[i] = picked[low:high] - start
+            local = split_ascending(picked, [info.numel for info in members])
+            for i, info, chosen in zip(group, members, local):
+                out[i] = chosen
                 if info.numel:
-                    self._trace(info.key, call, tau, (high - low) / info.numel)
+                    self._trace(info.key, call, tau, chosen.numel() / info.numel)
         return out
 
     def room(self, infos: Sequence[TensorInfo]) -> int:
@@ -207,17 +206,8 @@ class Sparsifier(Compressor):
                    for group in self._groups(infos))
 
     def _groups(self, infos: Sequence[TensorInfo]) -> list[list[int]]:
-        """Positions in ``infos`` of each group to select together (``scope="bucket"``);
-        a new grouping is recorded as the tensors' last groups."""
-        position = {info.key: i for i, info in enumerate(infos)}
-        last = [self.groups.get(info.key) for info in infos]
-        if not all(group is not None and all(key in position for key in group)
-                   for group in last):
-            keys = tuple(position)
-            self.groups.update(dict.fromkeys(keys, keys))
-            return [list(range(len(infos)))]
-        return [[position[key] for key in group] for group in dict.fromkeys(last)
-                if group is not None]
+        """Positions in ``infos`` of each group to select together (``scope="bucket"``)."""
+        return regroup(self.groups, [info.key for info in infos])
 
     def _pick(self, magnitudes: torch.Tensor,
               info: TensorInfo) -> tuple[torch.Tensor, int, float]:

@@ -1,16 +1,21 @@
 """ScaleCom's CLT-k (cyclic local top-k) and the local top-k baseline whose bytes build up.
 
-Both schemes share everything but the transport: the same per-layer k, the
-same selection (chunk-wise or exact top-k), the same low-pass error memory,
-warm-up and dense exclusions. So a comparison of the two isolates the one
+Both schemes share everything but the transport: the same k, the same
+selection (chunk-wise or exact top-k), the same low-pass error memory,
+warm-up and dense exclusions. ``scope="layer"`` (ScaleCom's) selects k per
+layer; ``scope="bucket"`` makes one selection of k = ``ratio`` of all the
+sparsified entries of a launch (a DDP bucket), as topk's bucket scope does,
+so a layer whose ``p`` is large gets more than its share. Its index set
+travels as one list over the bucket and the meter records the group as
+``first..last``. So a comparison of the two isolates the one
 thing ScaleCom changes -- who chooses the indices.
 
 * ``clt-k`` (:class:`CyclicLocalTopK`, ScaleCom App. E): at step t the
   leader is rank ``t mod n``; it selects the top-k indices of its own
   ``p = m + g`` and broadcasts them (entity ``"index"``); every rank gathers
   its own ``p`` there and the values are all-reduced (``"W_grad"``).
-  Per-rank bytes handed: k values + k indices (or a bitmap) per layer, the
-  same at any world size.
+  Per-rank bytes handed: k values + k indices (or a bitmap) per layer (or
+  per bucket), the same at any world size.
 * ``local-topk`` (:class:`LocalTopK`): each rank sends its own top-k
   (values + indices) by all-gather and sums what it receives; every rank
   receives all n payloads, so its inbound bytes grow linearly with n (the
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import reduce
@@ -51,7 +56,9 @@ from thinwire.compress.cltk import (
     select,
     sparsify,
 )
+from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import SparseLayout, layout_segments
+from thinwire.compress.sparse import SCOPES
 from thinwire.feedback import LowPass, Memory, all_finite
 from thinwire.schemes.base import Scheme, unflatten
 from thinwire.schemes.registry import register, validate_common, validate_ratio
@@ -69,12 +76,17 @@ class CLTkConfig:
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
     min_numel: int = 0  # tensors with fewer entries are sent dense
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+    scope: str = "layer"  # "layer": k of each layer; "bucket": one selection over the launch
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
                                    or self.k < 1):
             raise ValueError(f"k={self.k!r} must be None or an integer >= 1")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope={self.scope!r} must be one of {SCOPES}")
+        if self.scope == "bucket" and self.k is not None:
+            raise ValueError(f"k={self.k!r} is per layer: with scope='bucket' give ratio")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r} must be one of {sorted(SELECTIONS)}")
         check_fraction("beta", self.beta, 0.0, 1.0, closed_low=False, closed_high=True)
@@ -111,6 +123,7 @@ class _SelectedTopK(Scheme):
         self.config = config
         self.memory: Memory = LowPass(config.beta)  # thinwire.optim.couple may replace it
         self.steps: dict[str, int] = {}  # key -> launches so far
+        self.groups: dict[str, tuple[str, ...]] = {}  # key -> the keys last selected with it
 
     def _begin(self, grads: Mapping[str, torch.Tensor]) -> int:
         """This launch's step (that of its first key); advances every key's counter."""
@@ -132,8 +145,16 @@ class _SelectedTopK(Scheme):
                 and not any(fnmatchcase(key, pattern) for pattern in config.exclude))
 
     def k(self, numel: int) -> int:
-        """Entries sent of a layer of ``numel``."""
+        """Entries sent of a layer (or a bucket-scope group) of ``numel``."""
         return layer_k(numel, self.config.ratio, self.config.k)
+
+    def _groups(self, keys: Sequence[str]) -> list[list[str]]:
+        """The sparse ``keys`` of a launch, in the groups that share one selection: each
+        alone (``scope="layer"``) or all together (``"bucket"``, regrouped as last time
+        across DDP's re-bucketing: :func:`~thinwire.compress.grouping.regroup`)."""
+        if self.config.scope == "layer":
+            return [[key] for key in keys]
+        return [[keys[i] for i in group] for group in regroup(self.groups, keys)]
 
     def _split(self, grads: Mapping[str, torch.Tensor],
                step: int) -> tuple[list[str], list[str]]:
@@ -161,12 +182,13 @@ class _SelectedTopK(Scheme):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "memory": self.memory.state_dict(),
-                "steps": dict(self.steps)}
+                "steps": dict(self.steps), "groups": dict(self.groups)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.memory.load_state_dict(state["memory"])
         self.steps = dict(state["steps"])
+        self.groups = dict(state.get("groups", {}))  # none before scope="bucket" existed
 
 
 class CyclicLocalTopK(_SelectedTopK):
@@ -202,62 +224,48 @@ class CyclicLocalTopK(_SelectedTopK):
         leader = self.leader = step % n
         sparse, dense = self._split(grads, step)
         dtype = _common_dtype(grads)
-        ks = {key: self.k(grads[key].numel()) for key in sparse}
-        wire_sizes = {key: index_nbytes(ks[key], grads[key].numel()) for key in sparse}
         compensated = {key: self._compensated(key, grads[key], finite) for key in sparse}
-        if rank == leader and sparse:
-            wire = torch.cat([
-                encode_indices(select(compensated[key], ks[key], self.config.selection),
-                               grads[key].numel())
-                for key in sparse])
-        else:
-            wire = torch.empty(sum(wire_sizes.values()), dtype=torch.uint8,
-                               device=next(iter(grads.values())).device)
-        chosen_by_key: dict[str, torch.Tensor] = {}  # this launch's own, for its callback
+        groups = self._groups(sparse)
+        plan = _Plan(self, groups, {key: grads[key].numel() for key in sparse},
+                     [_joined([compensated[key] for key in keys]) for keys in groups])
+        wire = plan.wire(rank == leader, next(iter(grads.values())).device)
         self._charge(time.perf_counter() - start)
 
         def gather(received: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
             parts = []
-            offset = 0
-            for key in sparse:
-                numel = grads[key].numel()
-                chosen = decode_indices(received[offset: offset + wire_sizes[key]], ks[key], numel)
-                offset += wire_sizes[key]
-                chosen_by_key[key] = self.indices[key] = chosen
-                p = compensated[key]
+            for keys, p, chosen in plan.decode(received):
                 if finite:
-                    if self.energy is not None:
-                        self.energy.setdefault(key, []).append(captured_energy(p, chosen))
-                    parts.append(p.reshape(-1)[chosen].to(dtype))
-                    self.memory.update(key, p, sparsify(p, chosen))
+                    self._record_energy(keys, p, chosen)
+                    parts.append(p[chosen].to(dtype))
+                    for key in keys:
+                        q = compensated[key]
+                        self.memory.update(key, q, sparsify(q, plan.chosen[key]))
                 else:  # contribute nothing, leave the memory as it was
-                    parts.append(torch.zeros(ks[key], dtype=dtype, device=p.device))
+                    parts.append(torch.zeros(chosen.numel(), dtype=dtype, device=p.device))
+            self.indices.update(plan.chosen)
             for key in dense:
                 parts.append(self._whole(key, grads[key], finite).reshape(-1).to(dtype))
             self._charge(time.perf_counter() - begin)
             return torch.cat(parts)
 
-        size = dtype.itemsize
         future = shared_index_all_reduce(
             wire, leader, gather, group=group, meter=self.meter,
-            index_segments=[(key, wire_sizes[key]) for key in sparse],
-            value_segments=[(key, ks[key] * size) for key in sparse]
-            + [(key, grads[key].numel() * size) for key in dense])
+            index_segments=plan.index_segments(),
+            value_segments=plan.value_segments(dtype.itemsize)
+            + [(key, grads[key].numel() * dtype.itemsize) for key in dense])
 
         def scatter(fut: Future[Any]) -> dict[str, torch.Tensor]:
             begin = time.perf_counter()  # codec time: the decode, not the wait before it
             mean = fut.value()
             out: dict[str, torch.Tensor] = {}
-            offset = 0
-            for key in sparse:
+            for key, values in plan.values(mean):
                 grad = grads[key]
                 flat = torch.zeros(grad.numel(), dtype=grad.dtype, device=grad.device)
-                flat[chosen_by_key[key]] = mean[offset: offset + ks[key]].to(grad.dtype)
-                offset += ks[key]
+                flat[plan.chosen[key]] = values.to(grad.dtype)
                 out[key] = flat.reshape(grad.shape)
-            out.update(unflatten(mean[offset:], [TensorInfo.of(key, grads[key])
-                                                 for key in dense]))
+            out.update(unflatten(mean[plan.total_k:], [TensorInfo.of(key, grads[key])
+                                                       for key in dense]))
             settled = self._settled(out, grads)
             self._charge(time.perf_counter() - begin)
             return settled
@@ -269,9 +277,10 @@ class CyclicLocalTopK(_SelectedTopK):
         """CLT-k on a DDP bucket's flat ``buffer``, in place; bit for bit :meth:`launch`.
 
         ``p = m + g`` is formed in the bucket itself; the leader selects on
-        its per-layer views, the index sets are broadcast, every rank gathers
-        its values there and one all-reduce averages them with the dense
-        tensors; the memory is updated in place where it can be
+        its per-layer views (or, with ``scope="bucket"``, once over them all),
+        the index sets are broadcast, every rank gathers its values there and
+        one all-reduce averages them with the dense tensors; the memory is
+        updated in place where it can be
         (:meth:`~thinwire.feedback.LowPass.update_selected_`), the mean is
         decoded straight into ``buffer`` and settled there
         (:meth:`~thinwire.feedback.Memory.settle_`, an EF21 estimate when coupled).
@@ -293,37 +302,32 @@ class CyclicLocalTopK(_SelectedTopK):
         sparse = [info for info in infos if self.sparse(info.key, info.numel, step)]
         sparse_keys = {info.key for info in sparse}
         dense = [info for info in infos if info.key not in sparse_keys]
-        ks = {info.key: self.k(info.numel) for info in sparse}
-        wire_sizes = {info.key: index_nbytes(ks[info.key], info.numel) for info in sparse}
+        shapes = {info.key: info.shape for info in sparse}
         for info in sparse:  # p = m + g in the bucket (a skipped round counts g as 0)
             view = views[info.key]
             if not finite:
                 view.zero_()
             self.memory.compensate_(info.key, view)
-        if rank == leader and sparse:
-            wire = torch.cat([encode_indices(select(views[info.key], ks[info.key],
-                                                    self.config.selection), info.numel)
-                              for info in sparse])
-        else:
-            wire = torch.empty(sum(wire_sizes.values()), dtype=torch.uint8, device=buffer.device)
-        chosen_by_key: dict[str, torch.Tensor] = {}
+        groups = self._groups([info.key for info in sparse])
+        plan = _Plan(self, groups, {info.key: info.numel for info in sparse},
+                     [_span(buffer, infos, keys, views) for keys in groups])
+        wire = plan.wire(rank == leader, buffer.device)
         self._charge(time.perf_counter() - start)
 
         def gather(received: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
             parts = []
-            offset = 0
-            for info in sparse:
-                key, p = info.key, views[info.key]
-                chosen = decode_indices(received[offset: offset + wire_sizes[key]], ks[key],
-                                        info.numel)
-                offset += wire_sizes[key]
-                chosen_by_key[key] = self.indices[key] = chosen
+            for keys, p, chosen in plan.decode(received):
                 if finite:
+                    self._record_energy(keys, p, chosen)
                     parts.append(p.index_select(0, chosen))
-                    self.memory.update_selected_(key, p.view(info.shape), chosen)
+                    for key in keys:
+                        self.memory.update_selected_(key, views[key].view(shapes[key]),
+                                                     plan.chosen[key])
                 else:  # contribute nothing, leave the memory as it was
-                    parts.append(torch.zeros(ks[key], dtype=buffer.dtype, device=buffer.device))
+                    parts.append(torch.zeros(chosen.numel(), dtype=buffer.dtype,
+                                             device=buffer.device))
+            self.indices.update(plan.chosen)
             for info in dense:  # through the memory, as in launch (_whole)
                 view = views[info.key]
                 if finite:
@@ -338,19 +342,16 @@ class CyclicLocalTopK(_SelectedTopK):
         size = buffer.element_size()
         future = shared_index_all_reduce(
             wire, leader, gather, group=group, meter=self.meter,
-            index_segments=[(info.key, wire_sizes[info.key]) for info in sparse],
-            value_segments=[(info.key, ks[info.key] * size) for info in sparse]
+            index_segments=plan.index_segments(),
+            value_segments=plan.value_segments(size)
             + [(info.key, info.numel * size) for info in dense])
 
         def scatter(fut: Future[Any]) -> torch.Tensor:
             begin = time.perf_counter()
             mean = fut.value()
-            offset = 0
-            for info in sparse:
-                k = ks[info.key]
-                view = views[info.key].zero_()
-                view.index_copy_(0, chosen_by_key[info.key], mean[offset: offset + k])
-                offset += k
+            for key, values in plan.values(mean):
+                views[key].zero_().index_copy_(0, plan.chosen[key], values)
+            offset = plan.total_k
             for info in dense:
                 views[info.key].copy_(mean[offset: offset + info.numel])
                 offset += info.numel
@@ -361,12 +362,100 @@ class CyclicLocalTopK(_SelectedTopK):
 
         return future.then(scatter)
 
+    def _record_energy(self, keys: Sequence[str], p: torch.Tensor, chosen: torch.Tensor) -> None:
+        """The energy diagnostic of one selection, recorded for each of its tensors."""
+        if self.energy is not None:
+            energy = captured_energy(p, chosen)
+            for key in keys:
+                self.energy.setdefault(key, []).append(energy)
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "leader": self.leader}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.leader = state["leader"]
+
+
+class _Plan:
+    """One launch's selections: the groups of sparse keys that share one leader
+    selection (a key alone per layer), each group's k, index wire and result.
+
+    Args:
+        scheme: gives k and the selection rule.
+        groups: the sparse keys, grouped (:meth:`_SelectedTopK._groups`).
+        numels: entries of each sparse key.
+        joined: per group, its tensors' ``p`` flat and back to back.
+    """
+
+    def __init__(self, scheme: _SelectedTopK, groups: list[list[str]],
+                 numels: Mapping[str, int], joined: list[torch.Tensor]) -> None:
+        self.groups, self.numels, self.joined = groups, numels, joined
+        self.selection = scheme.config.selection
+        self.sizes = [sum(numels[key] for key in keys) for keys in groups]
+        self.ks = [scheme.k(size) for size in self.sizes]
+        self.nbytes = [index_nbytes(k, size) for k, size in zip(self.ks, self.sizes)]
+        self.total_k = sum(self.ks)
+        self.chosen: dict[str, torch.Tensor] = {}  # key -> indices into its own tensor
+
+    def wire(self, leading: bool, device: torch.device) -> torch.Tensor:
+        """The index sets the leader broadcasts (its own selection), or room for them."""
+        if leading and self.groups:
+            return torch.cat([encode_indices(select(p, k, self.selection), size)
+                              for p, k, size in zip(self.joined, self.ks, self.sizes)])
+        return torch.empty(sum(self.nbytes), dtype=torch.uint8, device=device)
+
+    def decode(self, received: torch.Tensor) -> Iterator[tuple[list[str], torch.Tensor,
+                                                               torch.Tensor]]:
+        """Per group: its keys, its joined ``p`` and the leader's indices into it;
+        fills :attr:`chosen` with each key's share."""
+        offset = 0
+        for keys, p, k, size, nbytes in zip(self.groups, self.joined, self.ks, self.sizes,
+                                            self.nbytes):
+            chosen = decode_indices(received[offset: offset + nbytes], k, size)
+            offset += nbytes
+            shares = (split_ascending(chosen, [self.numels[key] for key in keys])
+                      if len(keys) > 1 else [chosen])
+            self.chosen.update(zip(keys, shares))
+            yield keys, p, chosen
+
+    def values(self, mean: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each sparse key's part of the all-reduced values (its share of its group's k)."""
+        offset = 0
+        for keys in self.groups:
+            for key in keys:
+                count = self.chosen[key].numel()
+                yield key, mean[offset: offset + count]
+                offset += count
+
+    def index_segments(self) -> list[tuple[str, int]]:
+        return [(_name(keys), nbytes) for keys, nbytes in zip(self.groups, self.nbytes)]
+
+    def value_segments(self, itemsize: int) -> list[tuple[str, int]]:
+        return [(_name(keys), k * itemsize) for keys, k in zip(self.groups, self.ks)]
+
+
+def _name(keys: Sequence[str]) -> str:
+    """A group's name for the meter: its key, or ``first..last``."""
+    return keys[0] if len(keys) == 1 else f"{keys[0]}..{keys[-1]}"
+
+
+def _joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensors flat and back to back (a view of a lone one)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _span(buffer: torch.Tensor, infos: Sequence[TensorInfo], keys: Sequence[str],
+          views: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``keys``' parts of a flat ``buffer`` back to back: a view when they lie so in it."""
+    order = [info.key for info in infos]
+    first = order.index(keys[0])
+    if order[first: first + len(keys)] == list(keys):
+        start = sum(info.numel for info in infos[:first])
+        return buffer[start: start + sum(views[key].numel() for key in keys)]
+    return torch.cat([views[key] for key in keys])
 
 
 class LocalTopK(_SelectedTopK):
@@ -391,13 +480,22 @@ class LocalTopK(_SelectedTopK):
         infos = {key: TensorInfo.of(key, grad) for key, grad in grads.items()}
         chosen: dict[str, torch.Tensor] = {}  # per sparse key, indices into its own tensor
         values: dict[str, torch.Tensor] = {}
-        for key in sparse:
-            p = self._compensated(key, grads[key], finite)
+        compensated = {key: self._compensated(key, grads[key], finite) for key in sparse}
+        groups = self._groups(sparse)
+        for keys in groups:  # one selection per layer, or per bucket
             if finite:
-                chosen[key] = select(p, self.k(p.numel()), self.config.selection)
-                self.memory.update(key, p, sparsify(p, chosen[key]))
+                p = _joined([compensated[key] for key in keys])
+                picked = select(p, self.k(p.numel()), self.config.selection)
+                chosen.update(zip(keys, split_ascending(
+                    picked, [grads[key].numel() for key in keys]) if len(keys) > 1
+                    else [picked]))
             else:  # contribute nothing, leave the memory as it was
-                chosen[key] = torch.zeros(0, dtype=torch.int64, device=p.device)
+                chosen.update({key: torch.zeros(0, dtype=torch.int64, device=grads[key].device)
+                               for key in keys})
+        for key in sparse:
+            p = compensated[key]
+            if finite:
+                self.memory.update(key, p, sparsify(p, chosen[key]))
             values[key] = p.reshape(-1)[chosen[key]]
         futures = []
         if dense:
@@ -414,7 +512,8 @@ class LocalTopK(_SelectedTopK):
         if sparse:  # one fixed-capacity payload (k per layer), one all-gather round
             assert sparse_dtype is not None
             layout = SparseLayout(sum(grads[key].numel() for key in sparse),
-                                  sum(self.k(grads[key].numel()) for key in sparse), sparse_dtype)
+                                  sum(self.k(sum(grads[key].numel() for key in keys))
+                                      for keys in groups), sparse_dtype)
             wire = layout.encode(torch.cat([chosen[key] + offsets[key] for key in sparse]),
                                  torch.cat([values[key].to(sparse_dtype) for key in sparse]))
             futures.append(all_gather_fixed(wire, group, self.meter,
