@@ -76,7 +76,7 @@ class CLTkConfig:
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
     min_numel: int = 0  # tensors with fewer entries are sent dense
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
-    scope: str = "layer"  # "layer": k of each layer; "bucket": one selection over the launch
+    scope: str = "bucket"  # "bucket": one selection over the launch (a DDP bucket); "layer": k each
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)
