@@ -40,6 +40,8 @@ def regroup(memory: dict[str, tuple[str, ...]], keys: Sequence[str]) -> list[lis
 
 def split_ascending(indices: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
     """Ascending indices into tensors laid back to back, as indices into each one."""
+    if len(numels) == 1:
+        return [indices]
     ends = list(itertools.accumulate(numels))
     cuts = torch.searchsorted(indices, torch.tensor(ends, device=indices.device)).tolist()
     return [indices[low:high] - start

@@ -414,9 +414,8 @@ class _Plan:
                                             self.nbytes):
             chosen = decode_indices(received[offset: offset + nbytes], k, size)
             offset += nbytes
-            shares = (split_ascending(chosen, [self.numels[key] for key in keys])
-                      if len(keys) > 1 else [chosen])
-            self.chosen.update(zip(keys, shares))
+            self.chosen.update(zip(keys, split_ascending(chosen, [self.numels[key]
+                                                                   for key in keys])))
             yield keys, p, chosen
 
     def values(self, mean: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -486,9 +485,8 @@ class LocalTopK(_SelectedTopK):
             if finite:
                 p = _joined([compensated[key] for key in keys])
                 picked = select(p, self.k(p.numel()), self.config.selection)
-                chosen.update(zip(keys, split_ascending(
-                    picked, [grads[key].numel() for key in keys]) if len(keys) > 1
-                    else [picked]))
+                chosen.update(zip(keys, split_ascending(picked, [grads[key].numel()
+                                                                 for key in keys])))
             else:  # contribute nothing, leave the memory as it was
                 chosen.update({key: torch.zeros(0, dtype=torch.int64, device=grads[key].device)
                                for key in keys})
