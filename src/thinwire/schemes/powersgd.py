@@ -109,7 +109,8 @@ class PowerSGDScheme(Scheme):
         for key in grads:
             self.steps[key] = self.steps.get(key, 0) + 1
         low = [key for key, grad in grads.items() if self.low_rank(tuple(grad.shape), step)]
-        dense = [key for key in grads if key not in set(low)]
+        low_keys = set(low)
+        dense = [key for key in grads if key not in low_keys]
         dtype = reduce(torch.promote_types, (grad.dtype for grad in grads.values()))
         rank = self.config.rank
         matrices: dict[str, torch.Tensor] = {}  # M = grad + error, (n, m), in dtype

@@ -159,7 +159,8 @@ class _SelectedTopK(Scheme):
     def _split(self, grads: Mapping[str, torch.Tensor],
                step: int) -> tuple[list[str], list[str]]:
         sparse = [key for key, grad in grads.items() if self.sparse(key, grad.numel(), step)]
-        dense = [key for key in grads if key not in set(sparse)]
+        sparse_keys = set(sparse)
+        dense = [key for key in grads if key not in sparse_keys]
         return sparse, dense
 
     def _compensated(self, key: str, grad: torch.Tensor, finite: bool) -> torch.Tensor:
