@@ -174,22 +174,25 @@ class PowerSGD:
 
         Args:
             p_hat: the orthonormalised averaged P, (n, r).
-            q_mean: the averaged Q, (m, r); identical on every rank.
+            q_mean: the averaged Q, (m, r); identical on every rank. Kept as the next
+                warm start: as it is when column-major (``q_mean.t()`` contiguous, the
+                caller must then leave it alone), else as a column-major copy.
             out: (n, m) tensor to write the approximation into; new if None.
 
         Returns:
             The (n, m) approximation of the mean matrix.
         """
-        # A column-major copy: reconstruct reads each column contiguously, and it is
-        # kept as the next warm start, which left() then uses as it is.
-        q_mean = q_mean.new_empty(q_mean.shape[::-1]).t().copy_(q_mean)
+        if not q_mean.t().is_contiguous():
+            # Column-major: reconstruct reads each column contiguously, and it is kept
+            # as the next warm start, which left() then uses as it is.
+            q_mean = q_mean.new_empty(q_mean.shape[::-1]).t().copy_(q_mean)
         if self.warm_start:
             kept = q_mean
             previous = self.qs.get(key)
             # A zero column (a zero mean gradient, or one of rank below r) would make the
             # next P's column zero too; keep the previous column there instead. q_mean is
             # identical on every rank, so is this choice.
-            zero = q_mean.norm(dim=0) == 0
+            zero = torch.linalg.vector_norm(q_mean, dim=0) == 0
             if previous is not None and previous.shape == kept.shape and bool(zero.any()):
                 kept = q_mean.clone()
                 kept[:, zero] = previous[:, zero].to(kept.dtype)

@@ -123,7 +123,7 @@ class PowerSGDScheme(Scheme):
                 matrix = self.memory.absorb_(key, grads[key])
             matrices[key] = as_matrix(matrix).to(dtype)
         ps = [self.codec.left(key, matrices[key]).reshape(-1) for key in low]
-        first = torch.cat(ps) if ps else torch.zeros(0, dtype=dtype)
+        first = _fresh_flat(ps, dtype)
         p_hats: dict[str, torch.Tensor] = {}
         self._charge(time.perf_counter() - start)
 
@@ -136,12 +136,15 @@ class PowerSGDScheme(Scheme):
                 p_hat = orthonormalize(p_mean[offset: offset + rows * rank].view(rows, rank))
                 offset += rows * rank
                 p_hats[key] = p_hat
-                parts.append(right(matrices[key], p_hat).reshape(-1))
-            for key in dense:
-                grad = grads[key].reshape(-1).to(dtype)
-                parts.append(grad if finite else torch.zeros_like(grad))  # cat copies
+                # Q^T (r x m) flat: Q column-major, as finish() and the next left() read it.
+                parts.append(right(matrices[key], p_hat).t().reshape(-1))
+            if dense:
+                for key in dense:
+                    grad = grads[key].reshape(-1).to(dtype)
+                    parts.append(grad if finite else torch.zeros_like(grad))
+                parts = [torch.cat(parts)]  # a copy: the all-reduce must not touch the grads
             self._charge(time.perf_counter() - begin)
-            return torch.cat(parts)
+            return _fresh_flat(parts, dtype)
 
         size = dtype.itemsize
         future = two_round_all_reduce(
@@ -160,7 +163,7 @@ class PowerSGDScheme(Scheme):
             for key in low:
                 grad = grads[key]
                 rows, cols = matrices[key].shape
-                q_mean = mean[offset: offset + cols * rank].view(cols, rank)
+                q_mean = mean[offset: offset + cols * rank].view(rank, cols).t()
                 offset += cols * rank
                 into = grad.view(rows, cols) if buffer is not None and grad.dtype == dtype \
                     else None
@@ -191,6 +194,13 @@ class PowerSGDScheme(Scheme):
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
         self.steps = dict(state["steps"])
+
+
+def _fresh_flat(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """New flat tensors back to back, for an all-reduce in place (a lone one as it is)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 
 @register("powersgd", PowerSGDConfig)
