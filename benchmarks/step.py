@@ -20,7 +20,11 @@ per variant and the ratios the project tracks:
   correction, error feedback, a reused per-tensor threshold with the density
   control, the payload room of k, one padded all-gather, the mean decoded
   into the bucket), with none of the library's checks, metering or
-  bookkeeping: what the step costs at the least on this machine.
+  bookkeeping: what the step costs at the least on this machine;
+* ``powersgd / floor-powersgd``: the same for PowerSGD (:func:`floor_powersgd_hook`:
+  error feedback, ``P = M Q``, a blocking all-reduce of P, QR, ``Q = M^T P_hat``
+  with the dense tensors in one asynchronous all-reduce, ``P_hat Q^T`` summed
+  elementwise into the bucket as the library does so replicas stay identical).
 
 Loopback moves bytes through memory, so this measures codec and framework
 cost, not the network. Results go to ``docs/data/step.json`` with the
@@ -65,7 +69,8 @@ SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {  # thinwire variant -> (schem
     "clt-k": ("clt-k", {"ratio": 0.01}),
     "powersgd": ("powersgd", {"rank": 2, "start_iter": 2}),
 }
-VARIANTS = ("compute", "ddp", *SCHEMES, "floor-dct-dp", "torch-powersgd", "torch-fp16")
+VARIANTS = ("compute", "ddp", *SCHEMES, "floor-dct-dp", "floor-powersgd", "torch-powersgd",
+            "torch-fp16")
 # ratio name -> (numerator, denominator)
 RATIOS = {"dense/ddp": ("dense", "ddp"),
           **{f"{name}/compute": (name, "compute") for name in SCHEMES if name != "dense"},
@@ -73,6 +78,8 @@ RATIOS = {"dense/ddp": ("dense", "ddp"),
           "powersgd/torch-powersgd": ("powersgd", "torch-powersgd"),
           "dct-dp/floor-dct-dp": ("dct-dp", "floor-dct-dp"),
           "floor-dct-dp/compute": ("floor-dct-dp", "compute"),
+          "powersgd/floor-powersgd": ("powersgd", "floor-powersgd"),
+          "floor-powersgd/compute": ("floor-powersgd", "compute"),
           "torch-fp16/compute": ("torch-fp16", "compute")}
 
 
@@ -189,6 +196,70 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
     return work.get_future().then(decode)
 
 
+class PowerFloorState:
+    """Per-tensor error and warm-started Q of :func:`floor_powersgd_hook`, keyed by parameter."""
+
+    def __init__(self, rank: int = 2) -> None:
+        self.rank = rank
+        self.error: dict[int, torch.Tensor] = {}
+        self.q: dict[int, torch.Tensor] = {}  # (cols, rank), column-major
+
+
+def floor_powersgd_hook(state: PowerFloorState,
+                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PowerSGD's step (Vogels et al. Alg. 1 with error feedback) in plain torch ops.
+
+    Matrices go through rank-r PowerSGD, 1-D tensors travel dense with Q.
+    Round 1 (P) is waited for in the hook, round 2 (Q and the dense tensors)
+    is the future; the approximation is written into the bucket, the error
+    keeps ``M - P_hat Q^T``.
+    """
+    buffer = bucket.buffer()
+    world = dist.get_world_size()
+    params = bucket.parameters()
+    views = buffer.split([p.numel() for p in params])
+    low = [(id(p), v.view(p.shape[0], -1)) for p, v in zip(params, views) if p.dim() > 1]
+    dense = [v for p, v in zip(params, views) if p.dim() <= 1]
+    matrices, ps = [], []
+    for key, view in low:
+        error = state.error.get(key)
+        matrix = state.error[key] = view.clone() if error is None else error.add_(view)
+        q = state.q.get(key)
+        if q is None:
+            q = state.q[key] = torch.randn(state.rank, view.shape[1]).t()
+        matrices.append(matrix)
+        ps.append((matrix @ q).reshape(-1))
+    first = torch.cat(ps).div_(world)
+    dist.all_reduce(first)
+    p_hats, parts, offset = [], [], 0
+    for matrix in matrices:
+        rows = matrix.shape[0]
+        p_hat = torch.linalg.qr(first[offset: offset + rows * state.rank].view(rows, -1)).Q
+        offset += rows * state.rank
+        p_hats.append(p_hat)
+        parts.append((p_hat.t() @ matrix).reshape(-1))
+    second = torch.cat(parts + dense).div_(world)
+    work = dist.all_reduce(second, async_op=True)
+    assert work is not None
+
+    def decode(_: torch.futures.Future[Any]) -> torch.Tensor:
+        at = 0
+        for (key, view), matrix, p_hat in zip(low, matrices, p_hats):
+            cols = view.shape[1]
+            q = state.q[key] = second[at: at + cols * state.rank].view(state.rank, cols).t()
+            at += cols * state.rank
+            torch.mul(p_hat[:, :1], q[:, 0], out=view)
+            for j in range(1, state.rank):
+                view.add_(p_hat[:, j: j + 1] * q[:, j])
+            matrix.sub_(view)
+        for view in dense:
+            view.copy_(second[at: at + view.numel()])
+            at += view.numel()
+        return buffer
+
+    return work.get_future().then(decode)
+
+
 def _install(variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A fresh replica set up as ``variant`` (all start from the same weights)."""
     model = _model()
@@ -208,6 +279,9 @@ def _install(variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
             # No annotations reach DDP's check (this module's are strings).
             net.register_comm_hook(FloorState(), lambda state, bucket: floor_hook(state, bucket))
             return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.0)
+        elif variant == "floor-powersgd":
+            net.register_comm_hook(PowerFloorState(), lambda state, bucket:
+                                   floor_powersgd_hook(state, bucket))
         elif variant in SCHEMES:
             name, options = SCHEMES[variant]
             state = ddp.register(net, schemes.build(name, **options))

@@ -64,3 +64,38 @@ def test_floor_hook_loses_nothing_its_error_memory_does_not_hold(tmp_path: objec
         assert held > 0  # most entries waited: the check compares something
     finally:
         dist.destroy_process_group()
+
+
+def test_powersgd_floor_reconstructs_a_gradient_of_rank_below_r(tmp_path: object) -> None:
+    """One rank, batch 1: a linear layer's weight gradient is an outer product (rank 1),
+    which rank-2 PowerSGD reconstructs exactly from any Q; so the floor hook trains like
+    plain DDP up to rounding and its error memory stays at rounding level."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks.step import PowerFloorState, floor_powersgd_hook
+
+    store = dist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        reference = torch.nn.Linear(40, 60)
+        model = DistributedDataParallel(copy.deepcopy(reference))
+        state = PowerFloorState(rank=2)
+        model.register_comm_hook(state, lambda state, bucket: floor_powersgd_hook(state, bucket))
+        optimizers = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+                      for net in (reference, model)]
+        for _ in range(5):
+            x, weights = torch.randn(1, 40), torch.randn(1, 60)
+            for net, optimizer in zip((reference, model), optimizers):
+                optimizer.zero_grad()
+                (net(x) * weights).sum().backward()
+                optimizer.step()
+        for mine, theirs in zip(model.module.parameters(), reference.parameters()):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+        assert state.error and all(float(e.abs().max()) < 1e-4 for e in state.error.values())
+        assert any(float((mine - theirs).detach().abs().max()) > 0  # rounding differs: a real path
+                   for mine, theirs in zip(model.module.parameters(), reference.parameters()))
+    finally:
+        dist.destroy_process_group()
