@@ -196,7 +196,7 @@ class PowerSGDScheme(Scheme):
         self.steps = dict(state["steps"])
 
 
-def _fresh_flat(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _fresh_flat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """New flat tensors back to back, for an all-reduce in place (a lone one as it is)."""
     if len(parts) == 1:
         return parts[0]
