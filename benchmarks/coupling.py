@@ -22,8 +22,8 @@ of a worker (for clt-k: the leader, over all tensors), as ``scope="bucket"``
 does on a DDP bucket; ``layer`` per tensor.
 The digits MLP has a recipe per optimiser; ``--workload`` runs another
 workload under its own recipe. Tensors under
-``--min-numels`` entries (default 1024, as in the schemes; a list sweeps) travel dense for
-topk and dct-dp. Bytes are counted as the schemes send them: 4 per value and 4 per
+``--min-numels`` entries (default 1024, as in topk and dct-dp; a list sweeps) travel dense
+for topk, dct-dp and clt-k. Bytes are counted as the schemes send them: 4 per value and 4 per
 index, 4 per entry of a dense tensor.
 
 Usage: ``python -m benchmarks.coupling [--workload digits-mlp] [--seeds 8] [--workers 4]
@@ -171,15 +171,15 @@ def _choose(scheme: str, compressor: Sparsifier,
             scope: str = "layer") -> dict[str, torch.Tensor]:
     """Indices rank ``rank`` sends of each sparsified tensor (absent keys go dense)."""
     mine = compensated[rank]
-    if scheme == "clt-k":  # the step's leader picks for everyone, every tensor
+    if scheme == "clt-k":  # the step's leader picks for everyone, every sparsified tensor
         leader = compensated[step % len(compensated)]
-        if scope == "bucket":  # one selection over all of them
-            keys = list(mine)
+        keys = [info.key for info in sparse]
+        if scope == "bucket" and keys:  # one selection over all of them
             together = torch.cat([leader[key].reshape(-1) for key in keys])
             picked = select(together, layer_k(together.numel(), density), selection)
             return dict(zip(keys, split_ascending(picked, [mine[key].numel() for key in keys])))
-        return {key: select(leader[key], layer_k(p.numel(), density), selection)
-                for key, p in mine.items()}
+        return {key: select(leader[key], layer_k(mine[key].numel(), density), selection)
+                for key in keys}
     if density > 0.01:  # sparsity warm-up: exact top-k at the warm-up's density
         return {info.key: select(mine[info.key], layer_k(info.numel, density), "exact")
                 for info in sparse}
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--selection", default="exact",
                         help="clt-k's leader selection (default: exact)")
     parser.add_argument("--min-numels", default=str(MIN_NUMEL),
-                        help="comma-separated: topk and dct-dp send tensors under this many "
+                        help="comma-separated: topk, dct-dp and clt-k send tensors under this many "
                              f"entries dense (default {MIN_NUMEL}; 0: every tensor sparse)")
     parser.add_argument("--scopes", default="bucket",
                         help="comma-separated selection scopes of topk, dct-dp and clt-k: "
@@ -259,10 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     for optimizer_name in args.optimizers.split(","):
         for scheme in args.schemes.split(","):
             variants = args.variants.split(",") if scheme != "dense" else ["plain"]
-            local = scheme in ("topk", "dct-dp")
             scopes = scope_list if scheme != "dense" else ["layer"]
             for variant, scope, min_numel in itertools.product(
-                    variants, scopes, min_numels if local else [MIN_NUMEL]):
+                    variants, scopes, min_numels if scheme != "dense" else [MIN_NUMEL]):
                 got = [simulate(scheme, variant, optimizer_name, seed, args.workers,
                                 args.steps, args.warmup, selection=args.selection,
                                 min_numel=min_numel, targets=targets, scope=scope,

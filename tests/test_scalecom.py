@@ -25,6 +25,7 @@ from thinwire.compress.cltk import (
     select,
     sparsify,
 )
+from thinwire.compress.sparse import MIN_NUMEL
 from thinwire.feedback import Estimate, LowPass, MomentumCorrection, Residual
 from thinwire.launch import spawn
 
@@ -134,6 +135,8 @@ def test_lowpass_rejects_beta_outside_the_unit_interval(beta: float) -> None:
 
 # ---------------------------------------------------------------- schemes, one process
 
+ALL = {"min_numel": 0}  # these small tensors sparsified too (by default they travel dense)
+
 
 def _grads(step: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
@@ -145,7 +148,7 @@ def _grads(step: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Ten
 @pytest.mark.parametrize("scope", ["layer", "bucket"])
 @pytest.mark.parametrize("name", ["clt-k", "local-topk"])
 def test_one_worker_with_beta_one_is_topk_with_error_feedback(name: str, scope: str) -> None:
-    ours = schemes.build(name, ratio=0.1, selection="exact", beta=1.0, scope=scope)
+    ours = schemes.build(name, ratio=0.1, selection="exact", beta=1.0, scope=scope, **ALL)
     reference = schemes.build("topk", ratio=0.1, min_numel=0, scope=scope)
     for step in range(5):
         grads = _grads(step, torch.float32)  # the topk scheme sends fp32 values
@@ -155,7 +158,8 @@ def test_one_worker_with_beta_one_is_topk_with_error_feedback(name: str, scope: 
 
 
 def test_one_worker_chunk_selection_with_lowpass_matches_a_reference() -> None:
-    scheme = schemes.build("clt-k", ratio=0.05, beta=0.5, selection="chunk", scope="layer")
+    scheme = schemes.build("clt-k", ratio=0.05, beta=0.5, selection="chunk", scope="layer",
+                           **ALL)
     memory = {key: torch.zeros_like(g) for key, g in _grads(0).items()}
     for step in range(4):
         grads = _grads(step)
@@ -187,8 +191,18 @@ def test_warmup_exclusions_and_small_tensors_travel_dense() -> None:
                 assert int((got[key] != 0).sum()) == 10 and key in scheme.memory.buffers
 
 
+@pytest.mark.parametrize("name", ["clt-k", "local-topk"])
+def test_by_default_tensors_under_min_numel_travel_dense_as_in_topk(name: str) -> None:
+    scheme = schemes.build(name)
+    grads = {"w": torch.randn(MIN_NUMEL + 100, dtype=torch.float64),
+             "b": torch.randn(MIN_NUMEL - 1, dtype=torch.float64)}
+    got = scheme.reduce(grads)
+    assert torch.equal(got["b"], grads["b"])
+    assert int(got["w"].count_nonzero()) == int(np.ceil(0.01 * (MIN_NUMEL + 100)))
+
+
 def test_nonfinite_gradients_are_skipped_without_touching_memory() -> None:
-    scheme = schemes.build("clt-k", ratio=0.1, nonfinite="skip")
+    scheme = schemes.build("clt-k", ratio=0.1, nonfinite="skip", **ALL)
     scheme.reduce(_grads(0))
     before = copy.deepcopy(scheme.memory.state_dict())
     bad = _grads(1)
@@ -204,11 +218,11 @@ def test_nonfinite_gradients_are_skipped_without_touching_memory() -> None:
 @pytest.mark.parametrize("scope", ["layer", "bucket"])
 @pytest.mark.parametrize("name", ["clt-k", "local-topk"])
 def test_state_dict_resumes_exactly(name: str, scope: str) -> None:
-    scheme = schemes.build(name, ratio=0.1, beta=0.5, scope=scope)
+    scheme = schemes.build(name, ratio=0.1, beta=0.5, scope=scope, **ALL)
     for step in range(3):
         scheme.reduce(_grads(step))
     state = copy.deepcopy(scheme.state_dict())
-    resumed = schemes.build(name, ratio=0.1, beta=0.5, scope=scope)
+    resumed = schemes.build(name, ratio=0.1, beta=0.5, scope=scope, **ALL)
     resumed.load_state_dict(state)
     for step in range(3, 6):
         got, expected = resumed.reduce(_grads(step)), scheme.reduce(_grads(step))
@@ -248,7 +262,7 @@ def _worker_grads(rank: int, step: int) -> dict[str, torch.Tensor]:
             for key, shape in shapes.items()}
 
 
-LAYER = {"scope": "layer"}  # ScaleCom's k per layer
+LAYER = {"scope": "layer", **ALL}  # ScaleCom's k per layer
 CONFIGS = {  # name -> (scheme, options)
     "chunk": ("clt-k", {"ratio": 0.02, "beta": 1.0, "selection": "chunk", **LAYER}),  # int32
     "exact": ("clt-k", {"ratio": 0.2, "beta": 0.5, "selection": "exact", **LAYER}),  # bitmaps
@@ -257,7 +271,8 @@ CONFIGS = {  # name -> (scheme, options)
     # (momentum 0.5 keeps the sums exact, so a bucket's layout cannot change their rounding)
     "coupled": ("clt-k", {"ratio": 0.2, "selection": "exact", **LAYER}),
     # one leader top-k over all three tensors (k = 20 % of them all)
-    "bucket": ("clt-k", {"ratio": 0.2, "beta": 0.5, "selection": "exact", "scope": "bucket"}),
+    "bucket": ("clt-k", {"ratio": 0.2, "beta": 0.5, "selection": "exact", "scope": "bucket",
+                         **ALL}),
 }
 
 
@@ -352,7 +367,7 @@ def _ddp_run(rank: int, group: dist.ProcessGroup | None, scope: str
     # looks for unused parameters; then the small cap keeps several buckets.
     wrapped = DistributedDataParallel(model, bucket_cap_mb=0.001, find_unused_parameters=True,
                                       process_group=group)
-    scheme = schemes.build("clt-k", ratio=0.1, scope=scope)
+    scheme = schemes.build("clt-k", ratio=0.1, scope=scope, **ALL)
     launches: list[int] = []
     launch_flat = scheme.launch_flat
 

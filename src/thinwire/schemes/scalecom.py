@@ -58,7 +58,7 @@ from thinwire.compress.cltk import (
 )
 from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import SparseLayout, layout_segments
-from thinwire.compress.sparse import SCOPES
+from thinwire.compress.sparse import MIN_NUMEL, SCOPES
 from thinwire.feedback import LowPass, Memory, all_finite
 from thinwire.schemes.base import Scheme, unflatten
 from thinwire.schemes.registry import register, validate_common, validate_ratio
@@ -74,7 +74,7 @@ class CLTkConfig:
     beta: float = 1.0  # low-pass factor of the memory, in (0, 1]; 1 is plain error feedback
     warmup_steps: int = 0  # steps all-reduced dense before compression starts
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
-    min_numel: int = 0  # tensors with fewer entries are sent dense
+    min_numel: int = MIN_NUMEL  # tensors with fewer entries are sent dense (as topk, dct-dp)
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     scope: str = "bucket"  # "bucket": one selection over the launch (a DDP bucket); "layer": k each
 
