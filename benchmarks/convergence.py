@@ -28,6 +28,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -273,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 load = subprocess.run(["uptime"], capture_output=True, text=True).stdout
                 meta = {"when": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu_model(),
                         "load": load.split("load average:")[-1].strip(),
-                        "others_share": watch.others_share(), "argv": argv or [],
+                        "others_share": watch.others_share(),
+                        "argv": sys.argv[1:] if argv is None else argv,
                         "cell": [workload, n, seed]}
                 record = save(got, args.data, meta)
     for row in summary(record) if record else []:
