@@ -169,12 +169,17 @@ def section(record: dict[str, Any], figures: Path, docs: Path) -> str:
     """The convergence section of docs/results.md (and its figure)."""
     rows = summary(record)
     meta = record["meta"][-1] if record["meta"] else {}
+    # Each cell's records come from its latest run: the oldest of those opens the span.
+    latest = {tuple(m["cell"]): m["when"] for m in record["meta"] if "cell" in m}
+    first = min(latest.values(), default="?")
     lines = ["## Convergence: steps to target and bytes per step", "",
              f"Source: `{DATA}` ({len(record['runs'])} runs; written by "
              "`python -m benchmarks.convergence`). Every scheme trains each workload with "
              "the workload's recipe through the DDP hook; steps to target is the first "
              "evaluation step (every 25) whose test accuracy reaches the target. Sparse "
-             "schemes keep 1 % of each layer (99 % sparsity); *coupled* means the "
+             "schemes keep 1 % of the entries (99 % sparsity): dct-dp of each layer, topk "
+             "and clt-k of each DDP bucket (their default scope), so a layer of theirs may "
+             "get more or less than 1 %; *coupled* means the "
              "optimiser's momentum moved into the scheme (`thinwire.optim.couple`, the "
              "default), *plain* the momentum left in the optimiser. x dense: median over "
              "seeds of the per-seed ratio to dense's steps (inf: target not reached in the "
@@ -185,8 +190,9 @@ def section(record: dict[str, Any], figures: Path, docs: Path) -> str:
              "Sparse schemes ran with "
              f"{', '.join(SPARSE_OPTIONS)}; runs stop at the target, so bytes/step are those "
              "of the steps run. "
-             f"Last run: {meta.get('when', '?')}, load average "
-             f"{meta.get('load', '?')} on {meta.get('cpu', '?')}.", "",
+             f"Runs: {first} to {meta.get('when', '?')} (a rerun of a cell replaces its "
+             f"records); the last at load average {meta.get('load', '?')} on "
+             f"{meta.get('cpu', '?')}.", "",
              "| workload (target, optimiser) | workers | scheme | momentum | seeds reached | "
              "median steps | x dense | bytes/step | x less than dense | density / target | "
              "energy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
