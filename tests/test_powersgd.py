@@ -92,6 +92,22 @@ def test_each_function_is_its_algorithm_line() -> None:
     assert torch.equal(codec.q("w", matrix), q_new)  # warm start: next step uses this Q
 
 
+def test_finish_keeps_a_column_major_q_as_it_is_and_copies_a_row_major_one() -> None:
+    """The scheme all-reduces Q transposed so that the warm start needs no copy; a Q in
+    any other layout is kept as a column-major copy, never as the caller's tensor."""
+    matrix = torch.randn(20, 30, dtype=torch.float64)
+    p_hat = orthonormalize(torch.randn(20, 2, dtype=torch.float64))
+    column_major = right(matrix, p_hat).t().contiguous().t()
+    row_major = column_major.contiguous()
+    for q_mean, kept_as_is in ((column_major, True), (row_major, False)):
+        codec = PowerSGD(2)
+        approx = codec.finish("w", p_hat, q_mean)
+        kept = codec.q("w", matrix)
+        assert (kept.data_ptr() == q_mean.data_ptr()) is kept_as_is
+        assert kept.t().is_contiguous() and torch.equal(kept, q_mean)
+        torch.testing.assert_close(approx, p_hat @ q_mean.T, rtol=1e-12, atol=1e-12)
+
+
 def test_without_warm_start_every_step_draws_a_fresh_shared_q() -> None:
     matrix = torch.randn(20, 30, dtype=torch.float64)
     codec, twin = PowerSGD(2, warm_start=False), PowerSGD(2, warm_start=False)
