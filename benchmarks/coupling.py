@@ -22,8 +22,8 @@ of a worker (for clt-k: the leader, over all tensors), as ``scope="bucket"``
 does on a DDP bucket; ``layer`` per tensor.
 The digits MLP has a recipe per optimiser; ``--workload`` runs another
 workload under its own recipe. Tensors under
-``--min-numels`` entries (default 1024, as in topk and dct-dp; a list sweeps) travel dense
-for topk, dct-dp and clt-k. Bytes are counted as the schemes send them: 4 per value and 4 per
+``--min-numels`` entries (default 1024, the schemes' own default; a list sweeps) travel
+dense for topk, dct-dp and clt-k. Bytes are counted as the schemes send them: 4 per value and 4 per
 index, 4 per entry of a dense tensor.
 
 Usage: ``python -m benchmarks.coupling [--workload digits-mlp] [--seeds 8] [--workers 4]
