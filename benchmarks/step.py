@@ -226,7 +226,8 @@ def floor_powersgd_hook(state: PowerFloorState,
         matrix = state.error[key] = view.clone() if error is None else error.add_(view)
         q = state.q.get(key)
         if q is None:
-            q = state.q[key] = torch.randn(state.rank, view.shape[1]).t()
+            q = state.q[key] = torch.randn(state.rank, view.shape[1],
+                                           device=view.device).t()
         matrices.append(matrix)
         ps.append((matrix @ q).reshape(-1))
     first = torch.cat(ps).div_(world)

@@ -112,6 +112,7 @@ class PowerSGDScheme(Scheme):
         low_keys = set(low)
         dense = [key for key in grads if key not in low_keys]
         dtype = reduce(torch.promote_types, (grad.dtype for grad in grads.values()))
+        device = next(iter(grads.values())).device
         rank = self.config.rank
         matrices: dict[str, torch.Tensor] = {}  # M = grad + error, (n, m), in dtype
         for key in low:
@@ -123,7 +124,7 @@ class PowerSGDScheme(Scheme):
                 matrix = self.memory.absorb_(key, grads[key])
             matrices[key] = as_matrix(matrix).to(dtype)
         ps = [self.codec.left(key, matrices[key]).reshape(-1) for key in low]
-        first = _fresh_flat(ps, dtype)
+        first = _fresh_flat(ps, dtype, device)
         p_hats: dict[str, torch.Tensor] = {}
         self._charge(time.perf_counter() - start)
 
@@ -144,7 +145,7 @@ class PowerSGDScheme(Scheme):
                     parts.append(grad if finite else torch.zeros_like(grad))
                 parts = [torch.cat(parts)]  # a copy: the all-reduce must not touch the grads
             self._charge(time.perf_counter() - begin)
-            return _fresh_flat(parts, dtype)
+            return _fresh_flat(parts, dtype, device)
 
         size = dtype.itemsize
         future = two_round_all_reduce(
@@ -196,11 +197,12 @@ class PowerSGDScheme(Scheme):
         self.steps = dict(state["steps"])
 
 
-def _fresh_flat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _fresh_flat(parts: list[torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
     """New flat tensors back to back, for an all-reduce in place (a lone one as it is)."""
     if len(parts) == 1:
         return parts[0]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
 
 
 @register("powersgd", PowerSGDConfig)
