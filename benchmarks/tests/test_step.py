@@ -1,12 +1,26 @@
-"""The loopback step benchmark's pure parts: round order and the summary."""
+"""The loopback step benchmark: round order, the summary and its plain-torch floor hooks."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.step import RATIOS, VARIANTS, order, summarise
+from benchmarks.step import (
+    RATIOS,
+    VARIANTS,
+    FloorState,
+    PowerFloorState,
+    floor_hook,
+    floor_powersgd_hook,
+    order,
+    summarise,
+)
 
 
 def test_rounds_rotate_so_every_variant_leads_once_per_cycle() -> None:
@@ -29,73 +43,60 @@ def test_summary_takes_medians_over_rounds_and_divides_them() -> None:
     assert set(result["ratios"]) <= set(RATIOS)
 
 
-def test_floor_hook_loses_nothing_its_error_memory_does_not_hold(tmp_path: object) -> None:
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo group, so a DDP model with a comm hook runs in this process."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _train_alike(pairs: list[tuple[torch.nn.Module, torch.optim.Optimizer]], steps: int,
+                 batch: int) -> None:
+    """Every (net, optimiser) steps on the same batches of a loss linear in the weights
+    of a Linear(40, 60): all nets see the same gradients at any weights."""
+    for _ in range(steps):
+        x, weights = torch.randn(batch, 40), torch.randn(batch, 60)
+        for net, optimizer in pairs:
+            optimizer.zero_grad()
+            (net(x) * weights).sum().backward()
+            optimizer.step()
+
+
+def test_floor_hook_loses_nothing_its_error_memory_does_not_hold(one_rank: None) -> None:
     """One rank: the floor hook applies what it sends and keeps the rest, so its weights
     differ from plain SGD with momentum by exactly ``lr`` times its error memory
     (sum of sent + error == sum of velocities). The floor does all of dct-dp's maths."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from benchmarks.step import FloorState, floor_hook
-
-    store = dist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        # A loss linear in the weights: both models see the same gradients at any weights.
-        reference = torch.nn.Linear(40, 60)
-        model = DistributedDataParallel(copy.deepcopy(reference))
-        state = FloorState(density=0.05, min_numel=1024)
-        model.register_comm_hook(state, lambda state, bucket: floor_hook(state, bucket))
-        plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-        coupled = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
-        for _ in range(6):
-            x, weights = torch.randn(16, 40), torch.randn(16, 60)
-            for net, optimizer in ((reference, plain), (model, coupled)):
-                optimizer.zero_grad()
-                (net(x) * weights).sum().backward()
-                optimizer.step()
-        held = 0
-        for mine, theirs in zip(model.module.parameters(), reference.parameters()):
-            error = state.error[id(mine)].view(mine.shape)
-            held += int(error.count_nonzero())
-            torch.testing.assert_close(mine - theirs, 0.1 * error, rtol=0, atol=1e-5)
-        assert held > 0  # most entries waited: the check compares something
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(40, 60)
+    model = DistributedDataParallel(copy.deepcopy(reference))
+    state = FloorState(density=0.05, min_numel=1024)
+    model.register_comm_hook(state, lambda state, bucket: floor_hook(state, bucket))
+    _train_alike([(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)),
+                  (model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0))],
+                 steps=6, batch=16)
+    held = 0
+    for mine, theirs in zip(model.module.parameters(), reference.parameters()):
+        error = state.error[id(mine)].view(mine.shape)
+        held += int(error.count_nonzero())
+        torch.testing.assert_close(mine - theirs, 0.1 * error, rtol=0, atol=1e-5)
+    assert held > 0  # most entries waited: the check compares something
 
 
-def test_powersgd_floor_reconstructs_a_gradient_of_rank_below_r(tmp_path: object) -> None:
+def test_powersgd_floor_reconstructs_a_gradient_of_rank_below_r(one_rank: None) -> None:
     """One rank, batch 1: a linear layer's weight gradient is an outer product (rank 1),
     which rank-2 PowerSGD reconstructs exactly from any Q; so the floor hook trains like
     plain DDP up to rounding and its error memory stays at rounding level."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from benchmarks.step import PowerFloorState, floor_powersgd_hook
-
-    store = dist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        reference = torch.nn.Linear(40, 60)
-        model = DistributedDataParallel(copy.deepcopy(reference))
-        state = PowerFloorState(rank=2)
-        model.register_comm_hook(state, lambda state, bucket: floor_powersgd_hook(state, bucket))
-        optimizers = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-                      for net in (reference, model)]
-        for _ in range(5):
-            x, weights = torch.randn(1, 40), torch.randn(1, 60)
-            for net, optimizer in zip((reference, model), optimizers):
-                optimizer.zero_grad()
-                (net(x) * weights).sum().backward()
-                optimizer.step()
-        for mine, theirs in zip(model.module.parameters(), reference.parameters()):
-            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
-        assert state.error and all(float(e.abs().max()) < 1e-4 for e in state.error.values())
-        assert any(float((mine - theirs).detach().abs().max()) > 0  # rounding differs: a real path
-                   for mine, theirs in zip(model.module.parameters(), reference.parameters()))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(40, 60)
+    model = DistributedDataParallel(copy.deepcopy(reference))
+    state = PowerFloorState(rank=2)
+    model.register_comm_hook(state, lambda state, bucket: floor_powersgd_hook(state, bucket))
+    _train_alike([(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+                  for net in (reference, model)], steps=5, batch=1)
+    for mine, theirs in zip(model.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+    assert state.error and all(float(e.abs().max()) < 1e-4 for e in state.error.values())
+    assert any(float((mine - theirs).detach().abs().max()) > 0  # rounding differs: a real path
+               for mine, theirs in zip(model.module.parameters(), reference.parameters()))
