@@ -58,7 +58,7 @@ from thinwire.compress.cltk import (
 )
 from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import SparseLayout, layout_segments
-from thinwire.compress.sparse import MIN_NUMEL, SCOPES
+from thinwire.compress.sparse import MIN_NUMEL
 from thinwire.feedback import LowPass, Memory, all_finite
 from thinwire.schemes.base import Scheme, unflatten
 from thinwire.schemes.registry import register, validate_common, validate_ratio
@@ -83,8 +83,6 @@ class CLTkConfig:
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
                                    or self.k < 1):
             raise ValueError(f"k={self.k!r} must be None or an integer >= 1")
-        if self.scope not in SCOPES:
-            raise ValueError(f"scope={self.scope!r} must be one of {SCOPES}")
         if self.scope == "bucket" and self.k is not None:
             raise ValueError(f"k={self.k!r} is per layer: with scope='bucket' give ratio")
         if self.selection not in SELECTIONS:
