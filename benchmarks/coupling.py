@@ -18,7 +18,7 @@ sweep over candidates and seeds fits a busy machine. Candidates:
 
 topk and dct-dp are the registered schemes' sparsifiers at their defaults:
 ``--scopes bucket`` (the default) selects once over all the sparsified tensors
-of a worker (for clt-k: the leader, over all tensors), as ``scope="bucket"``
+of a worker (for clt-k: the leader's, over its sparsified tensors), as ``scope="bucket"``
 does on a DDP bucket; ``layer`` per tensor.
 The digits MLP has a recipe per optimiser; ``--workload`` runs another
 workload under its own recipe. Tensors under
@@ -109,8 +109,7 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
                 param.grad = sum(g[key] for g in grads) / workers  # type: ignore[assignment]
             sent_bytes += 4 * sum(info.numel for info in infos)
             optimizer.step()
-            reached_all = _evaluate(work, model, step, eval_every, reached)
-            if reached_all:
+            if _evaluate(work, model, step, eval_every, reached):
                 break
             continue
         density = 0.01
