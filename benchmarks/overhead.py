@@ -46,7 +46,6 @@ from tqdm import tqdm
 
 from benchmarks.machine import CpuWatch, cpu_model
 from thinwire.compress import DCTThreshold, Dense, LaplaceThreshold, TensorInfo, TopK, keep_count
-from thinwire.compress.sparse import AIM
 
 # Whole-scheme rows: the references first, then the schemes of the ScaleCom/PowerSGD work.
 SCHEME_ROWS = ("topk", "dct-dp", "clt-k", "powersgd")
@@ -206,19 +205,8 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     if name in ("topk", "clt-k"):  # clt-k: the leader's exact top-k, its default selection
         return sparse_step(lambda m: torch.topk(m, k, sorted=False).indices)
     if name == "dct-dp":
-        # A reused tau, nudged to pass about AIM * k entries (dct-dp's default
-        # gain); the k largest of those passing are sent.
-        goal = AIM * k
-        tau = [float(torch.kthvalue(grad.abs().reshape(-1), numel - k + 1).values)]
-
-        def dct_select(m: torch.Tensor) -> torch.Tensor:
-            candidates = (m >= tau[0]).nonzero().squeeze(1)
-            count = candidates.numel()
-            tau[0] *= math.exp(0.05 * (min(count / goal, 16.0) - 1.0))
-            if count <= k:
-                return candidates
-            return candidates[torch.topk(m[candidates], k, sorted=False).indices]
-        return sparse_step(dct_select)
+        tau = float(torch.kthvalue(grad.abs().reshape(-1), numel - k + 1).values)
+        return sparse_step(lambda m: (m >= tau).nonzero().squeeze(1))
     if name == "powersgd":
         rows, cols = shape
         state = {"q": torch.randn(rank, cols).t()}  # column-major, as the products want it

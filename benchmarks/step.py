@@ -117,9 +117,8 @@ class FloorState:
     """Per-tensor state of :func:`floor_hook`, keyed by parameter (DDP re-buckets)."""
 
     def __init__(self, density: float = 0.01, momentum: float = 0.9, gain: float = 0.05,
-                 aim: float = 1.5, min_numel: int = 1024) -> None:
+                 min_numel: int = 1024) -> None:
         self.density, self.momentum, self.gain, self.min_numel = density, momentum, gain, min_numel
-        self.aim = aim
         self.velocity: dict[int, torch.Tensor] = {}
         self.error: dict[int, torch.Tensor] = {}
         self.tau: dict[int, float] = {}
@@ -131,10 +130,10 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
     Per tensor: ``v <- mu v + g``, ``p = e + v``; tensors under ``min_numel``
     entries travel dense (added to a dense part), the others send the entries
     of ``|p| >= tau`` (the k largest of them when more pass), ``e`` keeps ``p``
-    with those zeroed and tau moves by ``exp(gain (count / (aim k) - 1))``, count
-    being what passed (as in ``DCTThreshold``). One all-gather carries every
-    rank's padded indices and values; the mean is decoded into the bucket. The
-    dense part is summed in the same payload.
+    with those zeroed and tau moves by ``exp(gain (sent / k - 1))`` (a count
+    beyond twice the room counting in full, as in ``DCTThreshold``). One
+    all-gather carries every rank's padded indices and values; the mean is
+    decoded into the bucket. The dense part is summed in the same payload.
     """
     buffer = bucket.buffer()
     world = dist.get_world_size()
@@ -162,7 +161,8 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
             count = index.numel()
             if count > k:
                 index = index[torch.topk(magnitudes[index], k, sorted=False).indices]
-            state.tau[key] *= math.exp(state.gain * (min(count / (state.aim * k), 16.0) - 1))
+            sent_count = count if count > 2 * k else min(count, k)  # as DCTThreshold's control
+            state.tau[key] *= math.exp(state.gain * (min(sent_count / k, 16.0) - 1))
             chosen.append(index + offset)
             sent.append(p[index])
             p[index] = 0.0

@@ -211,7 +211,7 @@ def test_run_configuration_errors_name_the_value() -> None:
     (["--push", "dct", "--push-option", "sparsity=1.5"], "unknown scheme 'dct'"),
     (["--push", "dct-dp", "--push-option", "sparsity=1.5"], "sparsity=1.5"),
     (["--push", "dct-dp", "--push-option", "bogus=1"],
-     "--push-option 'bogus' is not an option of dct-dp; valid keys: aim, capacity, "),
+     "--push-option 'bogus' is not an option of dct-dp; valid keys: capacity, "),
     (["--workers", "2", "--kill-after", "9:5"], "worker 9 is outside the run; workers: 0..1"),
     (["--rule", "sequential", "--kill-after", "0:5"], "worker 0 is outside the run; workers: none"),
     (["--rule", "asgd", "--lambda", "1"], "--lambda apply to --rule dc-asgd only"),

@@ -27,7 +27,6 @@ def test_foundation_schemes_are_registered() -> None:
     ("topk", {"scope": "model"}, "scope='model'"),
     ("dct-dp", {"scope": ""}, "scope=''"),
     ("dct-dp", {"capacity": 0.5}, "capacity=0.5"),
-    ("dct-dp", {"aim": 0.9}, "aim=0.9"),
     ("laplace", {"min_numel": -1}, "min_numel=-1"),
     ("dense", {"nonfinite": "ignore"}, "nonfinite='ignore'"),
 ])
@@ -115,7 +114,7 @@ def test_error_feedback_invariant_holds_exactly(name: str, config: dict[str, obj
 def test_entries_beyond_the_capacity_are_the_smallest_and_wait_in_the_memory() -> None:
     # A stale threshold of 0.5 passes everything; capacity 1 x k = 10 sends the 10 largest.
     scheme = schemes.build("dct-dp", sparsity=0.9, life_span=100, refresh_above=None,
-                           gain=None, min_numel=0, capacity=1.0)
+                           min_numel=0, capacity=1.0)
     scheme.reduce({"w": torch.arange(1.0, 101.0)})  # tau = 91
     assert scheme.compressor.tau["w"] == 91.0  # type: ignore[attr-defined]
     scheme.compressor.tau["w"] = 0.5  # type: ignore[attr-defined]

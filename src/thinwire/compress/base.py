@@ -44,13 +44,6 @@ def check_fraction(name: str, value: float, low: float, high: float, *, closed_l
         raise ValueError(f"{name}={value!r} is outside the allowed range {interval}")
 
 
-def check_at_least_one(name: str, value: float) -> None:
-    """Raise ``ValueError`` naming ``value`` unless it is a finite number >= 1."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and value >= 1.0):
-        raise ValueError(f"{name}={value!r} must be a number >= 1")
-
-
 def keep_count(numel: int, density: float) -> int:
     """Entries a sparsifier keeps: ceil(numel * density), at least one of a non-empty tensor.
 

@@ -53,13 +53,7 @@ from thinwire.compress._select import (
     largest_in_order,
     sparse_nonzero,
 )
-from thinwire.compress.base import (
-    Compressor,
-    TensorInfo,
-    check_at_least_one,
-    check_fraction,
-    keep_count,
-)
+from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
 from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, SparsePayload
 
@@ -70,7 +64,6 @@ MIN_NUMEL = 1024  # default: tensors smaller than this travel dense
 # step, so it sits just above the target; what a threshold passes beyond it waits in
 # the error memory (a tighter room costs a top-k among the few passing entries).
 CAPACITY = 1.25
-AIM = 1.5  # DCT-DP's density control holds the passing count at 1.5 k (see DCTThreshold)
 TRACE_LENGTH = 4096  # threshold-trace points kept per key (the most recent)
 
 
@@ -97,7 +90,9 @@ class Sparsifier(Compressor):
             raise ValueError(f"min_numel={min_numel!r} must be an integer >= 0")
         if values not in _VALUE_DTYPES:
             raise ValueError(f"values={values!r} must be one of {sorted(_VALUE_DTYPES)}")
-        check_at_least_one("capacity", capacity)
+        if not (isinstance(capacity, (int, float)) and math.isfinite(capacity)
+                and capacity >= 1.0):
+            raise ValueError(f"capacity={capacity!r} must be a number >= 1")
         if indices not in INDEX_FORMATS:
             raise ValueError(f"indices={indices!r} must be one of {INDEX_FORMATS}")
         if scope not in SCOPES:
@@ -299,28 +294,23 @@ class DCTThreshold(Sparsifier):
     selection on the steps where it fires).
 
     Density control (off by default): with ``gain=g``, every call nudges the
-    reused tau for the next one, ``tau <- tau * exp(g * (count / goal - 1))``
-    (the ratio capped at 16), where count is what tau passed this call: an
-    integral controller that holds the mean passing count at a goal, with
-    a scalar per call and no selection; the payload carries the ``room``
-    largest of the passing entries (a top-k among the candidates, not over
-    the tensor). The goal is k plus what the room lacks of ``aim * k``: with
-    dct-dp's room of exactly k (``capacity=1``) it is ``aim * k`` (default
-    1.5), with a room of ``aim * k`` or more it is k. The margin is why the
-    achieved density sits on the target: the count swings from call to call,
-    and a controller aiming the count at k itself sends ``min(count, k)``,
-    which averages below k (0.82-0.88 of the target on the
-    shaped-link MLP, 300 steps, gain 0.05), while ``aim=1.5`` fills the room on
-    nearly every call (0.95-1.0; ``python -m benchmarks.density``). Why not
-    refresh tau when the density leaves a band: under error feedback the
-    memory piles up just below a reused tau, so the k-th largest ``|p|`` sits
-    right under the old tau whatever the rate at which entries cross it; a
-    refresh then barely moves tau and the layer keeps under-sending (on the
-    shaped-link MLP a +-25 % band refreshed on 30-45 % of tensor-steps and
-    still averaged 0.82-0.90 of the target). Nudging tau releases the pile a
-    little at a time instead; a gain of 0.2 overshoots into bursts. When zeros
-    leave fewer than ``aim * k`` entries to pass, the goal is what can pass,
-    so an embedding's untouched rows do not drive tau to 0.
+    reused tau for the next one, ``tau <- tau * exp(g * (sent / k - 1))``
+    (sent / k capped at 16), where sent is what tau passed this call, capped
+    at the payload's room unless it exceeds twice the room. It is an
+    integral controller on the arithmetic mean of sent, so a layer's density
+    averages the target over a run, and it needs no selection: a scalar per
+    call. Why not refresh tau when the density leaves a band: under error
+    feedback the memory piles up just below a reused tau, so the k-th largest
+    ``|p|`` sits right under the old tau whatever the rate at which entries
+    cross it; a refresh then barely moves tau and the layer keeps
+    under-sending (on the shaped-link MLP a +-25 % band refreshed on 30-45 %
+    of tensor-steps and still averaged 0.82-0.90 of the target). Nudging tau
+    releases the pile a little at a time instead. On that MLP (300 steps,
+    room for k), gain 0.05 kept each layer at 0.85-0.93 of the target with
+    one selection per layer (0.3 % of tensor-steps); 0.2 overshoots into
+    bursts that the payload capacity truncates (0.5 of the target). When
+    zeros leave fewer than k entries to send, the target is what can be
+    sent, so an embedding's untouched rows do not drive tau to 0.
     A reused tau of 0 (a layer whose gradient was all zero at the refresh)
     that passes more than k entries is recomputed at once.
 
@@ -331,13 +321,11 @@ class DCTThreshold(Sparsifier):
             times the target count; None (default) never does. Must be > 1.
         gain: the density control's gain g, in (0, 1]; None (default)
             keeps tau fixed between refreshes.
-        aim: the passing count the density control holds for a room of k,
-            in multiples of k, >= 1 (default :data:`AIM`).
     """
 
     def __init__(self, sparsity: float, life_span: int = 1000,
                  refresh_above: float | None = None, gain: float | None = None,
-                 aim: float = AIM, **kwargs: Any) -> None:
+                 **kwargs: Any) -> None:
         check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
         if not isinstance(life_span, int) or life_span < 1:
             raise ValueError(f"life_span={life_span!r} must be an integer >= 1")
@@ -345,13 +333,11 @@ class DCTThreshold(Sparsifier):
             raise ValueError(f"refresh_above={refresh_above!r} must be None or > 1")
         if gain is not None:
             check_fraction("gain", gain, 0.0, 1.0, closed_low=False, closed_high=True)
-        check_at_least_one("aim", aim)
         super().__init__(**kwargs)
         self.sparsity = sparsity
         self.life_span = life_span
         self.refresh_above = refresh_above
         self.gain = gain
-        self.aim = float(aim)
         self.tau: dict[str, float] = {}
         self.refreshes: dict[str, int] = {}
 
@@ -384,20 +370,19 @@ class DCTThreshold(Sparsifier):
         return tau == 0.0 or (self.refresh_above is not None and count > self.refresh_above * k)
 
     def _correction(self, magnitudes: torch.Tensor, count: int, k: int, room: int) -> float:
-        """The factor ``exp(gain * (count / goal - 1))`` applied to tau for the next call.
+        """The factor ``exp(gain * (sent / target - 1))`` applied to tau for the next call.
 
-        The goal is ``k`` passing entries plus what the payload's room lacks
-        of ``aim * k`` (``aim * k`` for a room of k; k for a room of at least
-        ``aim * k``), or every non-zero entry when there are fewer (then a tau
-        passing them all stays where it is).
+        ``sent`` is what goes out of ``count`` passing entries with room for
+        ``room``, so the mean of what is sent, not of what passes, is held at k;
+        a count beyond twice the room counts in full, so tau does not stay so low
+        that selecting the room's largest among the passing entries grows costly.
         """
         assert self.gain is not None
-        goal: float = k + max(0.0, self.aim * k - room)
-        if count < goal:
-            goal = min(goal, _nonzero_at_least(magnitudes, math.ceil(goal)))
-        if count == goal:
+        target = k if count >= k else min(k, _nonzero_at_least(magnitudes, k))
+        sent = count if count > 2 * room else min(count, room)
+        if sent == target:
             return 1.0
-        return math.exp(self.gain * (min(count / goal, _CLAMP) - 1.0))
+        return math.exp(self.gain * (min(sent / target, _CLAMP) - 1.0))
 
     def _refresh(self, magnitudes: torch.Tensor, key: str, k: int) -> None:
         """tau = the k-th largest magnitude (Alg. 1 lines 5-6), by selection."""

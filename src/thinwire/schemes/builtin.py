@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thinwire.compress import FP16, DCTThreshold, Dense, LaplaceThreshold, TopK
-from thinwire.compress.base import check_at_least_one
-from thinwire.compress.sparse import AIM, CAPACITY, MIN_NUMEL
+from thinwire.compress.sparse import CAPACITY, MIN_NUMEL
 from thinwire.feedback import Residual
 from thinwire.schemes.base import CompressedScheme, Scheme
 from thinwire.schemes.registry import (
     register,
+    validate_capacity,
     validate_common,
     validate_ratio,
     validate_sparsity,
@@ -45,8 +45,7 @@ class DCTConfig:
     sparsity: float = 0.99  # eta, fraction of each tensor's entries dropped, in [0, 1)
     life_span: int = 1000  # L, steps between threshold refreshes, >= 1
     refresh_above: float | None = None  # recompute a stale tau passing > this x target; None: never
-    gain: float | None = 0.05  # in (0, 1]: tau *= exp(gain (count / (aim k) - 1)); None: off
-    aim: float = AIM  # passing count the density control holds, multiples of k (>= 1)
+    gain: float | None = 0.05  # in (0, 1]: tau *= exp(gain (sent / k - 1)) per step; None: off
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
@@ -69,8 +68,7 @@ class DCTConfig:
             raise ValueError(f"gain={self.gain!r} must be None or in (0, 1]")
         if self.drain_every is not None and self.drain_every < 1:
             raise ValueError(f"drain_every={self.drain_every!r} must be None or >= 1")
-        check_at_least_one("capacity", self.capacity)
-        check_at_least_one("aim", self.aim)
+        validate_capacity(self.capacity)
         validate_common(self)
 
 
@@ -85,7 +83,7 @@ class LaplaceConfig:
 
     def __post_init__(self) -> None:
         validate_sparsity(self.sparsity)
-        check_at_least_one("capacity", self.capacity)
+        validate_capacity(self.capacity)
         validate_common(self)
 
 
@@ -110,7 +108,7 @@ def _topk(config: TopKConfig) -> Scheme:
 @register("dct-dp", DCTConfig)
 def _dct_dp(config: DCTConfig) -> Scheme:
     compressor = DCTThreshold(config.sparsity, config.life_span, config.refresh_above,
-                              config.gain, config.aim, min_numel=config.min_numel,
+                              config.gain, min_numel=config.min_numel,
                               values=config.values, capacity=config.capacity,
                               indices=config.indices, include=config.include,
                               scope=config.scope)

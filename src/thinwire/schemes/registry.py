@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -98,3 +99,8 @@ def validate_sparsity(sparsity: float) -> None:
 def validate_ratio(ratio: float) -> None:
     check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
 
+
+def validate_capacity(capacity: float) -> None:
+    if not (isinstance(capacity, (int, float)) and not isinstance(capacity, bool)
+            and math.isfinite(capacity) and capacity >= 1.0):
+        raise ValueError(f"capacity={capacity!r} must be a number >= 1")
