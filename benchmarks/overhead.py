@@ -11,7 +11,8 @@ ratios against exact top-k, and against each row's floor.
 Rows ``floor <name>`` do the same work written directly in plain torch ops
 (``torch.topk`` or a comparison, a gather, a scatter into zeros; for the
 scheme rows also the non-finite check by one reduction, the error feedback,
-the residual by zeroing the sent entries, and for PowerSGD the two
+the residual by zeroing the sent entries, for dct-dp its density control on the
+reused tau and the k largest of the passing entries, and for PowerSGD the two
 products, QR and the reconstruction as r
 outer products added elementwise, the least that keeps replicas bit
 identical whatever thread a callback runs on), so ``<name> / floor <name>``
@@ -205,8 +206,19 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     if name in ("topk", "clt-k"):  # clt-k: the leader's exact top-k, its default selection
         return sparse_step(lambda m: torch.topk(m, k, sorted=False).indices)
     if name == "dct-dp":
-        tau = float(torch.kthvalue(grad.abs().reshape(-1), numel - k + 1).values)
-        return sparse_step(lambda m: (m >= tau).nonzero().squeeze(1))
+        # A reused tau nudged by dct-dp's density control (its default gain); the k
+        # largest of the passing entries are sent when more than k pass.
+        tau = [float(torch.kthvalue(grad.abs().reshape(-1), numel - k + 1).values)]
+
+        def dct_select(m: torch.Tensor) -> torch.Tensor:
+            candidates = (m >= tau[0]).nonzero().squeeze(1)
+            count = candidates.numel()
+            sent = count if count > 2 * k else min(count, k)
+            tau[0] *= math.exp(0.05 * (min(sent / k, 16.0) - 1.0))
+            if count <= k:
+                return candidates
+            return candidates[torch.topk(m[candidates], k, sorted=False).indices]
+        return sparse_step(dct_select)
     if name == "powersgd":
         rows, cols = shape
         state = {"q": torch.randn(rank, cols).t()}  # column-major, as the products want it
