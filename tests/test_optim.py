@@ -186,3 +186,33 @@ def test_couple_rejects_mixed_momentum_and_bad_targets() -> None:
             MomentumCorrection(Residual(), bad)
     with pytest.raises(ValueError, match="dampening"):
         MomentumCorrection(Residual(), 0.9, dampening=1.5)
+
+
+def test_couple_leaves_optimisers_it_does_not_know_alone_and_says_so() -> None:
+    params = [nn.Parameter(torch.zeros(3))]
+    rmsprop = torch.optim.RMSprop(params, lr=0.1, momentum=0.9)
+    topk = schemes.build("topk")
+    coupling = optim.couple(rmsprop, topk)
+    assert not coupling.coupled and "RMSprop" in coupling.reason
+    assert rmsprop.param_groups[0]["momentum"] == 0.9
+    assert isinstance(topk.memory, Residual)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("scheduled", ["one-cycle", "old-state"])
+def test_momentum_set_back_after_coupling_raises_before_the_step(scheduled: str) -> None:
+    net = nn.Linear(4, 2)
+    scheme = schemes.build("topk")
+    optim.watch(scheme, net.parameters())  # what thinwire.ddp.register does
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    saved = optimizer.state_dict()
+    assert optim.couple(optimizer, scheme).coupled
+    optimizer.step()  # momentum 0 in the optimiser: fine
+    if scheduled == "one-cycle":  # cycles momentum by default: sets it back at construction
+        torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+    else:
+        optimizer.load_state_dict(saved)
+    before = [p.detach().clone() for p in net.parameters()]
+    net(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="applied twice"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))  # nothing stepped

@@ -30,7 +30,11 @@ step's shared indices refresh (see :func:`_feedback` for why).
 Schemes without sparsification (dense, fp16, PowerSGD) and optimisers
 without momentum are left exactly as they were, so ``couple`` is safe to
 call always. Call it right after building both, before the first step and
-before loading checkpoints.
+before loading checkpoints. The momentum then stays fixed: a scheduler that
+cycles it (``OneCycleLR``, ``CyclicLR``) would set the optimiser's momentum
+back and apply it twice, so the next step raises ``RuntimeError`` (build
+those with ``cycle_momentum=False``). Optimisers other than SGD, Adam and
+AdamW are left as they are.
 SGD's ``weight_decay`` stays in the optimiser and so acts without momentum
 once coupled (1 / (1 - mu) weaker than in plain SGD with momentum).
 
@@ -131,6 +135,9 @@ def couple(optimizer: torch.optim.Optimizer, target: Any) -> Coupling:
     memory = sparse_memory(scheme)
     if isinstance(memory, MomentumCorrection):
         return Coupling(True, memory.momentum, memory.nesterov, "already coupled")
+    if not isinstance(optimizer, (torch.optim.SGD, *_ADAMS)):
+        return Coupling(False, momentum, nesterov, f"{type(optimizer).__name__} is not SGD, "
+                        "Adam or AdamW: any momentum of its own stays in the optimiser")
     if momentum == 0.0:
         return Coupling(False, momentum, nesterov, "the optimiser applies no momentum")
     if len(settings) > 1:
@@ -183,13 +190,29 @@ def watch(scheme: Scheme, parameters: Iterable[torch.nn.Parameter]) -> None:
 
 
 def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if max((_momentum(optimizer, g)[0] for g in optimizer.param_groups), default=0.0) == 0.0:
-        return
+    """Before a step: warn if the momentum skips a sparse scheme, raise if it is applied twice.
+
+    Raises:
+        RuntimeError: a coupled scheme's parameters are stepped with momentum
+            again (a scheduler that cycles momentum, or an optimiser state
+            saved before coupling, set it back after :func:`couple`); nothing
+            has been stepped yet.
+    """
     for group in optimizer.param_groups:
+        momentum = _momentum(optimizer, group)[0]
+        if momentum == 0.0:
+            continue
         for parameter in group["params"]:
             scheme = _WATCHED.get(id(parameter), lambda: None)()
             memory = None if scheme is None else sparse_memory(scheme)
-            if memory is not None and not isinstance(memory, MomentumCorrection):
+            if isinstance(memory, MomentumCorrection):
+                raise RuntimeError(
+                    f"the optimiser's momentum is {momentum} again after "
+                    "thinwire.optim.couple moved it into the scheme, so it would be applied "
+                    "twice. A scheduler that cycles momentum (OneCycleLR, CyclicLR: build it "
+                    "with cycle_momentum=False) or an optimiser state_dict saved before "
+                    "coupling sets it back")
+            if memory is not None:
                 for key in [k for k, ref in _WATCHED.items() if ref() is scheme]:
                     del _WATCHED[key]  # once per scheme
                 warnings.warn(
