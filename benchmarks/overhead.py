@@ -46,6 +46,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.machine import CpuWatch, cpu_model
+from benchmarks.step import FloorState, floor_dct_select
 from thinwire.compress import DCTThreshold, Dense, LaplaceThreshold, TensorInfo, TopK, keep_count
 
 # Whole-scheme rows: the references first, then the schemes of the ScaleCom/PowerSGD work.
@@ -206,18 +207,13 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     if name in ("topk", "clt-k"):  # clt-k: the leader's exact top-k, its default selection
         return sparse_step(lambda m: torch.topk(m, k, sorted=False).indices)
     if name == "dct-dp":
-        # A reused tau nudged by dct-dp's density control (its default gain); the k
-        # largest of the passing entries are sent when more than k pass.
+        # A reused tau nudged by dct-dp's density control at its default gain, as the
+        # loopback floor does it.
         tau = [float(torch.kthvalue(grad.abs().reshape(-1), numel - k + 1).values)]
 
         def dct_select(m: torch.Tensor) -> torch.Tensor:
-            candidates = (m >= tau[0]).nonzero().squeeze(1)
-            count = candidates.numel()
-            sent = count if count > 2 * k else min(count, k)
-            tau[0] *= math.exp(0.05 * (min(sent / k, 16.0) - 1.0))
-            if count <= k:
-                return candidates
-            return candidates[torch.topk(m[candidates], k, sorted=False).indices]
+            indices, tau[0] = floor_dct_select(m, tau[0], k, FloorState().gain)
+            return indices
         return sparse_step(dct_select)
     if name == "powersgd":
         rows, cols = shape

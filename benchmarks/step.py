@@ -124,6 +124,20 @@ class FloorState:
         self.tau: dict[int, float] = {}
 
 
+def floor_dct_select(magnitudes: torch.Tensor, tau: float, k: int,
+                     gain: float) -> tuple[torch.Tensor, float]:
+    """dct-dp's selection in plain torch ops: the entries of ``magnitudes >= tau`` (the
+    k largest of them when more pass), and tau for the next call, moved by the density
+    control ``exp(gain (sent / k - 1))`` (a count beyond twice k counting in full, as
+    in ``DCTThreshold``)."""
+    index = (magnitudes >= tau).nonzero().squeeze(1)
+    count = index.numel()
+    if count > k:
+        index = index[torch.topk(magnitudes[index], k, sorted=False).indices]
+    sent = count if count > 2 * k else min(count, k)
+    return index, tau * math.exp(gain * (min(sent / k, 16.0) - 1.0))
+
+
 def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """dct-dp's step in plain torch ops: the floor that thinwire's hook is measured against.
 
@@ -157,12 +171,7 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
             magnitudes = p.abs()
             if key not in state.tau:
                 state.tau[key] = float(torch.kthvalue(magnitudes, view.numel() - k + 1).values)
-            index = (magnitudes >= state.tau[key]).nonzero().squeeze(1)
-            count = index.numel()
-            if count > k:
-                index = index[torch.topk(magnitudes[index], k, sorted=False).indices]
-            sent_count = count if count > 2 * k else min(count, k)  # as DCTThreshold's control
-            state.tau[key] *= math.exp(state.gain * (min(sent_count / k, 16.0) - 1))
+            index, state.tau[key] = floor_dct_select(magnitudes, state.tau[key], k, state.gain)
             chosen.append(index + offset)
             sent.append(p[index])
             p[index] = 0.0
