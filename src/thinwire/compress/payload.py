@@ -249,20 +249,25 @@ class SparseLayout:
         out = torch.zeros(self.nbytes, dtype=torch.uint8, device=values.device)
         out[:HEADER_BYTES].view(torch.int32).fill_(count)
         area = out[HEADER_BYTES: HEADER_BYTES + self.index_bytes]
-        if (self.uses_bitmap or self.indices == "delta16") and not _ascending(indices):
-            indices, order = torch.sort(indices)
-            values = values[order]
         if self.uses_bitmap:
+            if not _ascending(indices):
+                indices, order = torch.sort(indices)
+                values = values[order]
             mask = torch.zeros(self.numel, dtype=torch.bool, device=values.device)
             mask[indices] = True
             bits = pack_bits(mask)
             area[: bits.numel()] = bits
         elif self.indices == "delta16":
-            gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))  # each >= 1
+            gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
+            if count and int(gaps.min()) < 1:  # not ascending: gaps need sorted indices
+                indices, order = torch.sort(indices)
+                values = values[order]
+                gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
             wide = gaps > 0xFFFF
-            # 0 never is a gap: it marks one that waits in the escape slots instead.
-            area[: 2 * count].view(torch.int16).copy_(gaps.masked_fill(wide, 0).to(torch.int16))
-            escapes = gaps[wide].to(torch.int32)
+            escapes = gaps[wide]
+            # 0 never is a gap: it marks one that waits in the escape slots instead
+            # (copy_ narrows the int64 gaps in place of a converted copy).
+            area[: 2 * count].view(torch.int16).copy_(gaps.masked_fill_(wide, 0))
             start = _pad4(2 * self.capacity)
             area[start: start + 4 * escapes.numel()].view(torch.int32).copy_(escapes)
         else:
@@ -280,11 +285,10 @@ class SparseLayout:
             indices = indices.squeeze(1)
         elif self.indices == "delta16":
             gaps = area[: 2 * count].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
-            wide = gaps == 0
             start = _pad4(2 * self.capacity)
             escapes = area[start: start + 4 * self._escapes].view(torch.int32)
-            gaps[wide] = escapes[: int(wide.sum())].to(torch.int64)
-            indices = gaps.cumsum_(0).sub_(1)
+            # The escape slots in order fill the 0 gaps (no count needed: no sync).
+            indices = gaps.masked_scatter_(gaps == 0, escapes.long()).cumsum_(0).sub_(1)
         else:
             indices = area[: 4 * count].view(torch.int32).long()
         start = self.value_start
