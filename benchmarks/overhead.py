@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.machine import CpuWatch, cpu_model
-from benchmarks.step import FloorState, floor_dct_select
+from benchmarks.step import FloorState, floor_dct_select, floor_decode, floor_encode, floor_largest
 from thinwire.compress import DCTThreshold, Dense, LaplaceThreshold, TensorInfo, TopK, keep_count
 
 # Whole-scheme rows: the references first, then the schemes of the ScaleCom/PowerSGD work.
@@ -178,7 +178,9 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
 
     The non-finite check at the cost of one reduction (what the library's
     ``nonfinite`` policy needs: :func:`thinwire.feedback.all_finite`), error
-    feedback, selection or factorisation, the residual and the decoded
+    feedback, selection or factorisation, the residual, the payload in the
+    scheme's default wire format and back (dct-dp, topk: 16-bit index gaps
+    and fp32 values, :func:`benchmarks.step.floor_encode`) and the decoded
     result: what the scheme must do at the least, with none of its
     bookkeeping, in place into buffers kept across steps (a fresh buffer of
     25M entries costs its page faults on every step, which would flatter the
@@ -192,20 +194,24 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     def finite() -> bool:  # the one reduction the non-finite policy costs
         return bool(torch.isfinite(grad.sum(dtype=torch.float32)))
 
-    def sparse_step(select: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+    def sparse_step(select: Callable[[torch.Tensor], torch.Tensor], wire: bool) -> Step:
         def run() -> object:
             finite()
             p = error.add_(grad.reshape(-1))  # p = g + e, in the memory
             indices = select(torch.abs(p, out=scratch))
             values = p[indices]
             p[indices] = 0.0  # the residual: p with the sent entries zeroed
+            if wire:  # through the scheme's wire format and back, as one rank's exchange
+                indices, values = floor_decode(floor_encode(indices, values, k, numel), k, numel)
             out.zero_()
-            out[indices] = values
+            out.index_add_(0, indices, values)
             return out
         return run
 
-    if name in ("topk", "clt-k"):  # clt-k: the leader's exact top-k, its default selection
-        return sparse_step(lambda m: torch.topk(m, k, sorted=False).indices)
+    if name == "topk":
+        return sparse_step(lambda m: floor_largest(m, k), wire=True)
+    if name == "clt-k":  # the leader's exact top-k; values go by all-reduce at its indices
+        return sparse_step(lambda m: torch.topk(m, k, sorted=False).indices, wire=False)
     if name == "dct-dp":
         # A reused tau nudged by dct-dp's density control at its default gain, as the
         # loopback floor does it.
@@ -214,7 +220,7 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
         def dct_select(m: torch.Tensor) -> torch.Tensor:
             indices, tau[0] = floor_dct_select(m, tau[0], k, FloorState().gain)
             return indices
-        return sparse_step(dct_select)
+        return sparse_step(dct_select, wire=True)
     if name == "powersgd":
         rows, cols = shape
         state = {"q": torch.randn(rank, cols).t()}  # column-major, as the products want it

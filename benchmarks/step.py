@@ -18,8 +18,9 @@ per variant and the ratios the project tracks:
 * ``dct-dp / floor-dct-dp``: thinwire's dct-dp against the same work
   written as a plain DDP hook in torch ops (:func:`floor_hook`: momentum
   correction, error feedback, a reused per-tensor threshold with the density
-  control, the payload room of k, one padded all-gather, the mean decoded
-  into the bucket), with none of the library's checks, metering or
+  control, a payload of 16-bit index gaps and values with room for k, as
+  dct-dp's default wire format, one all-gather, the mean decoded into the
+  bucket), with none of the library's checks, metering or
   bookkeeping: what the step costs at the least on this machine;
 * ``powersgd / floor-powersgd``: the same for PowerSGD (:func:`floor_powersgd_hook`:
   error feedback, ``P = M Q``, a blocking all-reduce of P, QR, ``Q = M^T P_hat``
@@ -124,18 +125,57 @@ class FloorState:
         self.tau: dict[int, float] = {}
 
 
+def floor_largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending positions of k largest entries, by ``torch.topk``'s k-th value and a mask
+    (the gap code needs ascending indices; a sort of k indices would cost more)."""
+    kth = torch.topk(magnitudes, k, sorted=False).values.min()
+    return (magnitudes >= kth).nonzero().squeeze(1)[:k]
+
+
 def floor_dct_select(magnitudes: torch.Tensor, tau: float, k: int,
                      gain: float) -> tuple[torch.Tensor, float]:
-    """dct-dp's selection in plain torch ops: the entries of ``magnitudes >= tau`` (the
-    k largest of them when more pass), and tau for the next call, moved by the density
-    control ``exp(gain (sent / k - 1))`` (a count beyond twice k counting in full, as
-    in ``DCTThreshold``)."""
+    """dct-dp's selection in plain torch ops: the ascending indices of ``magnitudes >= tau``
+    (the k largest of them when more pass), and tau for the next call, moved by the
+    density control ``exp(gain (sent / k - 1))`` (a count beyond twice k counting in
+    full, as in ``DCTThreshold``)."""
     index = (magnitudes >= tau).nonzero().squeeze(1)
     count = index.numel()
     if count > k:
-        index = index[torch.topk(magnitudes[index], k, sorted=False).indices]
+        index = index[floor_largest(magnitudes[index], k)]
     sent = count if count > 2 * k else min(count, k)
     return index, tau * math.exp(gain * (min(sent / k, 16.0) - 1.0))
+
+
+def floor_encode(indices: torch.Tensor, values: torch.Tensor, room: int,
+                 numel: int) -> torch.Tensor:
+    """dct-dp's and topk's default wire format written in plain torch ops, as int32 words:
+    the count; ``room`` 16-bit gaps between the ascending ``indices`` (0 marks a gap of
+    65536 or more, which follows in one of ``numel // 65536 + 1`` int32 slots); ``room``
+    fp32 values. The same bytes as :class:`thinwire.compress.payload.SparseLayout` ``"delta16"``."""
+    gap_words, escapes = (room + 1) // 2, numel // 65536 + 1
+    payload = torch.zeros(1 + gap_words + escapes + room, dtype=torch.int32,
+                          device=values.device)
+    count = indices.numel()
+    payload[0] = count
+    gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
+    wide = gaps > 0xFFFF
+    payload[1: 1 + gap_words].view(torch.int16)[:count] = gaps.masked_fill(wide, 0)
+    wide_gaps = gaps[wide]
+    payload[1 + gap_words: 1 + gap_words + wide_gaps.numel()] = wide_gaps
+    start = 1 + gap_words + escapes
+    payload[start: start + count].view(torch.float32).copy_(values)
+    return payload
+
+
+def floor_decode(row: torch.Tensor, room: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, values)`` of one :func:`floor_encode` payload."""
+    gap_words, escapes = (room + 1) // 2, numel // 65536 + 1
+    count = int(row[0])
+    gaps = row[1: 1 + gap_words].view(torch.int16)[:count].long().bitwise_and_(0xFFFF)
+    wide = gaps == 0
+    gaps[wide] = row[1 + gap_words: 1 + gap_words + int(wide.sum())].long()
+    start = 1 + gap_words + escapes
+    return gaps.cumsum_(0).sub_(1), row[start: start + count].view(torch.float32)
 
 
 def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -146,8 +186,9 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
     of ``|p| >= tau`` (the k largest of them when more pass), ``e`` keeps ``p``
     with those zeroed and tau moves by ``exp(gain (sent / k - 1))`` (a count
     beyond twice the room counting in full, as in ``DCTThreshold``). One
-    all-gather carries every rank's padded indices and values; the mean is
-    decoded into the bucket. The dense part is summed in the same payload.
+    all-gather carries every rank's payload in dct-dp's wire format
+    (:func:`floor_encode`: 16-bit index gaps and values, padded to the room)
+    with the dense part after it; the mean is decoded into the bucket.
     """
     buffer = bucket.buffer()
     world = dist.get_world_size()
@@ -178,27 +219,23 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
         offset += view.numel()
     room = sum(max(1, math.ceil(p.numel() * state.density)) for p in params
                if p.numel() >= state.min_numel)
-    dense_numel = sum(part.numel() for _, part in dense)
-    payload = torch.zeros(2 * room + dense_numel + 1, device=buffer.device)
-    indices = (torch.cat(chosen) if chosen
-               else torch.zeros(0, dtype=torch.int64, device=buffer.device))
-    payload[0] = indices.numel()
-    payload[1: 1 + indices.numel()].view(torch.int32).copy_(indices)
-    payload[1 + room: 1 + room + indices.numel()] = torch.cat(sent) if sent else payload[:0]
-    if dense:
-        payload[1 + 2 * room:] = torch.cat([part for _, part in dense])
+    numel = buffer.numel()
+    empty = torch.zeros(0, dtype=torch.int64, device=buffer.device)
+    sparse = floor_encode(torch.cat(chosen) if chosen else empty,
+                          torch.cat(sent) if sent else buffer[:0], room, numel)
+    payload = torch.cat([sparse, *(part.view(torch.int32) for _, part in dense)])
     gathered = payload.new_empty(world * payload.numel())
     work = dist.all_gather_single(gathered, payload, async_op=True)
 
     def decode(_: torch.futures.Future[Any]) -> torch.Tensor:
         buffer.zero_()
         for row in gathered.view(world, -1):
-            count = int(row[0])
-            index = row[1: 1 + count].view(torch.int32).long()
-            buffer.index_add_(0, index, row[1 + room: 1 + room + count])
-            start = 1 + 2 * room
+            index, values = floor_decode(row, room, numel)
+            buffer.index_add_(0, index, values)
+            start = sparse.numel()
             for at, part in dense:
-                buffer[at: at + part.numel()] += row[start: start + part.numel()]
+                buffer[at: at + part.numel()] += row[start: start + part.numel()].view(
+                    torch.float32)
                 start += part.numel()
         return buffer.div_(world)
 

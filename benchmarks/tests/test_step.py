@@ -16,11 +16,15 @@ from benchmarks.step import (
     VARIANTS,
     FloorState,
     PowerFloorState,
+    floor_decode,
+    floor_encode,
     floor_hook,
+    floor_largest,
     floor_powersgd_hook,
     order,
     summarise,
 )
+from thinwire.compress.payload import SparseLayout
 
 
 def test_rounds_rotate_so_every_variant_leads_once_per_cycle() -> None:
@@ -100,3 +104,25 @@ def test_powersgd_floor_reconstructs_a_gradient_of_rank_below_r(one_rank: None) 
     assert state.error and all(float(e.abs().max()) < 1e-4 for e in state.error.values())
     assert any(float((mine - theirs).detach().abs().max()) > 0  # rounding differs: a real path
                for mine, theirs in zip(model.module.parameters(), reference.parameters()))
+
+
+def test_floor_payload_is_the_bytes_of_the_schemes_delta16_layout() -> None:
+    """The floor packs what dct-dp and topk send by default, byte for byte, and reads it
+    back: gaps of 65536 and more (in their escape slots) included, padding zero."""
+    numel, room = 300_000, 40
+    indices = torch.tensor([0, 7, 70_000, 70_001, 200_000, 299_999])
+    values = torch.randn(indices.numel())
+    payload = floor_encode(indices, values, room, numel)
+    layout = SparseLayout(numel, room, torch.float32, "delta16")
+    assert not layout.uses_bitmap
+    assert torch.equal(payload.view(torch.uint8), layout.encode(indices, values))
+    got, got_values = floor_decode(payload, room, numel)
+    assert torch.equal(got, indices) and torch.equal(got_values, values)
+    nothing, none = floor_decode(floor_encode(indices[:0], values[:0], room, numel), room, numel)
+    assert nothing.numel() == 0 and none.numel() == 0
+
+
+def test_floor_largest_is_topk_in_ascending_order() -> None:
+    magnitudes = torch.rand(5000)
+    chosen = floor_largest(magnitudes, 50)
+    assert torch.equal(chosen, torch.topk(magnitudes, 50).indices.sort().values)
