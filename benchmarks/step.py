@@ -126,8 +126,9 @@ class FloorState:
 
 
 def floor_largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending positions of k largest entries, by ``torch.topk``'s k-th value and a mask
-    (the gap code needs ascending indices; a sort of k indices would cost more)."""
+    """Ascending positions of the k largest entries, by ``torch.topk``'s k-th value and a
+    mask (the gap code needs ascending indices; a sort of k indices would cost more).
+    With ties at the k-th value, the first k positions at or above it."""
     kth = torch.topk(magnitudes, k, sorted=False).values.min()
     return (magnitudes >= kth).nonzero().squeeze(1)[:k]
 
