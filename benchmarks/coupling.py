@@ -79,7 +79,7 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
     model = work.model(seed)
     params = dict(model.named_parameters())
     optimizer = workloads.optimizer(optimizer_name, model.parameters(), lr, momentum)
-    coupled = variant != "plain" and scheme != "dense"
+    coupled = variant not in ("plain", "adam-local") and scheme != "dense"
     memories: list[Memory] = [Estimate() if variant == "ef21" else
                               LowPass(1.0) if scheme == "clt-k" else Residual()
                               for _ in range(workers)]
@@ -92,6 +92,7 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
                 group["betas"] = (0.0, group["betas"][1])
             else:
                 group.update(momentum=0.0, nesterov=False)
+    local = [LocalAdam(optimizer) for _ in range(workers)] if variant == "adam-local" else []
     compressors = [_compressor(scheme, min_numel, scope) for _ in range(workers)]
     infos = [TensorInfo.of(key, param.reshape(-1)) for key, param in params.items()]
     sparse = [info for info in infos if not compressors[0].is_dense(info)]
@@ -115,6 +116,8 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
         density = 0.01
         if variant == "warmup" and step < warmup:
             density = max(0.01, 0.25 ** (1 + 4 * step // warmup))
+        if local:
+            grads = [local[r].directions(grads[r]) for r in range(workers)]
         compensated = [{key: memories[r].compensate(key, grads[r][key]) for key in params}
                        for r in range(workers)]
         totals = {key: torch.zeros_like(param) for key, param in params.items()}
@@ -135,10 +138,51 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
             param.grad = memories[0].settle(key, totals[key] / workers)
             for memory in memories[1:]:  # every rank keeps the same estimate
                 memory.settle(key, totals[key] / workers)
-        optimizer.step()
+        if local:
+            local[0].apply(params)
+        else:
+            optimizer.step()
         if _evaluate(work, model, step, eval_every, reached):
             break
     return reached, dense_bytes / sent_bytes
+
+
+class LocalAdam:
+    """One worker's Adam moments on its own gradients (the ``adam-local`` variant).
+
+    Reads lr, betas, eps and weight decay from the AdamW optimiser the recipe built
+    (its own state is left unused).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        group = optimizer.param_groups[0]
+        if not isinstance(optimizer, torch.optim.AdamW):
+            raise ValueError(f"the adam-local variant needs AdamW, not "
+                             f"{type(optimizer).__name__}")
+        self.lr, self.eps, self.decay = group["lr"], group["eps"], group["weight_decay"]
+        self.beta1, self.beta2 = group["betas"]
+        self.first: dict[str, torch.Tensor] = {}
+        self.second: dict[str, torch.Tensor] = {}
+        self.steps = 0
+
+    def directions(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Advance the moments with ``grads``; Adam's bias-corrected direction per key."""
+        self.steps += 1
+        out = {}
+        for key, grad in grads.items():
+            m = self.first.setdefault(key, torch.zeros_like(grad))
+            v = self.second.setdefault(key, torch.zeros_like(grad))
+            m.mul_(self.beta1).add_(grad, alpha=1 - self.beta1)
+            v.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+            v_hat = v / (1 - self.beta2 ** self.steps)
+            out[key] = m / (1 - self.beta1 ** self.steps) / (v_hat.sqrt() + self.eps)
+        return out
+
+    def apply(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """``w <- w (1 - lr wd) - lr d`` with ``d`` each parameter's ``.grad``."""
+        with torch.no_grad():
+            for param in params.values():
+                param.mul_(1 - self.lr * self.decay).add_(param.grad, alpha=-self.lr)
 
 
 def recipe(workload: str, optimizer_name: str) -> tuple[float, float, int]:
@@ -252,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             recipe(args.workload, name)
     except (KeyError, ValueError) as error:
         parser.error(f"--optimizers {args.optimizers!r}: {error}")
+    if "adam-local" in args.variants.split(",") and args.optimizers != "adamw":
+        parser.error(f"--variants adam-local needs --optimizers adamw, not {args.optimizers!r}")
     own = workloads.load(args.workload).target  # the workload's own, always recorded
     torch.set_num_threads(1)
     runs: list[dict[str, Any]] = []

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 from benchmarks import coupling
 
@@ -49,3 +52,34 @@ def test_tables_name_the_scope_when_it_is_not_the_layer() -> None:
     table = coupling.table({"runs": runs})
     assert "| sgd | topk | coupled, bucket | 15 | 1.50 |" in table
     assert "| sgd | topk | coupled | 20 | 2.00 |" in table
+
+
+def test_local_adam_with_nothing_dropped_is_adamw() -> None:
+    """One worker whose whole direction is applied steps as torch.optim.AdamW does (up to
+    rounding: the division order differs), so the variant changes only what is sent."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(6, 3)
+    mine = copy.deepcopy(reference)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=0.01, betas=(0.9, 0.999))
+    local = coupling.LocalAdam(torch.optim.AdamW(mine.parameters(), lr=0.01,
+                                                 betas=(0.9, 0.999)))
+    params = dict(mine.named_parameters())
+    for _ in range(5):
+        x = torch.randn(4, 6)
+        for net in (reference, mine):
+            net.zero_grad()
+            net(x).square().sum().backward()
+        adamw.step()
+        directions = local.directions({k: p.grad.clone() for k, p in params.items()})
+        for key, param in params.items():
+            param.grad = directions[key]
+        local.apply(params)
+    for a, b in zip(reference.parameters(), mine.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_local_adam_refuses_other_optimisers() -> None:
+    with pytest.raises(ValueError, match="adam-local variant needs AdamW, not SGD"):
+        coupling.LocalAdam(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(SystemExit):
+        coupling.main(["--variants", "adam-local", "--optimizers", "sgd"])
