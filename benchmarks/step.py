@@ -160,8 +160,8 @@ def floor_encode(indices: torch.Tensor, values: torch.Tensor, room: int,
     payload[0] = count
     gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
     wide = gaps > 0xFFFF
-    payload[1: 1 + gap_words].view(torch.int16)[:count] = gaps.masked_fill(wide, 0)
     wide_gaps = gaps[wide]
+    payload[1: 1 + gap_words].view(torch.int16)[:count] = gaps.masked_fill_(wide, 0)
     payload[1 + gap_words: 1 + gap_words + wide_gaps.numel()] = wide_gaps
     start = 1 + gap_words + escapes
     payload[start: start + count].view(torch.float32).copy_(values)
@@ -173,8 +173,7 @@ def floor_decode(row: torch.Tensor, room: int, numel: int) -> tuple[torch.Tensor
     gap_words, escapes = (room + 1) // 2, numel // 65536 + 1
     count = int(row[0])
     gaps = row[1: 1 + gap_words].view(torch.int16)[:count].long().bitwise_and_(0xFFFF)
-    wide = gaps == 0
-    gaps[wide] = row[1 + gap_words: 1 + gap_words + int(wide.sum())].long()
+    gaps.masked_scatter_(gaps == 0, row[1 + gap_words: 1 + gap_words + escapes].long())
     start = 1 + gap_words + escapes
     return gaps.cumsum_(0).sub_(1), row[start: start + count].view(torch.float32)
 
