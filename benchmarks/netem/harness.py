@@ -18,6 +18,7 @@ Everything it creates is removed on exit, Ctrl-C, SIGTERM or failure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -38,7 +39,9 @@ from benchmarks.machine import CpuWatch, cpu_model
 from benchmarks.netem import net
 from benchmarks.netem.anchors import ANCHORS
 from benchmarks.netem.summary import derive, fmt_seconds, median_runs
+from benchmarks.netem.worker import label_of
 from thinwire import schemes
+from thinwire.jobs.common import split_option
 from thinwire.jobs.compare import parse_bandwidth, scheme_config
 from thinwire.jobs.workloads import RECIPES, WORKLOADS, load
 
@@ -77,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated worker counts (default {FULL['workers']})")
     parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                         help="comma-separated; torch-dense, torch-fp16, torch-powersgd are "
-                             "PyTorch's own, the rest thinwire's; 'all' = every one")
+                             "PyTorch's own, the rest thinwire's; 'all' = every one. "
+                             "NAME:KEY=VALUE[:KEY=VALUE] runs a variant of thinwire's "
+                             "scheme NAME under that label, e.g. dct-dp:gather_pieces=4")
     parser.add_argument("--workload", default=DEMO, choices=[DEMO, *sorted(WORKLOADS)],
                         help=f"what the workers train: '{DEMO}' (default), the MLP of --hidden "
                              "and --depth on digits, or a workload of thinwire compare with "
@@ -178,15 +183,22 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                  else [s.strip() for s in args.schemes.split(",") if s.strip()])
     entries, notes = [], []
     options = [f"rank={args.rank}", *args.option]  # an explicit --option KEY=VALUE wins
-    for name in requested:
-        if name in ANCHORS:
+    for label in requested:
+        name, *variant = label.split(":")
+        if name in ANCHORS and not variant:
             entries.append({"name": name, "config": {}})
         elif name in schemes.names():
-            config = scheme_config(name, args.sparsity, args.life_span, options)
+            fields = {f.name for f in dataclasses.fields(schemes.config_class(name))}
+            unknown = sorted(key for key, _ in map(split_option, variant) if key not in fields)
+            if unknown:
+                raise ValueError(f"{label!r}: {name} has no option {', '.join(unknown)} "
+                                 f"(it has {', '.join(sorted(fields))})")
+            config = scheme_config(name, args.sparsity, args.life_span, [*options, *variant])
             schemes.build(name, **config)  # a bad option fails here, before any namespace
-            entries.append({"name": name, "config": config})
+            entries.append({"name": name, "config": config, **({"label": label} if variant
+                                                                 else {})})
         else:
-            notes.append(f"skipping {name!r}: not registered in this build of thinwire "
+            notes.append(f"skipping {label!r}: not registered in this build of thinwire "
                          f"(registered: {', '.join(schemes.names())})")
     return entries, notes
 
@@ -238,7 +250,7 @@ class Launcher:
             done = self._launch(workers, remaining, options, label, progress)
             results += done
             if len(done) < len(remaining):  # the next scheme left no line: it hung or crashed
-                results.append({"scheme": remaining[len(done)]["name"], "status": "failed",
+                results.append({"scheme": label_of(remaining[len(done)]), "status": "failed",
                                 "note": "no result: the workers hung or died (see the logs)"})
                 progress.update(1)
             remaining = remaining[len(done) + 1:]

@@ -88,6 +88,11 @@ class WireMeter:
         return mean(self.start[0], end[0]), mean(self.start[1], end[1])
 
 
+def label_of(entry: dict[str, Any]) -> str:
+    """What a scheme entry's results are filed under: its label (a variant), else its name."""
+    return str(entry.get("label", entry["name"]))
+
+
 def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int) -> Installed:
     """PyTorch's own anchor, or DDP with a thinwire scheme's hook."""
     if entry["name"] in ANCHORS:
@@ -206,7 +211,7 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     first = window.start
     wire_tx, wire_rx = wire.per_step(steps - warmup) if steps > warmup else (None, None)
     return {
-        "scheme": entry["name"],
+        "scheme": label_of(entry),
         "kind": "torch" if entry["name"] in ANCHORS else "thinwire",
         "config": entry["config"],
         "status": status,
@@ -256,11 +261,11 @@ def main() -> int:
     lines = args.out / "results.jsonl"
     try:
         for entry in spec["schemes"]:
-            print(f"rank {args.rank}: {entry['name']}", flush=True)
+            print(f"rank {args.rank}: {label_of(entry)}", flush=True)
             try:
                 result = train(entry, options)
             except Exception as error:  # noqa: BLE001  (reported, then this launch ends)
-                result = {"scheme": entry["name"], "status": "failed",
+                result = {"scheme": label_of(entry), "status": "failed",
                           "note": f"{type(error).__name__}: {error}"}
                 print(result["note"], file=sys.stderr, flush=True)
             if args.rank == 0:

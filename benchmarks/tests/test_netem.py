@@ -21,7 +21,7 @@ from benchmarks.machine import CpuWatch, busy_seconds
 from benchmarks.netem import harness, net
 from benchmarks.netem.anchors import ANCHORS, powersgd_bytes
 from benchmarks.netem.summary import derive, floor_s, median_runs, same_trajectory, speedups
-from benchmarks.netem.worker import WireMeter, shaper_bytes, task, train, window_traffic
+from benchmarks.netem.worker import WireMeter, label_of, shaper_bytes, task, train, window_traffic
 from thinwire import schemes
 from thinwire.comm import Meter
 from thinwire.launch import spawn
@@ -184,6 +184,19 @@ def test_unregistered_schemes_are_skipped_with_a_note() -> None:
     assert [e["name"] for e in every] == [*ANCHORS, *schemes.names()]  # new ones join as is
     with pytest.raises(ValueError, match="sparsity="):  # bad options fail before any namespace
         harness.plan(_args("--schemes", "dct-dp", "--sparsity", "1.5"))
+
+
+def test_a_variant_runs_a_scheme_with_its_own_options_under_its_label() -> None:
+    entries, _ = harness.plan(_args("--schemes", "dct-dp,dct-dp:gather_pieces=4:life_span=9",
+                                    "--option", "life_span=7"))
+    assert [label_of(e) for e in entries] == ["dct-dp", "dct-dp:gather_pieces=4:life_span=9"]
+    assert [e["name"] for e in entries] == ["dct-dp", "dct-dp"]
+    assert entries[0]["config"]["life_span"] == 7 and "gather_pieces" not in entries[0]["config"]
+    assert entries[1]["config"]["gather_pieces"] == 4 and entries[1]["config"]["life_span"] == 9
+    with pytest.raises(ValueError, match="no option piecez"):  # a typo is not ignored
+        harness.plan(_args("--schemes", "dct-dp:piecez=4"))
+    with pytest.raises(ValueError, match="gather_pieces=0"):
+        harness.plan(_args("--schemes", "topk:gather_pieces=0"))
 
 
 # Floors and projections ---------------------------------------------------------------------

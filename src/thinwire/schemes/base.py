@@ -12,7 +12,14 @@ from typing import Any
 import torch
 
 from thinwire.comm import Meter, all_reduce_mean, world
-from thinwire.comm.collectives import Future, Group, all_gather_fixed, done, split_flat
+from thinwire.comm.collectives import (
+    Future,
+    Group,
+    all_gather_fixed,
+    done,
+    split_flat,
+    validate_pieces,
+)
 from thinwire.compress import Compressor, Dense, DensePayload, Payload, Sparsifier, TensorInfo
 from thinwire.compress import decode as decode_payload
 from thinwire.compress.payload import SparseLayout, layout_segments
@@ -111,14 +118,18 @@ class CompressedScheme(Scheme):
         compressor: the codec applied to each tensor.
         memory: error feedback, or None for none.
         nonfinite: ``"raise"`` or ``"skip"`` (see :func:`thinwire.feedback.all_finite`).
+        gather_pieces: all-gathers the sparse payload is split into
+            (:func:`~thinwire.comm.collectives.all_gather_fixed`).
     """
 
     def __init__(self, compressor: Compressor, memory: Memory | None = None,
-                 nonfinite: str = "raise") -> None:
+                 nonfinite: str = "raise", gather_pieces: int = 1) -> None:
         super().__init__()
+        validate_pieces(gather_pieces)
         self.compressor = compressor
         self.memory = memory
         self.nonfinite = nonfinite
+        self.gather_pieces = gather_pieces
         self._scratch: torch.Tensor | None = None  # |p|, reused across launches
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
@@ -286,7 +297,8 @@ class CompressedScheme(Scheme):
         values = torch.cat(sent)
         segments = layout_segments(layout, [(info.key, local.numel())
                                             for info, local in zip(sparse, chosen)])
-        future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments)
+        future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments,
+                                  pieces=self.gather_pieces)
         return future.then(lambda f: (layout, f.value()))
 
     @staticmethod
