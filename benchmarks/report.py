@@ -125,8 +125,11 @@ def netem_section(record: dict[str, Any], source: Path, figures: Path, docs: Pat
               + (f"{checks[rate] / 1e6:.1f} Mbit/s ({checks[rate] / t['rate_bps']:.3f} of the "
                  "rate)" if rate in checks else "-") + " |"
               for rate, t in record["tbf"].items()]
+    congestion = record.get("tcp_congestion_control")
     lines += ["", f"A perfect link carries {1 / FRAME_OVERHEAD:.3f} of its rate as TCP payload "
-              "(1448 bytes per 1514-byte frame)." + drops_sentence(record), ""]
+              "(1448 bytes per 1514-byte frame)." + drops_sentence(record)
+              + (f" The workers' TCP congestion control: {congestion} (the machine's default)."
+                 if congestion else ""), ""]
     lines.append("")
     for note in record.get("notes", []):
         lines.append(f"- Note: {note}")

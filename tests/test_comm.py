@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm import Meter, all_gather_bytes
-from thinwire.comm.collectives import all_gather_fixed, piece_bounds
 from thinwire.comm.fingerprint import check_peers, describe, digest, flatten
 from thinwire.comm.meter import TRAFFIC
 from thinwire.compress import SparsePayload
@@ -86,27 +85,11 @@ def _gather_payloads(rank: int, world_size: int) -> tuple[list[bytes], list[int]
                                                                           ["total"])
 
 
-def _gather_in_pieces(rank: int, world_size: int) -> dict[int, tuple[list[bytes], float]]:
-    """One 1,001-byte payload per rank, gathered whole and in 2, 7 and 5,000 pieces."""
-    payload = torch.randint(0, 256, (1001,), dtype=torch.uint8,
-                            generator=torch.Generator().manual_seed(rank))
-    out = {}
-    for pieces in (1, 2, 7, 5000):
-        meter = Meter(rank, world_size)
-        rows = all_gather_fixed(payload, meter=meter, segments=[("w", 1001)],
-                                pieces=pieces).wait()
-        meter.next_step()
-        out[pieces] = ([bytes(row.numpy()) for row in rows],
-                       float(meter.bytes_per_step()["total"]))
-    return out
-
-
 def _all(rank: int, world_size: int) -> dict[str, Any]:
     """Every multi-process case in one spawn of three ranks; the scheme cases run on a
     group of ranks 0 and 1."""
     pair = dist.new_group([0, 1])
     return {"gather": _gather_payloads(rank, world_size),
-            "pieces": _gather_in_pieces(rank, world_size),
             **{name: _reduce_with_scheme(rank, name, pair) if rank < 2 else None
                for name in SCHEMES}}
 
@@ -141,30 +124,7 @@ def test_sparse_all_gather_reconstructs_the_exact_sum(runs: list[dict[str, Any]]
         assert torch.equal(total, expected)
 
 
-def test_a_payload_gathered_in_pieces_is_the_same_bytes_on_every_rank(
-        runs: list[dict[str, Any]]) -> None:
-    expected = [bytes(torch.randint(0, 256, (1001,), dtype=torch.uint8,
-                                    generator=torch.Generator().manual_seed(rank)).numpy())
-                for rank in range(3)]
-    for run in runs:
-        for pieces, (rows, handed) in run["pieces"].items():
-            assert rows == expected, f"pieces={pieces}"
-            assert handed == 1001  # the meter counts the payload, whatever the pieces
-
-
-def test_piece_bounds_cover_the_payload_in_near_equal_parts() -> None:
-    assert piece_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
-    assert piece_bounds(10, 1) == [(0, 10)]
-    assert piece_bounds(2, 5) == [(0, 1), (1, 2)]  # never an empty piece
-    assert piece_bounds(0, 3) == [(0, 0)]  # an empty payload is still one collective
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="gather_pieces"):
-            piece_bounds(10, bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="gather_pieces=0"):
-        build("dct-dp", gather_pieces=0)
-
-
-SCHEMES = ("dense", "dct-dp", "dct-dp-pieces")
+SCHEMES = ("dense", "dct-dp")
 
 
 def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
@@ -175,10 +135,7 @@ def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
              "b": torch.randn(8, generator=generator, dtype=torch.float64)}
     options = {"sparsity": 0.9, "life_span": 1, "min_numel": 0, "capacity": 1.25,
                "scope": "layer"}
-    if name == "dct-dp-pieces":  # the same exchange, in three all-gathers
-        scheme = build("dct-dp", **options, gather_pieces=3)
-    else:
-        scheme = build(name, **options) if name == "dct-dp" else build(name)
+    scheme = build(name, **options) if name == "dct-dp" else build(name)
     scheme.meter = Meter(rank, 2)
     out = scheme.reduce(grads, group)
     scheme.meter.next_step()

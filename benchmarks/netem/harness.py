@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated; torch-dense, torch-fp16, torch-powersgd are "
                              "PyTorch's own, the rest thinwire's; 'all' = every one. "
                              "NAME:KEY=VALUE[:KEY=VALUE] runs a variant of thinwire's "
-                             "scheme NAME under that label, e.g. dct-dp:gather_pieces=4")
+                             "scheme NAME under that label, e.g. dct-dp:scope=bucket")
     parser.add_argument("--workload", default=DEMO, choices=[DEMO, *sorted(WORKLOADS)],
                         help=f"what the workers train: '{DEMO}' (default), the MLP of --hidden "
                              "and --depth on digits, or a workload of thinwire compare with "
@@ -431,6 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     try:
         topology.build()
+        record["tcp_congestion_control"] = topology.congestion_control()
         with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
             for index, (rate, rate_bps) in enumerate(zip(args.rate_list, args.rate_bps)):
                 # The first rate's runs establish the steps to target: give them longer.

@@ -123,6 +123,11 @@ def shape_commands(prefix: str, workers: int, rate_bps: float) -> list[list[str]
     return commands
 
 
+def congestion_control_command(namespace: str) -> list[str]:
+    """Reads ``net.ipv4.tcp_congestion_control`` inside ``namespace``."""
+    return ["ip", "netns", "exec", namespace, "cat", "/proc/sys/net/ipv4/tcp_congestion_control"]
+
+
 def teardown_commands(namespaces: Sequence[str]) -> list[list[str]]:
     """Delete ``namespaces`` (workers first; their veths go with them)."""
     return [["ip", "netns", "del", ns] for ns in sorted(namespaces, key=lambda n: n.endswith(
@@ -192,6 +197,11 @@ class Topology:
 
     def namespace(self, rank: int) -> str:
         return names(self.prefix, self.workers)[1][rank]
+
+    def congestion_control(self) -> str:
+        """The TCP congestion control the workers' sockets use (a new namespace takes the
+        machine's default; it shapes how a flow restarts after a step's compute)."""
+        return run(congestion_control_command(self.namespace(0))).strip()
 
     def qdisc_stats(self) -> dict[str, dict[str, int]]:
         """Sent bytes, drops and overlimits of every shaped link direction."""

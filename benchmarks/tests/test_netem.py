@@ -130,6 +130,12 @@ def test_every_link_is_shaped_in_both_directions() -> None:
         assert command[command.index("rate") + 1] == "100000000bit"
 
 
+def test_the_congestion_control_is_read_inside_a_worker_namespace() -> None:
+    assert net.congestion_control_command(f"{PREFIX}-w0") == [
+        "ip", "netns", "exec", f"{PREFIX}-w0", "cat",
+        "/proc/sys/net/ipv4/tcp_congestion_control"]
+
+
 def test_teardown_deletes_workers_before_the_bridge() -> None:
     created = [f"{PREFIX}-br", f"{PREFIX}-w0", f"{PREFIX}-w1"]
     assert net.teardown_commands(created) == [
@@ -187,16 +193,16 @@ def test_unregistered_schemes_are_skipped_with_a_note() -> None:
 
 
 def test_a_variant_runs_a_scheme_with_its_own_options_under_its_label() -> None:
-    entries, _ = harness.plan(_args("--schemes", "dct-dp,dct-dp:gather_pieces=4:life_span=9",
+    entries, _ = harness.plan(_args("--schemes", "dct-dp,dct-dp:capacity=1.5:life_span=9",
                                     "--option", "life_span=7"))
-    assert [label_of(e) for e in entries] == ["dct-dp", "dct-dp:gather_pieces=4:life_span=9"]
+    assert [label_of(e) for e in entries] == ["dct-dp", "dct-dp:capacity=1.5:life_span=9"]
     assert [e["name"] for e in entries] == ["dct-dp", "dct-dp"]
-    assert entries[0]["config"]["life_span"] == 7 and "gather_pieces" not in entries[0]["config"]
-    assert entries[1]["config"]["gather_pieces"] == 4 and entries[1]["config"]["life_span"] == 9
-    with pytest.raises(ValueError, match="no option piecez"):  # a typo is not ignored
-        harness.plan(_args("--schemes", "dct-dp:piecez=4"))
-    with pytest.raises(ValueError, match="gather_pieces=0"):
-        harness.plan(_args("--schemes", "topk:gather_pieces=0"))
+    assert entries[0]["config"]["life_span"] == 7 and "capacity" not in entries[0]["config"]
+    assert entries[1]["config"]["capacity"] == 1.5 and entries[1]["config"]["life_span"] == 9
+    with pytest.raises(ValueError, match="no option capacityy"):  # a typo is not ignored
+        harness.plan(_args("--schemes", "dct-dp:capacityy=4"))
+    with pytest.raises(ValueError, match="capacity=0.5"):
+        harness.plan(_args("--schemes", "dct-dp:capacity=0.5"))
 
 
 # Floors and projections ---------------------------------------------------------------------
@@ -353,7 +359,7 @@ def _netem_record(load: float) -> dict[str, Any]:
             "sparsity": 0.99, "life_span": 100, "rates": ["1gbit", "100mbit"], "workers": [2],
             "notes": ["skipping 'clt-k': not registered in this build of thinwire"],
             "tbf": {"1gbit": vars(net.tbf_for(1e9)), "100mbit": vars(net.tbf_for(1e8))},
-            "link_check": {"100mbit": 95.6e6},
+            "link_check": {"100mbit": 95.6e6}, "tcp_congestion_control": "cubic",
             "qdisc": {"1gbit-2w": {"a:eth0": {"bytes": 10, "drops": 0, "overlimits": 1}},
                       "100mbit-2w": {"a:eth0": {"bytes": 10, "drops": 3, "overlimits": 1}}},
             "runs": derive(_runs()) + [{"scheme": "torch-powersgd", "status": "failed",
@@ -390,6 +396,7 @@ def test_report_renders_tables_and_figures_from_results_files(tmp_path: Path) ->
     assert "thresholds recomputed on 2 %" in page  # 6 of 2 tensors x 200 steps
     assert "| 100mbit | 12,500 | 1,262,500 | 95.6 Mbit/s (0.956 of the rate) |" in page
     assert "Packets the shapers dropped: 1gbit-2w 0, 100mbit-2w 3." in page
+    assert "The workers' TCP congestion control: cubic (the machine's default)." in page
     assert "torch-powersgd at 1gbit, 2 workers: failed (no result)" in page
     assert "skipping 'clt-k'" in page
     assert "| scheme clt-k | 12.00 (1.20x) |" in page

@@ -9,7 +9,6 @@ deadlocks on gloo.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,7 +96,7 @@ def all_gather_bytes(payload: torch.Tensor, group: Group = None,
 
 def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | None = None,
                      segments: Sequence[tuple[str, int]] = (),
-                     entity: str = "W_grad", pieces: int = 1) -> Future[Any]:
+                     entity: str = "W_grad") -> Future[Any]:
     """All-gather uint8 buffers of the same length on every rank, in one round.
 
     For payloads of a fixed capacity (:class:`thinwire.compress.SparseLayout`)
@@ -106,13 +105,6 @@ def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | 
     Args:
         segments: ``(layer, nbytes)`` parts of ``payload`` recorded by the meter;
             they should add up to its length (padding included).
-        pieces: split the payload into this many all-gathers of near-equal
-            length, all launched at once (the bytes are the same). Between two
-            ranks on gloo this shortens a wait: gloo's ring all-gather sends a
-            rank's data before it tells its peer it is ready to receive, and with
-            two ranks both go over the one TCP connection, so the rank that
-            arrives second has its notice queued behind its own first half and
-            receives that much later. Each piece costs a collective's latency.
 
     Returns:
         A future holding the list of each rank's buffer (views of one tensor).
@@ -123,38 +115,11 @@ def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | 
             meter.record(entity, layer, "all_gather", nbytes, world_size=n)
     if n == 1:
         return done([payload])
-    rows = torch.empty(n, payload.numel(), dtype=torch.uint8, device=payload.device)
-    bounds = piece_bounds(payload.numel(), pieces)
-    if len(bounds) == 1:
-        work = dist.all_gather_single(rows.view(-1), payload, group=group, async_op=True)
-        assert work is not None
-        future: Future[Any] = work.get_future()
-    else:  # each rank's row, sliced, is contiguous: the pieces land in place
-        works = [dist.all_gather(list(rows[:, start:stop]), payload[start:stop], group=group,
-                                 async_op=True) for start, stop in bounds]
-        future = torch.futures.collect_all([work.get_future() for work in works
-                                            if work is not None])
-    result: Future[Any] = future.then(lambda _: list(rows))
+    gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
+    work = dist.all_gather_single(gathered, payload, group=group, async_op=True)
+    assert work is not None
+    result: Future[Any] = work.get_future().then(lambda _: list(gathered.view(n, -1)))
     return result
-
-
-def piece_bounds(numel: int, pieces: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of ``min(pieces, numel)`` near-equal consecutive parts (at least one).
-
-    Raises:
-        ValueError: ``pieces`` is not an integer >= 1.
-    """
-    validate_pieces(pieces)
-    count = max(1, min(pieces, numel))
-    size, extra = divmod(numel, count)
-    stops = list(itertools.accumulate(size + (i < extra) for i in range(count)))
-    return list(zip([0, *stops[:-1]], stops))
-
-
-def validate_pieces(pieces: int) -> None:
-    """Raise ``ValueError`` unless ``pieces`` is an integer >= 1."""
-    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
-        raise ValueError(f"gather_pieces={pieces!r} must be an integer >= 1")
 
 
 def split_flat(flat: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:

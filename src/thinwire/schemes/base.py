@@ -12,14 +12,7 @@ from typing import Any
 import torch
 
 from thinwire.comm import Meter, all_reduce_mean, world
-from thinwire.comm.collectives import (
-    Future,
-    Group,
-    all_gather_fixed,
-    done,
-    split_flat,
-    validate_pieces,
-)
+from thinwire.comm.collectives import Future, Group, all_gather_fixed, done, split_flat
 from thinwire.compress import Compressor, Dense, DensePayload, Payload, Sparsifier, TensorInfo
 from thinwire.compress import decode as decode_payload
 from thinwire.compress.payload import SparseLayout, layout_segments
@@ -118,18 +111,14 @@ class CompressedScheme(Scheme):
         compressor: the codec applied to each tensor.
         memory: error feedback, or None for none.
         nonfinite: ``"raise"`` or ``"skip"`` (see :func:`thinwire.feedback.all_finite`).
-        gather_pieces: all-gathers the sparse payload is split into
-            (:func:`~thinwire.comm.collectives.all_gather_fixed`).
     """
 
     def __init__(self, compressor: Compressor, memory: Memory | None = None,
-                 nonfinite: str = "raise", gather_pieces: int = 1) -> None:
+                 nonfinite: str = "raise") -> None:
         super().__init__()
-        validate_pieces(gather_pieces)
         self.compressor = compressor
         self.memory = memory
         self.nonfinite = nonfinite
-        self.gather_pieces = gather_pieces
         self._scratch: torch.Tensor | None = None  # |p|, reused across launches
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
@@ -297,8 +286,7 @@ class CompressedScheme(Scheme):
         values = torch.cat(sent)
         segments = layout_segments(layout, [(info.key, local.numel())
                                             for info, local in zip(sparse, chosen)])
-        future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments,
-                                  pieces=self.gather_pieces)
+        future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments)
         return future.then(lambda f: (layout, f.value()))
 
     @staticmethod

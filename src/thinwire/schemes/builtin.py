@@ -33,7 +33,6 @@ class TopKConfig:
     indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
     error_feedback: bool = True  # keep what was not sent for the next step
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
-    gather_pieces: int = 1  # all-gathers the sparse payload is split into (slow 2-rank gloo)
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
     def __post_init__(self) -> None:
@@ -52,7 +51,6 @@ class DCTConfig:
     indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
     drain_every: int | None = None  # stochastic drain period of the error buffer
     capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
-    gather_pieces: int = 1  # all-gathers the sparse payload is split into (slow 2-rank gloo)
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     include: tuple[str, ...] = ()  # fnmatch patterns of parameters to compress; others dense
     scope: str = "layer"  # "layer": tau per tensor (Alg. 1); "bucket": one tau over the bucket
@@ -81,7 +79,6 @@ class LaplaceConfig:
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
-    gather_pieces: int = 1  # all-gathers the sparse payload is split into (slow 2-rank gloo)
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
     def __post_init__(self) -> None:
@@ -105,7 +102,7 @@ def _topk(config: TopKConfig) -> Scheme:
     compressor = TopK(config.ratio, min_numel=config.min_numel, values=config.values,
                       indices=config.indices, scope=config.scope)
     memory = Residual() if config.error_feedback else None
-    return CompressedScheme(compressor, memory, config.nonfinite, config.gather_pieces)
+    return CompressedScheme(compressor, memory, config.nonfinite)
 
 
 @register("dct-dp", DCTConfig)
@@ -115,8 +112,7 @@ def _dct_dp(config: DCTConfig) -> Scheme:
                               values=config.values, capacity=config.capacity,
                               indices=config.indices, include=config.include,
                               scope=config.scope)
-    return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite,
-                            config.gather_pieces)
+    return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
 
 
 @register("laplace", LaplaceConfig)
@@ -124,4 +120,4 @@ def _laplace(config: LaplaceConfig) -> Scheme:
     compressor = LaplaceThreshold(config.sparsity, min_numel=config.min_numel,
                                   values=config.values, capacity=config.capacity,
                                   indices=config.indices)
-    return CompressedScheme(compressor, Residual(), config.nonfinite, config.gather_pieces)
+    return CompressedScheme(compressor, Residual(), config.nonfinite)

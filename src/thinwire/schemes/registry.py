@@ -7,7 +7,6 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from thinwire.comm.collectives import validate_pieces
 from thinwire.compress.base import check_fraction
 from thinwire.compress.sparse import SCOPES
 from thinwire.feedback import check_policy
@@ -89,8 +88,6 @@ def validate_common(config: Any) -> None:
         raise ValueError(f"values={config.values!r} must be 'fp32' or 'fp16'")
     if hasattr(config, "indices") and config.indices not in ("int32", "delta16"):
         raise ValueError(f"indices={config.indices!r} must be 'int32' or 'delta16'")
-    if hasattr(config, "gather_pieces"):
-        validate_pieces(config.gather_pieces)
     if hasattr(config, "scope") and config.scope not in SCOPES:
         raise ValueError(f"scope={config.scope!r} must be one of {SCOPES}")
 
