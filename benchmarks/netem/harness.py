@@ -185,7 +185,9 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     options = [f"rank={args.rank}", *args.option]  # an explicit --option KEY=VALUE wins
     for label in requested:
         name, *variant = label.split(":")
-        if name in ANCHORS and not variant:
+        if name in ANCHORS:
+            if variant:
+                raise ValueError(f"{label!r}: PyTorch's {name} takes no options")
             entries.append({"name": name, "config": {}})
         elif name in schemes.names():
             fields = {f.name for f in dataclasses.fields(schemes.config_class(name))}

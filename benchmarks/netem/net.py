@@ -200,7 +200,7 @@ class Topology:
 
     def congestion_control(self) -> str:
         """The TCP congestion control the workers' sockets use (a new namespace takes the
-        machine's default; it shapes how a flow restarts after a step's compute)."""
+        machine's default)."""
         return run(congestion_control_command(self.namespace(0))).strip()
 
     def qdisc_stats(self) -> dict[str, dict[str, int]]:

@@ -203,6 +203,8 @@ def test_a_variant_runs_a_scheme_with_its_own_options_under_its_label() -> None:
         harness.plan(_args("--schemes", "dct-dp:capacityy=4"))
     with pytest.raises(ValueError, match="capacity=0.5"):
         harness.plan(_args("--schemes", "dct-dp:capacity=0.5"))
+    with pytest.raises(ValueError, match="takes no options"):
+        harness.plan(_args("--schemes", "torch-powersgd:rank=4"))
 
 
 # Floors and projections ---------------------------------------------------------------------
