@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from thinwire.comm import Meter, all_gather_bytes
 from thinwire.comm.fingerprint import check_peers, describe, digest, flatten
+from thinwire.comm.lowrank_rounds import TwoRounds
 from thinwire.comm.meter import TRAFFIC
 from thinwire.compress import SparsePayload
 from thinwire.launch import spawn
@@ -186,3 +187,34 @@ def test_fingerprint_fields_flatten_and_a_mismatch_names_each_differing_field() 
 
 def test_peer_check_is_a_no_op_in_one_process() -> None:
     check_peers({"scheme": "anything"}, "the DDP hook")
+
+
+def test_two_rounds_leave_a_launch_pending_until_the_steps_last() -> None:
+    rounds, calls = TwoRounds(), []
+
+    def second(tag: str):  # type: ignore[no-untyped-def]
+        def make(mean: torch.Tensor) -> torch.Tensor:
+            calls.append(tag)
+            return mean * 10
+        return make
+
+    a = rounds.launch(torch.ones(2), second("a"), last=False)
+    assert not a.done() and calls == []  # round 1 of "a" may still be on the wire
+    b = rounds.launch(torch.full((3,), 2.0), second("b"), last=True)
+    assert calls == ["a", "b"]  # "a"'s round 2 started before "b"'s round 1 was waited on
+    assert torch.equal(a.wait(), torch.full((2,), 10.0))
+    assert torch.equal(b.wait(), torch.full((3,), 20.0))
+    rounds.flush()  # nothing pending: a no-op
+
+
+def test_two_rounds_hand_a_failure_to_the_pending_launchs_future() -> None:
+    rounds = TwoRounds()
+
+    def broken(mean: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("orthonormalisation failed")
+
+    pending = rounds.launch(torch.ones(2), broken, last=False)
+    with pytest.raises(RuntimeError, match="orthonormalisation failed"):
+        rounds.launch(torch.ones(2), lambda mean: mean, last=True)
+    with pytest.raises(RuntimeError, match="orthonormalisation failed"):
+        pending.wait()

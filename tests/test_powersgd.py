@@ -287,11 +287,13 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, object]:
     wrapped = DistributedDataParallel(model, bucket_cap_mb=0.001, find_unused_parameters=True)
     scheme = schemes.build("powersgd", rank=2, start_iter=START_ITER, seed=3)
     launches: list[list[str]] = []
+    lasts: list[bool] = []
     launch = scheme.launch_flat
 
-    def counted(buffer, infos, group=None):  # type: ignore[no-untyped-def]
+    def counted(buffer, infos, group=None, *, last=True):  # type: ignore[no-untyped-def]
         launches.append([info.key for info in infos])
-        return launch(buffer, infos, group)
+        lasts.append(last)
+        return launch(buffer, infos, group, last=last)
 
     scheme.launch_flat = counted  # type: ignore[method-assign]
     meter = Meter(rank, world_size)
@@ -309,7 +311,7 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, object]:
     shared = _matrix_of_rank(2, 30, 2, seed=9)
     mine = _matrix_of_rank(20, 2, 2, seed=rank) @ shared
     exact = schemes.build("powersgd", rank=2).reduce({"w": mine})["w"]
-    return {"grads": grads, "launches": launches, "exact": exact,
+    return {"grads": grads, "launches": launches, "lasts": lasts, "exact": exact,
             "bytes": meter.summary(), "replica": _replica_run(rank)}
 
 
@@ -322,6 +324,8 @@ def test_ddp_with_several_buckets_on_gloo_completes(ddp_runs: list[dict[str, obj
     for run in ddp_runs:
         launches = run["launches"]
         assert len(launches) > STEPS  # more than one bucket per step
+        # every bucket but the step's last leaves its P round on the wire until the next
+        assert run["lasts"].count(True) == STEPS and run["lasts"][-1]
         assert sorted(sum(launches, [])) == sorted(list(dict(_model().named_parameters())) * STEPS)
         assert run["bytes"]["steps"] == STEPS and run["bytes"]["bytes_sent_per_step"] > 0
 

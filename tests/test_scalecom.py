@@ -371,9 +371,9 @@ def _ddp_run(rank: int, group: dist.ProcessGroup | None, scope: str
     launches: list[int] = []
     launch_flat = scheme.launch_flat
 
-    def counted(buffer, infos, group=None):  # type: ignore[no-untyped-def]
+    def counted(buffer, infos, group=None, **options):  # type: ignore[no-untyped-def]
         launches.append(len(infos))
-        return launch_flat(buffer, infos, group)
+        return launch_flat(buffer, infos, group, **options)
 
     scheme.launch_flat = counted  # type: ignore[method-assign]
     ddp.register(wrapped, scheme)

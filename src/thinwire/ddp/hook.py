@@ -48,7 +48,8 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     agree(state, buffer.device)  # a no-op after register; here for hook_state's users
     infos = [TensorInfo(state.names[id(p)], tuple(p.shape), p.dtype, "W_grad", p.device)
              for p in bucket.parameters()]
-    future: Future[Any] = state.scheme.launch_flat(buffer, infos, state.group)
+    future: Future[Any] = state.scheme.launch_flat(buffer, infos, state.group,
+                                                   last=bucket.is_last())
     return future
 
 

@@ -52,11 +52,17 @@ class Scheme(ABC):
         return result
 
     def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
-                    group: Group = None) -> Future[Any]:
+                    group: Group = None, *, last: bool = True) -> Future[Any]:
         """Average the tensors laid out back to back in the 1-D ``buffer`` (a DDP bucket).
 
         This default splits ``buffer`` into views, runs :meth:`launch` on them
         and copies the results back; schemes with a flat engine override it.
+
+        Args:
+            last: whether this is the step's last launch (DDP's last bucket). A
+                scheme with dependent rounds may leave a launch that is not the
+                last waiting for its first round until the next launch; its future
+                then completes once a launch with ``last`` has run.
 
         Returns:
             A future holding ``buffer``, overwritten with the mean over ranks.
@@ -151,13 +157,14 @@ class CompressedScheme(Scheme):
         return scratch[: buffer.numel()]
 
     def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
-                    group: Group = None) -> Future[Any]:
+                    group: Group = None, *, last: bool = True) -> Future[Any]:
         """Average ``infos``' tensors, laid out back to back in the 1-D ``buffer``.
 
         Args:
             buffer: the gradients, flat; modified in place and returned holding
                 the mean over ranks.
             infos: the tensors of ``buffer`` in order (key, shape, dtype, device).
+            last: unused (one round, nothing deferred).
 
         Returns:
             A future holding ``buffer``.

@@ -1,16 +1,17 @@
 """PowerSGD (Vogels et al., NeurIPS 2019) as a scheme: two all-reduce rounds, gloo-safe.
 
 Per parameter (never per bucket, so DDP's re-bucketing cannot mix up state):
-``M = grad + error`` as a matrix, ``P = M Q``, all-reduce P (blocking, in the
-caller's thread), ``P_hat = orthonormalize(P)``, ``Q = M^T P_hat``,
-all-reduce Q together with the dense tensors (the only asynchronous round),
-``G_hat = P_hat Q^T``, ``error <- M - G_hat``. Through the DDP hook the
+``M = grad + error`` as a matrix, ``P = M Q``, all-reduce P,
+``P_hat = orthonormalize(P)``, ``Q = M^T P_hat``, all-reduce Q together with
+the dense tensors, ``G_hat = P_hat Q^T``, ``error <- M - G_hat``. P is waited
+for in the caller's thread: at once for the step's last DDP bucket, else at
+the next bucket's launch, so the backward pass runs while P is on the wire. Through the DDP hook the
 error buffer holds ``M`` in place and ``G_hat`` is written straight into the
 bucket; the callback does elementwise maths only, so replicas stay bit
 identical whatever thread runs it. Before ``start_iter``, and for
 tensors that do not compress (1-D, or ``(n + m) r >= n m / 2``), gradients
 are all-reduced dense. The maths is :mod:`thinwire.compress.powersgd`; the
-rounds are :func:`thinwire.comm.lowrank_rounds.two_round_all_reduce`.
+rounds are :class:`thinwire.comm.lowrank_rounds.TwoRounds`.
 
 No collective is ever issued or waited on inside a future callback, so it
 works through the DDP hook with any number of buckets on gloo, where torch
@@ -29,7 +30,7 @@ import torch
 
 from thinwire.comm import done, world
 from thinwire.comm.collectives import Future, Group, split_flat
-from thinwire.comm.lowrank_rounds import two_round_all_reduce
+from thinwire.comm.lowrank_rounds import TwoRounds
 from thinwire.compress import TensorInfo
 from thinwire.compress.powersgd import PowerSGD, as_matrix, orthonormalize, right
 from thinwire.feedback import Residual, all_finite
@@ -79,6 +80,7 @@ class PowerSGDScheme(Scheme):
         self.codec = PowerSGD(config.rank, warm_start=config.warm_start, seed=config.seed)
         self.memory = Residual() if config.error_feedback else None
         self.steps: dict[str, int] = {}  # key -> launches so far
+        self.rounds = TwoRounds()  # holds at most one bucket whose Q round waits for its P
 
     def low_rank(self, shape: tuple[int, ...], step: int) -> bool:
         """Whether a tensor of ``shape`` is compressed at ``step`` (the same on every rank)."""
@@ -88,17 +90,22 @@ class PowerSGDScheme(Scheme):
         """Average ``grads`` (not modified) with PowerSGD; the future holds a dict."""
         if not grads:
             return done({})
-        return self._launch(grads, group, None)
+        return self._launch(grads, group, None, last=True)
 
     def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
-                    group: Group = None) -> Future[Any]:
-        """Average a flat buffer (a DDP bucket) in place; ``G_hat`` is written straight into it."""
+                    group: Group = None, *, last: bool = True) -> Future[Any]:
+        """Average a flat buffer (a DDP bucket) in place; ``G_hat`` is written straight into it.
+
+        Without ``last``, the P round is waited for at the next launch (see
+        :class:`~thinwire.comm.lowrank_rounds.TwoRounds`): the returned future
+        completes only after a later launch with ``last``.
+        """
         views = split_flat(buffer, [info.numel for info in infos])
         grads = {info.key: view.view(info.shape) for info, view in zip(infos, views)}
-        return self._launch(grads, group, buffer)
+        return self._launch(grads, group, buffer, last)
 
     def _launch(self, grads: Mapping[str, torch.Tensor], group: Group,
-                buffer: torch.Tensor | None) -> Future[Any]:
+                buffer: torch.Tensor | None, last: bool) -> Future[Any]:
         """Both front ends: with ``buffer``, ``grads`` are views of it and receive the mean."""
         start = time.perf_counter()
         _, n = world(group)
@@ -148,8 +155,8 @@ class PowerSGDScheme(Scheme):
             return _fresh_flat(parts, dtype, device)
 
         size = dtype.itemsize
-        future = two_round_all_reduce(
-            first, second, group=group, meter=self.meter,
+        future = self.rounds.launch(
+            first, second, last=last, group=group, meter=self.meter,
             first_segments=[(key, matrices[key].shape[0] * rank * size) for key in low],
             second_segments=[(key, matrices[key].shape[1] * rank * size) for key in low]
             + [(key, grads[key].numel() * size) for key in dense])

@@ -272,7 +272,7 @@ class CyclicLocalTopK(_SelectedTopK):
         return future.then(scatter)
 
     def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
-                    group: Group = None) -> Future[Any]:
+                    group: Group = None, *, last: bool = True) -> Future[Any]:
         """CLT-k on a DDP bucket's flat ``buffer``, in place; bit for bit :meth:`launch`.
 
         ``p = m + g`` is formed in the bucket itself; the leader selects on
