@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from thinwire.comm import Meter, all_gather_bytes
 from thinwire.comm.fingerprint import check_peers, describe, digest, flatten
-from thinwire.comm.lowrank_rounds import TwoRounds
 from thinwire.comm.meter import TRAFFIC
+from thinwire.comm.rounds import TwoRounds, all_reduce_round
 from thinwire.compress import SparsePayload
 from thinwire.launch import spawn
 from thinwire.schemes import build
@@ -198,9 +198,12 @@ def test_two_rounds_leave_a_launch_pending_until_the_steps_last() -> None:
             return mean * 10
         return make
 
-    a = rounds.launch(torch.ones(2), second("a"), last=False)
+    cpu = torch.device("cpu")
+    a = rounds.launch(lambda: all_reduce_round(torch.ones(2)), second("a"), device=cpu,
+                      last=False)
     assert not a.done() and calls == []  # round 1 of "a" may still be on the wire
-    b = rounds.launch(torch.full((3,), 2.0), second("b"), last=True)
+    b = rounds.launch(lambda: all_reduce_round(torch.full((3,), 2.0)), second("b"), device=cpu,
+                      last=True)
     assert calls == ["a", "b"]  # "a"'s round 2 started before "b"'s round 1 was waited on
     assert torch.equal(a.wait(), torch.full((2,), 10.0))
     assert torch.equal(b.wait(), torch.full((3,), 20.0))
@@ -213,8 +216,10 @@ def test_two_rounds_hand_a_failure_to_the_pending_launchs_future() -> None:
     def broken(mean: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("orthonormalisation failed")
 
-    pending = rounds.launch(torch.ones(2), broken, last=False)
+    cpu = torch.device("cpu")
+    pending = rounds.launch(lambda: all_reduce_round(torch.ones(2)), broken, device=cpu,
+                            last=False)
     with pytest.raises(RuntimeError, match="orthonormalisation failed"):
-        rounds.launch(torch.ones(2), lambda mean: mean, last=True)
+        rounds.launch(lambda: all_reduce_round(torch.ones(2)), lambda mean: mean, device=cpu)
     with pytest.raises(RuntimeError, match="orthonormalisation failed"):
         pending.wait()

@@ -11,7 +11,7 @@ bucket; the callback does elementwise maths only, so replicas stay bit
 identical whatever thread runs it. Before ``start_iter``, and for
 tensors that do not compress (1-D, or ``(n + m) r >= n m / 2``), gradients
 are all-reduced dense. The maths is :mod:`thinwire.compress.powersgd`; the
-rounds are :class:`thinwire.comm.lowrank_rounds.TwoRounds`.
+rounds are :class:`thinwire.comm.rounds.TwoRounds`.
 
 No collective is ever issued or waited on inside a future callback, so it
 works through the DDP hook with any number of buckets on gloo, where torch
@@ -30,7 +30,7 @@ import torch
 
 from thinwire.comm import done, world
 from thinwire.comm.collectives import Future, Group, split_flat
-from thinwire.comm.lowrank_rounds import TwoRounds
+from thinwire.comm.rounds import TwoRounds, all_reduce_round
 from thinwire.compress import TensorInfo
 from thinwire.compress.powersgd import PowerSGD, as_matrix, orthonormalize, right
 from thinwire.feedback import Residual, all_finite
@@ -97,7 +97,7 @@ class PowerSGDScheme(Scheme):
         """Average a flat buffer (a DDP bucket) in place; ``G_hat`` is written straight into it.
 
         Without ``last``, the P round is waited for at the next launch (see
-        :class:`~thinwire.comm.lowrank_rounds.TwoRounds`): the returned future
+        :class:`~thinwire.comm.rounds.TwoRounds`): the returned future
         completes only after a later launch with ``last``.
         """
         views = split_flat(buffer, [info.numel for info in infos])
@@ -155,10 +155,11 @@ class PowerSGDScheme(Scheme):
             return _fresh_flat(parts, dtype, device)
 
         size = dtype.itemsize
+        p_segments = [(key, matrices[key].shape[0] * rank * size) for key in low]
         future = self.rounds.launch(
-            first, second, last=last, group=group, meter=self.meter,
-            first_segments=[(key, matrices[key].shape[0] * rank * size) for key in low],
-            second_segments=[(key, matrices[key].shape[1] * rank * size) for key in low]
+            lambda: all_reduce_round(first, group, self.meter, p_segments), second,
+            device=device, last=last, group=group, meter=self.meter,
+            segments=[(key, matrices[key].shape[1] * rank * size) for key in low]
             + [(key, grads[key].numel() * size) for key in dense])
 
         def decompress(fut: Future[Any]) -> Any:

@@ -43,7 +43,8 @@ import torch
 from thinwire.comm import all_reduce_mean, done, world
 from thinwire.comm._metered import record_segments
 from thinwire.comm.collectives import Future, Group, all_gather_fixed, split_flat
-from thinwire.comm.shared_index import shared_index_all_reduce
+from thinwire.comm.rounds import TwoRounds
+from thinwire.comm.shared_index import broadcast_indices
 from thinwire.compress import TensorInfo
 from thinwire.compress.base import check_fraction
 from thinwire.compress.cltk import (
@@ -207,11 +208,12 @@ class CyclicLocalTopK(_SelectedTopK):
         self.leader = 0
         self.indices: dict[str, torch.Tensor] = {}
         self.energy: dict[str, list[float]] | None = None
+        self.rounds = TwoRounds()  # at most one bucket whose values wait for their indices
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with CLT-k; the future holds a dict of results.
 
-        Round 1 (blocking) broadcasts the leader's indices, round 2 (async)
+        Round 1 broadcasts the leader's indices (waited for here), round 2
         all-reduces the values at them together with the dense tensors.
         """
         if not grads:
@@ -248,10 +250,10 @@ class CyclicLocalTopK(_SelectedTopK):
             self._charge(time.perf_counter() - begin)
             return torch.cat(parts)
 
-        future = shared_index_all_reduce(
-            wire, leader, gather, group=group, meter=self.meter,
-            index_segments=plan.index_segments(),
-            value_segments=plan.value_segments(dtype.itemsize)
+        future = self.rounds.launch(
+            lambda: broadcast_indices(wire, leader, group, self.meter, plan.index_segments()),
+            gather, device=wire.device, group=group, meter=self.meter,
+            segments=plan.value_segments(dtype.itemsize)
             + [(key, grads[key].numel() * dtype.itemsize) for key in dense])
 
         def scatter(fut: Future[Any]) -> dict[str, torch.Tensor]:
@@ -283,6 +285,8 @@ class CyclicLocalTopK(_SelectedTopK):
         (:meth:`~thinwire.feedback.LowPass.update_selected_`), the mean is
         decoded straight into ``buffer`` and settled there
         (:meth:`~thinwire.feedback.Memory.settle_`, an EF21 estimate when coupled).
+        Without ``last`` the broadcast is waited for at the next launch (see
+        :class:`~thinwire.comm.rounds.TwoRounds`), so the backward pass runs meanwhile.
 
         Returns:
             A future holding ``buffer``, overwritten with the mean over ranks.
@@ -339,11 +343,11 @@ class CyclicLocalTopK(_SelectedTopK):
             return torch.cat(parts)
 
         size = buffer.element_size()
-        future = shared_index_all_reduce(
-            wire, leader, gather, group=group, meter=self.meter,
-            index_segments=plan.index_segments(),
-            value_segments=plan.value_segments(size)
-            + [(info.key, info.numel * size) for info in dense])
+        future = self.rounds.launch(
+            lambda: broadcast_indices(wire, leader, group, self.meter, plan.index_segments()),
+            gather, device=buffer.device, last=last, group=group, meter=self.meter,
+            segments=plan.value_segments(size) + [(info.key, info.numel * size)
+                                                  for info in dense])
 
         def scatter(fut: Future[Any]) -> torch.Tensor:
             begin = time.perf_counter()
