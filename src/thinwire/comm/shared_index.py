@@ -33,11 +33,11 @@ def broadcast_indices(index_wire: torch.Tensor, leader: int, group: Group = None
             ``"index"`` (broadcast, rooted at ``leader``).
     """
     _, n = world(group)
-    if index_wire.numel() == 0 or n == 1:
-        if index_wire.numel() > 0:
-            record_segments(meter, "index", "broadcast", segments, n, root=leader)
+    if index_wire.numel() == 0:
         return done(index_wire)
     record_segments(meter, "index", "broadcast", segments, n, root=leader)
+    if n == 1:
+        return done(index_wire)
     work = dist.broadcast(index_wire, group=group, group_src=leader, async_op=True)
     assert work is not None
     result: Future = work.get_future().then(lambda _: index_wire)

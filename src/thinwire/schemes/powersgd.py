@@ -5,9 +5,9 @@ Per parameter (never per bucket, so DDP's re-bucketing cannot mix up state):
 ``P_hat = orthonormalize(P)``, ``Q = M^T P_hat``, all-reduce Q together with
 the dense tensors, ``G_hat = P_hat Q^T``, ``error <- M - G_hat``. P is waited
 for in the caller's thread: at once for the step's last DDP bucket, else at
-the next bucket's launch, so the backward pass runs while P is on the wire. Through the DDP hook the
-error buffer holds ``M`` in place and ``G_hat`` is written straight into the
-bucket; the callback does elementwise maths only, so replicas stay bit
+the next bucket's launch, so the backward pass runs while P is on the wire.
+Through the DDP hook the error buffer holds ``M`` in place and ``G_hat`` is
+written straight into the bucket; the callback does elementwise maths only, so replicas stay bit
 identical whatever thread runs it. Before ``start_iter``, and for
 tensors that do not compress (1-D, or ``(n + m) r >= n m / 2``), gradients
 are all-reduced dense. The maths is :mod:`thinwire.compress.powersgd`; the
