@@ -1,13 +1,14 @@
-"""Two ranks on a shaped link, one reaching each collective late: how long each waits.
+"""Ranks on shaped links, the last reaching each collective late: how long each waits.
 
     sudo .venv/bin/python -m benchmarks.netem.skew --out docs/data/netem-gather-skew.json
 
 gloo's all-gather sends a rank's data once its peer is ready to receive, then
 tells the peer that it is ready in turn. Between two ranks both go over their
 one TCP connection, so the rank that arrives second has its notice queued
-behind the first half of its own payload. All-reduce posts its receives
-first. This measures both collectives on the same bytes, with rank 1 arriving
-``skew`` later than rank 0 (after a barrier and a pause like a step's
+behind the first half of its own payload; with more ranks the notice goes to
+the other ring neighbour. All-reduce posts its receives first. This measures
+both collectives on the same bytes per rank, with the last rank arriving
+``skew`` later than the others (after a barrier and a pause like a step's
 compute), interleaved round by round; each rank's time runs from its own call.
 """
 
@@ -55,59 +56,73 @@ def cases(sizes: Sequence[int], skews_ms: Sequence[float]) -> list[tuple[int, fl
     return [(size, skew, name) for size in sizes for skew in skews_ms for name in COLLECTIVES]
 
 
-def worker(rank: int, init_method: str, sizes: Sequence[int], skews_ms: Sequence[float],
-           rounds: int) -> list[dict[str, Any]]:
-    """Time every case ``rounds`` times on this rank; rank 1 arrives ``skew`` late."""
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+def need_ms(name: str, nbytes: int, world_size: int, goodput: float) -> float:
+    """What the busier direction of a rank's link carries for one call, over ``goodput``
+    (bytes/s): a ring all-gather passes on every other rank's bytes, a ring all-reduce
+    2 (n - 1) / n of its own."""
+    share = world_size - 1 if name == "all_gather" else 2 * (world_size - 1) / world_size
+    return 1000 * share * nbytes / goodput
+
+
+def worker(rank: int, world_size: int, init_method: str, sizes: Sequence[int],
+           skews_ms: Sequence[float], rounds: int) -> list[dict[str, Any]]:
+    """Time every case ``rounds`` times on this rank; the last rank arrives ``skew`` late."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                            world_size=world_size)
+    late = rank == world_size - 1
     plan = cases(sizes, skews_ms)
-    calls = {(size, name): collective(name, size, 2) for size, _, name in plan}
+    calls = {(size, name): collective(name, size, world_size) for size, _, name in plan}
     seconds: dict[tuple[int, float, str], list[float]] = {case: [] for case in plan}
     for _ in range(rounds + 2):  # two warm-up rounds
         for size, skew, name in plan:
             dist.barrier()
-            time.sleep(PAUSE_S + (skew / 1000 if rank == 1 else 0.0))
+            time.sleep(PAUSE_S + (skew / 1000 if late else 0.0))
             start = time.perf_counter()
             calls[size, name]()
             seconds[size, skew, name].append(time.perf_counter() - start)
     mine = {case: statistics.median(values[2:]) for case, values in seconds.items()}
-    both: list[Any] = [None, None]
-    dist.all_gather_object(both, mine)
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, mine)
     dist.destroy_process_group()
-    return [{"bytes": size, "skew_ms": skew, "collective": name,
-             "first_rank_ms": 1000 * both[0][size, skew, name],
-             "later_rank_ms": 1000 * both[1][size, skew, name]}
+    return [{"workers": world_size, "bytes": size, "skew_ms": skew, "collective": name,
+             "first_rank_ms": 1000 * every[0][size, skew, name],
+             "later_rank_ms": 1000 * every[-1][size, skew, name]}
             for size, skew, name in plan]
 
 
-def run(rate: str, sizes: Sequence[int], skews_ms: Sequence[float], rounds: int,
-        out: Path) -> dict[str, Any]:
-    """Build two shaped namespaces, time the cases in them, write ``out``."""
+def run(rate: str, workers: Sequence[int], sizes: Sequence[int], skews_ms: Sequence[float],
+        rounds: int, out: Path) -> dict[str, Any]:
+    """For each worker count, build shaped namespaces, time the cases in them; write ``out``."""
     rate_bps = parse_bandwidth(rate)
-    topology = net.Topology(f"{net.PREFIX}{os.getpid()}", 2)
-    load_before = list(os.getloadavg())
-    try:
-        topology.build()
-        topology.shape(rate_bps)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        results = out.with_suffix(".rank0.json")
-        common = ["--rate", rate, "--sizes", ",".join(map(str, sizes)),
-                  "--skews-ms", ",".join(map(str, skews_ms)), "--rounds", str(rounds)]
-        processes = [subprocess.Popen(
-            ["ip", "netns", "exec", topology.namespace(rank), sys.executable, "-m",
-             "benchmarks.netem.skew", "--worker", str(rank), "--init-method",
-             f"tcp://{net.address(0)}:{PORT}", "--out", str(results.resolve()), *common],
-            env=worker_env(), cwd=REPO) for rank in (0, 1)]
-        for process in processes:
-            if process.wait(timeout=600) != 0:
-                raise RuntimeError(f"a worker failed (exit {process.returncode})")
-        rows = json.loads(results.read_text())
-        results.unlink()
-        congestion = topology.congestion_control()
-    finally:
-        topology.teardown()
     goodput = rate_bps / 8 * 1448 / 1514  # TCP payload a perfect link carries, bytes/s
+    load_before = list(os.getloadavg())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = out.with_suffix(".rank0.json")
+    common = ["--sizes", ",".join(map(str, sizes)), "--skews-ms", ",".join(map(str, skews_ms)),
+              "--rounds", str(rounds)]
+    rows: list[dict[str, Any]] = []
+    congestion = None
+    for count in workers:
+        topology = net.Topology(f"{net.PREFIX}{os.getpid()}", count)
+        try:
+            topology.build()
+            topology.shape(rate_bps)
+            processes = [subprocess.Popen(
+                ["ip", "netns", "exec", topology.namespace(rank), sys.executable, "-m",
+                 "benchmarks.netem.skew", "--worker", str(rank), "--workers", str(count),
+                 "--init-method", f"tcp://{net.address(0)}:{PORT}", "--out",
+                 str(results.resolve()), *common], env=worker_env(), cwd=REPO)
+                for rank in range(count)]
+            for process in processes:
+                if process.wait(timeout=600) != 0:
+                    raise RuntimeError(f"a worker failed (exit {process.returncode})")
+            rows += json.loads(results.read_text())
+            results.unlink()
+            congestion = topology.congestion_control()
+        finally:
+            topology.teardown()
     for row in rows:
-        row["bytes_need_ms"] = 1000 * row["bytes"] / goodput
+        row["bytes_need_ms"] = need_ms(row["collective"], row["bytes"], row["workers"], goodput)
     record = {"command": "python -m benchmarks.netem.skew " + " ".join(sys.argv[1:]),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
@@ -121,9 +136,9 @@ def run(rate: str, sizes: Sequence[int], skews_ms: Sequence[float], rounds: int,
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The results as aligned text: each rank's median against what the bytes need."""
-    lines = [f"{'bytes':>9} {'skew ms':>7} {'collective':>10} {'first ms':>8} {'later ms':>8} "
-             f"{'need ms':>7}"]
-    lines += [f"{r['bytes']:>9,d} {r['skew_ms']:>7g} {r['collective']:>10} "
+    lines = [f"{'n':>2} {'bytes':>9} {'skew ms':>7} {'collective':>10} {'first ms':>8} "
+             f"{'later ms':>8} {'need ms':>7}"]
+    lines += [f"{r['workers']:>2} {r['bytes']:>9,d} {r['skew_ms']:>7g} {r['collective']:>10} "
               f"{r['first_rank_ms']:>8.1f} {r['later_rank_ms']:>8.1f} {r['bytes_need_ms']:>7.1f}"
               for r in rows]
     return "\n".join(lines)
@@ -139,20 +154,24 @@ def numbers(text: str, kind: Callable[[str], Any]) -> list[Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", default="100mbit", help="tc rate of both links' directions")
+    parser.add_argument("--workers", default="2,4", help="comma-separated worker counts (>= 2)")
     parser.add_argument("--sizes", default="261000,1500000",
                         help="comma-separated bytes per rank (261000: the MLP's sparse payload)")
     parser.add_argument("--skews-ms", default="0,13",
                         help="comma-separated: how much later rank 1 calls each collective")
     parser.add_argument("--rounds", type=int, default=12, help="timed calls per case")
     parser.add_argument("--out", type=Path, default=Path("results/netem/gather-skew.json"))
-    parser.add_argument("--worker", type=int, choices=(0, 1), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--init-method", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes, skews = numbers(args.sizes, int), numbers(args.skews_ms, float)
+    counts = numbers(args.workers, int)
     if args.rounds < 1:
         raise ValueError(f"rounds={args.rounds!r} must be >= 1")
+    if any(count < 2 for count in counts):
+        raise ValueError(f"workers={args.workers!r}: every count must be >= 2")
     if args.worker is not None:
-        rows = worker(args.worker, args.init_method, sizes, skews, args.rounds)
+        rows = worker(args.worker, counts[0], args.init_method, sizes, skews, args.rounds)
         if args.worker == 0:
             args.out.write_text(json.dumps(rows))
         return 0
@@ -160,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(missing, file=sys.stderr)
         return 2
-    record = run(args.rate, sizes, skews, args.rounds, args.out)
+    record = run(args.rate, counts, sizes, skews, args.rounds, args.out)
     print(table(record["results"]))
     print(f"wrote {args.out}")
     return 0

@@ -23,13 +23,23 @@ def test_every_case_runs_both_collectives_on_the_same_bytes() -> None:
         skew.collective("broadcast", 8, 2)
 
 
-def test_bad_lists_and_rounds_are_refused() -> None:
+def test_bad_lists_rounds_and_worker_counts_are_refused() -> None:
     assert skew.numbers("261000, 1500000", int) == [261000, 1500000]
     for bad in ("", "1,-2", ","):
         with pytest.raises(ValueError, match="comma-separated"):
             skew.numbers(bad, float)
     with pytest.raises(ValueError, match="rounds=0"):
         skew.main(["--rounds", "0"])
+    with pytest.raises(ValueError, match="workers='1,4'"):
+        skew.main(["--workers", "1,4"])
+
+
+def test_what_the_bytes_need_follows_the_ring_traffic_of_each_collective() -> None:
+    goodput = 1e6  # bytes/s
+    assert skew.need_ms("all_gather", 1000, 2, goodput) == pytest.approx(1.0)
+    assert skew.need_ms("all_reduce", 1000, 2, goodput) == pytest.approx(1.0)
+    assert skew.need_ms("all_gather", 1000, 4, goodput) == pytest.approx(3.0)  # 3 others
+    assert skew.need_ms("all_reduce", 1000, 4, goodput) == pytest.approx(1.5)  # 2 (n-1)/n
 
 
 def test_without_root_it_says_what_it_needs(monkeypatch: pytest.MonkeyPatch,
@@ -45,26 +55,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_workers_on_loopback_time_every_case_on_both_ranks(tmp_path: Path) -> None:
+def test_three_workers_on_loopback_time_every_case_on_the_first_and_the_late_rank(
+        tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
-    command = [sys.executable, "-m", "benchmarks.netem.skew", "--init-method",
+    command = [sys.executable, "-m", "benchmarks.netem.skew", "--workers", "3", "--init-method",
                f"tcp://127.0.0.1:{_free_port()}", "--sizes", "4000", "--skews-ms", "0,2",
                "--rounds", "2", "--out", str(out)]
     workers = [subprocess.Popen([*command, "--worker", str(rank)], cwd=harness.REPO,
                                 env={**harness.worker_env(), "GLOO_SOCKET_IFNAME": "lo"})
-               for rank in (0, 1)]
-    assert [w.wait(timeout=120) for w in workers] == [0, 0]
+               for rank in range(3)]
+    assert [w.wait(timeout=120) for w in workers] == [0, 0, 0]
     rows = json.loads(out.read_text())
-    assert [(r["bytes"], r["skew_ms"], r["collective"]) for r in rows] == skew.cases([4000],
-                                                                                     [0, 2])
+    assert [(r["workers"], r["bytes"], r["skew_ms"], r["collective"]) for r in rows] == [
+        (3, *case) for case in skew.cases([4000], [0, 2])]
     for row in rows:
         assert row["first_rank_ms"] > 0 and row["later_rank_ms"] > 0
-    # rank 0 waits for rank 1, which arrives 2 ms late, on top of the collective itself
+    # rank 0 waits for rank 2, which arrives 2 ms late, on top of the collective itself
     late = [r for r in rows if r["skew_ms"] == 2]
     assert all(r["first_rank_ms"] > 1.5 for r in late)
 
 
 def test_the_table_shows_each_rank_against_what_the_bytes_need() -> None:
-    text = skew.table([{"bytes": 261000, "skew_ms": 13.0, "collective": "all_gather",
+    text = skew.table([{"workers": 2, "bytes": 261000, "skew_ms": 13.0,
+                        "collective": "all_gather",
                         "first_rank_ms": 34.8, "later_rank_ms": 31.6, "bytes_need_ms": 21.8}])
     assert "261,000" in text and "31.6" in text and "21.8" in text
