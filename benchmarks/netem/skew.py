@@ -145,6 +145,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def numbers(text: str, kind: Callable[[str], Any]) -> list[Any]:
+    """A comma-separated list of numbers >= 0, each read by ``kind``."""
     values = [kind(part) for part in text.split(",") if part.strip()]
     if not values or any(v < 0 for v in values):
         raise ValueError(f"{text!r} must be a comma-separated list of numbers >= 0")
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default="261000,1500000",
                         help="comma-separated bytes per rank (261000: the MLP's sparse payload)")
     parser.add_argument("--skews-ms", default="0,13",
-                        help="comma-separated: how much later rank 1 calls each collective")
+                        help="comma-separated: how much later the last rank calls each collective")
     parser.add_argument("--rounds", type=int, default=12, help="timed calls per case")
     parser.add_argument("--out", type=Path, default=Path("results/netem/gather-skew.json"))
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
