@@ -32,6 +32,8 @@ import torch.distributed as dist
 from benchmarks.machine import cpu_model
 from benchmarks.netem import net
 from benchmarks.netem.harness import REPO, worker_env
+from benchmarks.netem.summary import FRAME_OVERHEAD
+from thinwire.comm.meter import TRAFFIC
 from thinwire.jobs.compare import parse_bandwidth
 
 COLLECTIVES = ("all_gather", "all_reduce")
@@ -56,12 +58,11 @@ def cases(sizes: Sequence[int], skews_ms: Sequence[float]) -> list[tuple[int, fl
     return [(size, skew, name) for size in sizes for skew in skews_ms for name in COLLECTIVES]
 
 
-def need_ms(name: str, nbytes: int, world_size: int, goodput: float) -> float:
-    """What the busier direction of a rank's link carries for one call, over ``goodput``
-    (bytes/s): a ring all-gather passes on every other rank's bytes, a ring all-reduce
-    2 (n - 1) / n of its own."""
-    share = world_size - 1 if name == "all_gather" else 2 * (world_size - 1) / world_size
-    return 1000 * share * nbytes / goodput
+def need_ms(name: str, nbytes: int, world_size: int, rate_bps: float) -> float:
+    """What one call puts on the busier direction of a rank's link (the Meter's ring model,
+    :data:`thinwire.comm.meter.TRAFFIC`), as TCP frames, at ``rate_bps``."""
+    busier = max(TRAFFIC[name](nbytes, world_size, 0, 0))
+    return 1000 * busier * FRAME_OVERHEAD * 8 / rate_bps
 
 
 def worker(rank: int, world_size: int, init_method: str, sizes: Sequence[int],
@@ -94,7 +95,6 @@ def run(rate: str, workers: Sequence[int], sizes: Sequence[int], skews_ms: Seque
         rounds: int, out: Path) -> dict[str, Any]:
     """For each worker count, build shaped namespaces, time the cases in them; write ``out``."""
     rate_bps = parse_bandwidth(rate)
-    goodput = rate_bps / 8 * 1448 / 1514  # TCP payload a perfect link carries, bytes/s
     load_before = list(os.getloadavg())
     out.parent.mkdir(parents=True, exist_ok=True)
     results = out.with_suffix(".rank0.json")
@@ -122,7 +122,7 @@ def run(rate: str, workers: Sequence[int], sizes: Sequence[int], skews_ms: Seque
         finally:
             topology.teardown()
     for row in rows:
-        row["bytes_need_ms"] = need_ms(row["collective"], row["bytes"], row["workers"], goodput)
+        row["bytes_need_ms"] = need_ms(row["collective"], row["bytes"], row["workers"], rate_bps)
     record = {"command": "python -m benchmarks.netem.skew " + " ".join(sys.argv[1:]),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
