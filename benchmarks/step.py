@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.machine import cpu_model
 from thinwire import ddp, optim, schemes
+from thinwire.comm.collectives import all_gather_single
 from thinwire.launch import spawn
 
 DATA = Path("docs/data/step.json")
@@ -225,7 +226,7 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
                           torch.cat(sent) if sent else buffer[:0], room, numel)
     payload = torch.cat([sparse, *(part.view(torch.int32) for _, part in dense)])
     gathered = payload.new_empty(world * payload.numel())
-    work = dist.all_gather_single(gathered, payload, async_op=True)
+    work = all_gather_single(gathered, payload, async_op=True)
 
     def decode(_: torch.futures.Future[Any]) -> torch.Tensor:
         buffer.zero_()

@@ -9,7 +9,7 @@ deadlocks on gloo.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,9 @@ from thinwire.comm.meter import Meter
 
 Group = dist.ProcessGroup | None
 Future = torch.futures.Future
+# One tensor gathered into one tensor: torch 2.13 renamed all_gather_into_tensor, whose old
+# name (deprecated there) serves the earlier releases that GPU images often carry.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def world(group: Group = None) -> tuple[int, int]:
@@ -33,6 +36,53 @@ def done(value: object) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_result(value)
     return future
+
+
+def device_future(devices: Iterable[torch.device]) -> Future[Any]:
+    """An empty future that orders the CUDA work behind its value before its consumers.
+
+    A future that names its CUDA devices records an event on their current streams
+    when its result is set, and whoever waits on it, or runs a callback after it,
+    waits for that event first; one that names none hands a CUDA result over while
+    the kernels that write it may still be running.
+    """
+    cuda: list[int | str | torch.device] = sorted({d for d in devices if d.type == "cuda"},
+                                                  key=str)
+    return Future(devices=cuda) if cuda else Future()
+
+
+def collect(futures: Sequence[Future[Any]], devices: Iterable[torch.device]) -> Future[Any]:
+    """``torch.futures.collect_all(futures)``, with its result ordered on ``devices``.
+
+    ``collect_all``'s own future names no device, so CUDA kernels run after it would
+    race both the collectives before it (gloo copies a CUDA result back on a stream
+    of its own, NCCL writes on its stream) and the reader of the result. Here the
+    streams that set the result first wait for every future (and for the work the
+    caller queued before this call), and the result names ``devices``.
+
+    Returns:
+        A future of the list of ``futures``, completed when all are.
+    """
+    devices = list(devices)
+    result = device_future(devices)
+    queued = []  # what the caller queued so far: a done() future carries no event
+    for device in {d for d in devices if d.type == "cuda"}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        queued.append((device, event))
+
+    def finish(everything: Future[list[Future[Any]]]) -> None:
+        try:
+            for future in everything.value():
+                future.wait()  # complete already: waits only for its CUDA events
+            for device, event in queued:
+                event.wait(torch.cuda.current_stream(device))
+            result.set_result(everything.value())
+        except Exception as error:  # noqa: BLE001  (handed to whoever waits on it)
+            result.set_exception(error)
+
+    torch.futures.collect_all(list(futures)).add_done_callback(finish)
+    return result
 
 
 def all_reduce_mean(flat: torch.Tensor, group: Group = None) -> Future[Any]:
@@ -71,7 +121,7 @@ def all_gather_bytes(payload: torch.Tensor, group: Group = None,
     if n == 1:
         return done([payload])
     lengths = torch.empty(n, dtype=torch.int64, device=device)
-    dist.all_gather_single(lengths, length, group=group)
+    all_gather_single(lengths, length, group=group)
     longest = int(lengths.max())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
@@ -82,7 +132,7 @@ def all_gather_bytes(payload: torch.Tensor, group: Group = None,
             meter.record(entity, layer, "all_gather", nbytes, world_size=n)
         meter.record(entity, "(padding)", "all_gather", longest - payload.numel(),
                      world_size=n)
-    work = dist.all_gather_single(gathered, padded, group=group, async_op=True)
+    work = all_gather_single(gathered, padded, group=group, async_op=True)
     assert work is not None
     sizes = lengths.tolist()
 
@@ -116,7 +166,7 @@ def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | 
     if n == 1:
         return done([payload])
     gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
-    work = dist.all_gather_single(gathered, payload, group=group, async_op=True)
+    work = all_gather_single(gathered, payload, group=group, async_op=True)
     assert work is not None
     result: Future[Any] = work.get_future().then(lambda _: list(gathered.view(n, -1)))
     return result

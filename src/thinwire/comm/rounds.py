@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from thinwire.comm._metered import Segments, record_segments
-from thinwire.comm.collectives import Group, all_reduce_mean, done, world
+from thinwire.comm.collectives import Group, all_reduce_mean, device_future, done, world
 from thinwire.comm.meter import Meter
 
 Future = torch.futures.Future[Any]
@@ -70,8 +70,7 @@ class TwoRounds:
             A future of the mean of round 2's buffer over ranks.
         """
         self.flush()
-        result: Future = (torch.futures.Future(devices=[device]) if device.type == "cuda"
-                          else torch.futures.Future())
+        result = device_future([device])
         self._pending = _Launch(first(), second, segments, group, meter, result)
         if last:
             self.flush()

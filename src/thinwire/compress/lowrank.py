@@ -43,13 +43,14 @@ def seeded_normal(key: str, shape: tuple[int, ...], seed: int = 0,
     """A standard normal tensor that depends only on (``key``, ``seed``), identical on
     every rank and in every process (``hash()`` is salted per process; crc32 is not).
 
-    Drawn on ``device`` (default CPU) by that device's generator, so ranks agree when
-    they draw on the same kind of device (CPU and CUDA generators give different
-    numbers). On ``meta`` only the shape exists.
+    Drawn by the CPU's generator and copied to ``device`` (default CPU), as torch's
+    ``powerSGD_hook`` draws: CPU and CUDA generators give different numbers, and
+    ranks on different kinds of device, or a run replayed on another, must agree.
+    The tensors are small (a dimension times a rank). On ``meta`` only the shape exists.
     """
     device = torch.device(device or "cpu")
     if device.type == "meta":
         return torch.empty(shape, dtype=dtype, device=device)
-    generator = torch.Generator(device=device)
+    generator = torch.Generator()
     generator.manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-    return torch.randn(shape, generator=generator, dtype=dtype, device=device)
+    return torch.randn(shape, generator=generator, dtype=dtype, device="cpu").to(device)

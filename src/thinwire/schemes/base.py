@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from thinwire.comm import Meter, all_reduce_mean, world
-from thinwire.comm.collectives import Future, Group, all_gather_fixed, done, split_flat
+from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect, split_flat
 from thinwire.compress import Compressor, Dense, DensePayload, Payload, Sparsifier, TensorInfo
 from thinwire.compress import decode as decode_payload
 from thinwire.compress.payload import SparseLayout, layout_segments
@@ -145,7 +145,7 @@ class CompressedScheme(Scheme):
                 out.update({key: view.view(grads[key].shape) for key, view in zip(keys, views)})
             return {key: out[key] for key in grads}
 
-        both = torch.futures.collect_all(futures) if futures else done([])
+        both = collect(futures, [device for _, device in groups])
         return both.then(split)
 
     def _magnitudes(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -213,8 +213,7 @@ class CompressedScheme(Scheme):
             self._charge(time.perf_counter() - begin)
             return buffer
 
-        both = torch.futures.collect_all(futures) if futures else done([])
-        return both.then(decode)
+        return collect(futures, [buffer.device]).then(decode)
 
     def _launch_dense(self, dense: Sequence[TensorInfo], views: Mapping[str, torch.Tensor],
                       finite: bool, group: Group) -> Future[Any]:

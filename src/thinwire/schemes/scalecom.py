@@ -42,7 +42,7 @@ import torch
 
 from thinwire.comm import all_reduce_mean, done, world
 from thinwire.comm._metered import record_segments
-from thinwire.comm.collectives import Future, Group, all_gather_fixed, split_flat
+from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect, split_flat
 from thinwire.comm.rounds import TwoRounds
 from thinwire.comm.shared_index import broadcast_indices
 from thinwire.compress import TensorInfo
@@ -542,7 +542,7 @@ class LocalTopK(_SelectedTopK):
             self._charge(time.perf_counter() - begin)
             return settled
 
-        return torch.futures.collect_all(futures).then(total)
+        return collect(futures, [grads[key].device for key in grads]).then(total)
 
 
 @register("clt-k", CLTkConfig)
