@@ -1,6 +1,7 @@
 """Compression overhead per step: exact top-k against DCT's reused threshold and the rest.
 
-    python -m benchmarks.overhead [--sizes 1000000 25000000] [--repeats 7] [--out results/overhead]
+    python -m benchmarks.overhead [--sizes 1000000 25000000] [--repeats 7] [--device cpu]
+                                  [--out results/overhead]
 
 Times compress + decompress of one gradient tensor per step, in this process,
 all codecs side by side on the same tensors, interleaved round by round. DCT
@@ -27,6 +28,10 @@ feedback, compression and decompression, a fresh Gaussian gradient each step.
 ``topk`` and ``dct-dp`` are the like-for-like references for ``clt-k``
 (ScaleCom) and ``powersgd``; a scheme that is not registered in this build is
 skipped with a note.
+
+With ``--device cuda`` every tensor lives on the GPU and each timed call is
+bracketed by ``torch.cuda.synchronize()``, so a row's time covers its kernels
+and the host's waits on them (a count read back to size a payload, say).
 """
 
 from __future__ import annotations
@@ -54,10 +59,19 @@ SCHEME_ROWS = ("topk", "dct-dp", "clt-k", "powersgd")
 
 
 Step = Callable[[], object]
+CPU = torch.device("cpu")
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work before a clock is read."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 def interleaved(rows: dict[str, Step], repeats: int,
-                prepare: dict[str, Step] | None = None) -> dict[str, float]:
+                prepare: dict[str, Step] | None = None,
+                sync: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Median seconds of each row, the rows run in turn within every round.
 
     Interleaving spreads a change of machine load over all rows alike, so
@@ -65,6 +79,7 @@ def interleaved(rows: dict[str, Step], repeats: int,
 
     Args:
         prepare: per row, untimed work run before each timed call (a fresh gradient).
+        sync: waits for the device's queued work, before and after each timed call.
     """
     prepare = prepare or {}
     for name, run in rows.items():  # warm-up: first calls allocate
@@ -76,8 +91,10 @@ def interleaved(rows: dict[str, Step], repeats: int,
         for name, run in rows.items():
             if name in prepare:
                 prepare[name]()
+            sync()
             start = time.perf_counter()
             run()
+            sync()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in samples.items()}
 
@@ -125,14 +142,15 @@ def codec_floors(grad: torch.Tensor, sparsity: float, tau: float) -> dict[str, S
     }
 
 
-def measure(numel: int, sparsity: float, life_span: int, repeats: int) -> dict[str, float]:
+def measure(numel: int, sparsity: float, life_span: int, repeats: int,
+            device: torch.device = CPU) -> dict[str, float]:
     """Median seconds per step of each codec and its floor on a Gaussian gradient."""
-    grad = torch.randn(numel)
+    grad = torch.randn(numel, device=device)
     rows = codec_rows(grad, sparsity, life_span)
     k = keep_count(numel, 1 - sparsity)
     tau = float(torch.kthvalue(grad.abs(), numel - k + 1).values)
     rows.update(codec_floors(grad, sparsity, tau))
-    seconds = interleaved(rows, repeats)
+    seconds = interleaved(rows, repeats, sync=synchronizer(device))
     for prefix in ("", "floor "):
         seconds[f"{prefix}dct_L{life_span}"] = (seconds[f"{prefix}dct_reuse"]
                                                + seconds[f"{prefix}dct_refresh_extra"]
@@ -189,7 +207,8 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     shape = tuple(grad.shape)
     numel = grad.numel()
     k = keep_count(numel, 1 - sparsity)
-    error, out, scratch = torch.zeros(numel), torch.empty(numel), torch.empty(numel)
+    error = torch.zeros(numel, device=grad.device)
+    out, scratch = torch.empty_like(error), torch.empty_like(error)
 
     def finite() -> bool:  # the one reduction the non-finite policy costs
         return bool(torch.isfinite(grad.sum(dtype=torch.float32)))
@@ -223,7 +242,8 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
         return sparse_step(dct_select, wire=True)
     if name == "powersgd":
         rows, cols = shape
-        state = {"q": torch.randn(rank, cols).t()}  # column-major, as the products want it
+        # column-major, as the products want it
+        state = {"q": torch.randn(rank, cols, device=grad.device).t()}
         matrix, approx, term = error.view(shape), out.view(shape), scratch.view(shape)
 
         def power_step() -> object:
@@ -243,13 +263,13 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
 
 
 def measure_schemes(names: list[str], numel: int, sparsity: float, life_span: int, rank: int,
-                    repeats: int) -> dict[str, float]:
+                    repeats: int, device: torch.device = CPU) -> dict[str, float]:
     """Median seconds of one step of each scheme and of its floor, interleaved.
 
     Every row gets a fresh Gaussian gradient before each timed call (untimed).
     """
-    grad = torch.randn(matrix_shape(numel))
-    bucket = torch.empty(numel)
+    grad = torch.randn(matrix_shape(numel), device=device)
+    bucket = torch.empty(numel, device=device)
     rows: dict[str, Step] = {}
     prepare: dict[str, Step] = {}
     for name in names:
@@ -259,7 +279,7 @@ def measure_schemes(names: list[str], numel: int, sparsity: float, life_span: in
         if floor is not None:
             rows[f"floor scheme {name}"] = floor
             prepare[f"floor scheme {name}"] = grad.normal_
-    return interleaved(rows, repeats, prepare)
+    return interleaved(rows, repeats, prepare, synchronizer(device))
 
 
 def measure_scheme(name: str, numel: int, sparsity: float, life_span: int, rank: int,
@@ -282,8 +302,12 @@ def main() -> None:
     parser.add_argument("--life-span", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rank", type=int, default=2, help="rank of low-rank schemes")
+    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"),
+                        help="where the tensors live: cpu (default) or cuda")
     parser.add_argument("--out", type=Path, default=Path("results/overhead"))
     args = parser.parse_args()
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch finds no GPU here")
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = list(os.getloadavg())
     watch = CpuWatch()
@@ -293,9 +317,9 @@ def main() -> None:
             print(f"note: skipping scheme {name!r}: {scheme_available(name)}")
     rows = {}
     for numel in tqdm(args.sizes, desc="sizes"):
-        rows[numel] = measure(numel, args.sparsity, args.life_span, args.repeats)
+        rows[numel] = measure(numel, args.sparsity, args.life_span, args.repeats, args.device)
         rows[numel].update(measure_schemes(timed, numel, args.sparsity, args.life_span,
-                                           args.rank, args.repeats))
+                                           args.rank, args.repeats, args.device))
     dct_key = f"dct_L{args.life_span}"
     print(f"median ms per step (compress + decompress), sparsity {args.sparsity}")
     print(f"{'codec':>20s} " + " ".join(f"{n:>14,d}" for n in args.sizes))
@@ -316,7 +340,10 @@ def main() -> None:
                   + (" ".join(map(str, v)) if isinstance(v, list) else str(v))
                   for k, v in vars(args).items() if k != "out"),
               "machine": f"{cpu_model()}, {os.cpu_count()} cores, "
-                         f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+                         f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+                         + (f", {torch.cuda.get_device_name(args.device)}"
+                            if args.device.type == "cuda" else ""),
+              "device": args.device.type,
               "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
               "cores": os.cpu_count(), "load_before": load_before,
               "others_cpu_share": watch.others_share(),

@@ -144,6 +144,30 @@ def test_train_rejects_unknown_options_before_joining_the_job(
     assert "'bogus' is not an option of dct-dp" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--device", "gpu"], "--device 'gpu' must be cpu, cuda or cuda:N"),
+    (["--device", f"cuda:{torch.cuda.device_count()}"], "GPU"),
+    (["--device", "cpu", "--backend", "nccl"], "--backend nccl needs a GPU; --device cpu"),
+])
+def test_train_rejects_a_device_it_cannot_use_before_joining_the_job(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")  # as under torchrun; nothing may join a group
+    assert main(["train", "--scheme", "dense", *argv]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_rank_device_reads_the_local_rank_for_a_bare_cuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from thinwire.cli.train import rank_device
+
+    assert rank_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert rank_device("cuda") == torch.device("cuda", 3)
+    assert rank_device("cuda:1") == torch.device("cuda", 1)
+
+
 def _subcommand(name: str) -> argparse.ArgumentParser:
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -41,3 +41,9 @@ def _unreached(rank: int, world_size: int) -> None:
 def test_spawn_rejects_non_positive_limits(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be > 0"):
         spawn(_unreached, 2, **bad)
+
+
+def test_spawn_under_nccl_needs_a_gpu_per_rank() -> None:
+    ranks = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"world_size={ranks} under nccl needs a GPU per rank"):
+        spawn(_unreached, ranks, backend="nccl")

@@ -89,6 +89,8 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, tim
     store.set(f"started{rank}", "1")
     store.wait([f"started{r}" for r in range(world_size)])
     phase("joining the process group")
+    if backend == "nccl":  # NCCL: one GPU per rank
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     phase("running")
@@ -144,7 +146,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
         threads: intra-op threads per process.
 
     Raises:
-        ValueError: ``world_size`` < 1 or a timeout <= 0.
+        ValueError: ``world_size`` < 1, a timeout <= 0, or more ranks under ``nccl``
+            than GPUs (rank r runs on ``cuda:r``).
         RankFailed: a rank failed (a peer stalled past ``timeout_s``, or raised);
             the message names it and every rank's last phase and process state.
         TimeoutError: the run passed ``deadline_s`` (the processes are killed).
@@ -154,6 +157,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
     for name, value in (("timeout_s", timeout_s), ("deadline_s", deadline_s)):
         if value is not None and not value > 0:
             raise ValueError(f"{name}={value!r} must be > 0 seconds")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(f"world_size={world_size} under nccl needs a GPU per rank; "
+                         f"torch finds {torch.cuda.device_count()} here")
     with tempfile.TemporaryDirectory(prefix="thinwire-") as workdir:
         context = mp.start_processes(  # type: ignore[attr-defined]
             _entry, args=(fn, world_size, workdir, timeout_s, backend, args, threads),

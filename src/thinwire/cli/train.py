@@ -4,6 +4,7 @@
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 -m thinwire train ...
 
 Rendezvous, multi-node included, is torchrun's; this only reads its environment.
+Where torch finds a GPU, each rank trains on ``cuda:LOCAL_RANK`` under NCCL.
 Rank 0 prints a summary table and writes results.json, results.md,
 accuracy_vs_bytes.png and, for a sparsifier, threshold.png to --out.
 """
@@ -11,6 +12,7 @@ accuracy_vs_bytes.png and, for a sparsifier, threshold.png to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from datetime import timedelta
 from typing import Any
@@ -31,7 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheme", default="dct-dp", help="a name from thinwire schemes")
     add_recipe_options(parser)
     add_scheme_options(parser)
-    parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl on GPU)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda (this rank's GPU: cuda:LOCAL_RANK) or cuda:N "
+                             "(default: cuda where a GPU is found, else cpu)")
+    parser.add_argument("--backend", default=None,
+                        help="gloo or nccl (default: nccl on a GPU, gloo on the CPU)")
     common.add_outputs(parser, "train")
     add_timeout(parser)
 
@@ -45,7 +51,14 @@ def run(args: argparse.Namespace) -> int:
     parse_options(args.option, [args.scheme])
     config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
     schemes.build(args.scheme, **config)  # validate before joining the job
-    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = rank_device(args.device)
+    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"--backend nccl needs a GPU; --device {device} is not one "
+                         f"(use --backend gloo)")
+    options = dataclasses.replace(options, device=str(device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -67,6 +80,30 @@ def run(args: argparse.Namespace) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def rank_device(name: str | None) -> torch.device:
+    """This rank's device: ``name``, with a bare ``cuda`` meaning ``cuda:LOCAL_RANK``;
+    by default that GPU where CUDA is available, else the CPU.
+
+    Raises:
+        ValueError: ``name`` is no device, or a GPU that this machine does not have.
+    """
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name!r} must be cpu, cuda or cuda:N") from error
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(f"--device {name!r} is {device}, but this machine has {count} "
+                             f"GPU(s): cuda:0 to cuda:{count - 1}" if count else
+                             f"--device {name!r} needs a GPU, and torch finds none here")
+    return device
 
 
 HEADER = ["scheme", "workers", "test acc", "final loss", "handed B/step", "ring sent B/step",

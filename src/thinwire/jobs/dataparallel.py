@@ -42,6 +42,8 @@ class RunOptions:
     couple: bool = True  # move the optimiser's momentum into sparse schemes (thinwire.optim)
     eval_rows: int | None = 2000  # test rows per evaluation point (None: all)
     until_target: bool = False  # stop at the first evaluation that reaches the target
+    device: str = "cpu"  # where the model, its data and the scheme's state live
+
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "hidden", "eval_every"):
@@ -58,6 +60,11 @@ class RunOptions:
         if self.optimizer not in workloads.OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} must be one of "
                              f"{list(workloads.OPTIMIZERS)}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as error:
+            raise ValueError(f"device={self.device!r} must name a torch device such as "
+                             f"'cpu', 'cuda' or 'cuda:1'") from error
 
 
 def accuracy(model: nn.Module, split: Split) -> float:
@@ -80,6 +87,15 @@ def compute_seconds(model: nn.Module, data: Split, batch_size: int, repeats: int
     return statistics.median(times)
 
 
+def _finished(model: nn.Module) -> float:
+    """``time.perf_counter()`` once the work queued on ``model``'s GPU is done (a wall-clock
+    time of GPU work must wait for it); at once on the CPU."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def step_seconds(model: nn.Module, work: workloads.Workload, data: workloads.Data,
                  batch_size: int, repeats: int = 15) -> float:
     """:func:`compute_seconds` for any workload's model and loss."""
@@ -88,12 +104,12 @@ def step_seconds(model: nn.Module, work: workloads.Workload, data: workloads.Dat
     batch = data.rows(slice(0, batch_size))
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = _finished(probe)
         loss = work.loss(probe(batch.inputs, **batch.side), batch.targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        times.append(time.perf_counter() - start)
+        times.append(_finished(probe) - start)
     return statistics.median(times)
 
 
@@ -109,7 +125,8 @@ def shared_compute_seconds(options: RunOptions, group: dist.ProcessGroup | None 
     dist.barrier(group=group)
     seconds = [0.0]
     if rank == 0:
-        work = workloads.load(options.workload, seed=options.seed, hidden=options.hidden)
+        work = workloads.load(options.workload, seed=options.seed,
+                              hidden=options.hidden).to(options.device)
         seconds[0] = step_seconds(work.model(options.seed), work,
                                   work.train.shard(rank, world_size), options.batch_size)
     dist.broadcast_object_list(seconds, src=0, group=group)
@@ -138,12 +155,15 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     phase(f"{name} setup")
-    work = workloads.load(options.workload, seed=options.seed, hidden=options.hidden)
+    device = torch.device(options.device)
+    work = workloads.load(options.workload, seed=options.seed,
+                          hidden=options.hidden).to(device)
     local = work.train.shard(rank, world_size)
     model = work.model(options.seed)
     if compute_s is None:
         compute_s = step_seconds(model, work, local, options.batch_size)
-    net = DistributedDataParallel(model, process_group=group)
+    net = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                  process_group=group)
     meter = Meter(rank, world_size)
     scheme = schemes.build(name, **config)
     state = ddp.register(net, scheme, meter=meter)
@@ -173,8 +193,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
             curve.append((step, handed, work.accuracy(model, options.eval_rows)))
             if steps_to_target is None and curve[-1][2] >= work.target:
                 steps_to_target = step
-            if options.until_target and _anyone(steps_to_target is not None, group,
-                                                next(model.parameters()).device):
+            if options.until_target and _anyone(steps_to_target is not None, group, device):
                 break
         if progress is not None:
             progress(1)
@@ -186,6 +205,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         "scheme": name,
         "workload": work.name,
         "optimizer": options.optimizer,
+        "device": str(device),
         "coupled": coupled,
         "target": work.target,
         "steps_to_target": steps_to_target,
@@ -199,7 +219,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         "wall_s": wall_s,
         "skipped_steps": scheme.skipped,
         "curve": curve,
-        "weights": [p.detach().clone() for p in model.parameters()],
+        "weights": [p.detach().to("cpu", copy=True) for p in model.parameters()],
         "density_per_layer": {key: statistics.fmean(d for _, _, d in points)
                               for key, points in trace.items() if points},
         "captured_energy_per_layer": {key: statistics.fmean(shares) for key, shares in

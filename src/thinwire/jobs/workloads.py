@@ -28,8 +28,8 @@ differ, not on noise at a plateau.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from thinwire.models import convnet, dlrm, transformer
 from thinwire.models.mlp import mlp
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Data:
     """Rows of a split: model inputs (positional, then keyword) and targets."""
 
@@ -61,8 +61,12 @@ class Data:
         per_rank = len(self) // world_size
         return self.rows(slice(rank * per_rank, (rank + 1) * per_rank))
 
+    def to(self, device: torch.device) -> Data:
+        return Data(self.inputs.to(device), {k: v.to(device) for k, v in self.side.items()},
+                    self.targets.to(device))
 
-@dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True)
 class Workload:
     """A model family on a data set with its loss, accuracy and target (recipe: RECIPES)."""
 
@@ -83,6 +87,13 @@ class Workload:
                 part = data.rows(slice(start, start + 2048))
                 right += float(self.correct(model(part.inputs, **part.side), part.targets))
         return right / max(1, len(data))
+
+    def to(self, device: torch.device | str) -> Workload:
+        """This workload with its data and the models it builds on ``device``."""
+        device = torch.device(device)
+        build = self.model
+        return dataclasses.replace(self, model=lambda seed: build(seed).to(device),
+                                   train=self.train.to(device), test=self.test.to(device))
 
 
 def _class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
