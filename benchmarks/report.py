@@ -379,14 +379,16 @@ def plot_bytes(record: dict[str, Any], runs: list[dict[str, Any]], path: Path,
     _save(fig, path, footer)
 
 
-def overhead_section(record: dict[str, Any], source: Path, figures: Path, docs: Path) -> str:
+def overhead_section(record: dict[str, Any], source: Path, figures: Path, docs: Path,
+                     title: str = "Compression overhead per step",
+                     figure_name: str = "overhead.png") -> str:
     from benchmarks.overhead import plot
 
     machine = record["machine"]
     footer = stamp(record, machine)
     sizes = list(record["seconds"])
     codecs = list(record["seconds"][sizes[0]])
-    lines = ["## Compression overhead per step", "",
+    lines = [f"## {title}", "",
              f"Source: `{source}`. Produced by {footer}. {activity(record)}", ""]
     why = provisional(record)
     if why:
@@ -394,18 +396,23 @@ def overhead_section(record: dict[str, Any], source: Path, figures: Path, docs: 
     lines += ["Median ms per step, one process; codec rows time compress + decompress of a "
               "flat tensor, `scheme` rows a whole step of the scheme (error feedback "
               "included) on a near-square matrix of the same size. In brackets: against "
-              "exact top-k (`topk`).", "",
+              "exact top-k (`topk`), then against the row's floor (the same work in plain "
+              "torch ops) where it has one.", "",
               "| codec | " + " | ".join(f"{int(n):,d} entries" for n in sizes) + " |",
               "|" + "---|" * (len(sizes) + 1)]
     for codec in codecs:
-        cells = [f"{1000 * record['seconds'][n][codec]:.2f} "
-                 f"({record['ratio_vs_topk'][n][codec]:.2f}x)" for n in sizes]
+        cells = []
+        for n in sizes:
+            floor = record.get("ratio_vs_floor", {}).get(n, {}).get(codec)
+            cells.append(f"{1000 * record['seconds'][n][codec]:.2f} "
+                         f"({record['ratio_vs_topk'][n][codec]:.2f}x"
+                         + (f"; {floor:.2f}x floor" if floor is not None else "") + ")")
         lines.append(f"| {codec} | " + " | ".join(cells) + " |")
-    figure = figures / "overhead.png"
+    figure = figures / figure_name
     figure.parent.mkdir(parents=True, exist_ok=True)
     plot(record, figure)
     lines += ["", f"![overhead]({figure.relative_to(docs)})", "",
-              f"*Figure: compression overhead per step. {footer}.*", ""]
+              f"*Figure: {title[0].lower() + title[1:]}. {footer}.*", ""]
     return "\n".join(lines)
 
 
@@ -490,6 +497,11 @@ def render(netem: tuple[dict[str, Any], Path] | None,
                   "again.", ""]
     else:
         parts.append(overhead_section(overhead[0], overhead[1], figures, docs))
+    on_gpu = docs / "data" / "overhead-cuda.json"  # benchmarks.overhead --device cuda
+    if on_gpu.exists():
+        parts.append(overhead_section(json.loads(on_gpu.read_text()), on_gpu, figures, docs,
+                                      "Compression overhead per step on a GPU",
+                                      "overhead-cuda.png"))
     if (docs / "data" / "convergence.json").exists():  # written by benchmarks.convergence
         record = json.loads((docs / "data" / "convergence.json").read_text())
         parts.append(convergence.section(record, figures, docs))

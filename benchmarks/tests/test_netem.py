@@ -476,3 +476,19 @@ def test_report_falls_back_to_the_data_the_page_ships(tmp_path: Path) -> None:
     page = (docs / "results.md").read_text()
     assert "| dct-dp | 10.00 m @200" in page and "| scheme clt-k | 12.00 (1.20x) |" in page
     assert (docs / "data" / "netem.json").read_text() == shipped  # read, not rewritten
+
+
+def test_report_adds_the_gpu_overhead_run_with_floor_ratios(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    (docs / "data").mkdir(parents=True)
+    assert "on a GPU" not in report.render(None, None, docs)
+    record = _overhead_record()
+    record["seconds"]["1000000"]["floor scheme clt-k"] = 0.006
+    record["ratio_vs_topk"]["1000000"]["floor scheme clt-k"] = 0.6
+    record["ratio_vs_floor"] = {"1000000": {"scheme clt-k": 2.0}}
+    record["machine"] = "Test CPU, Test GPU"
+    (docs / "data" / "overhead-cuda.json").write_text(json.dumps(record))
+    page = report.render(None, None, docs)
+    assert "## Compression overhead per step on a GPU" in page
+    assert "| scheme clt-k | 12.00 (1.20x; 2.00x floor) |" in page
+    assert (docs / "figures" / "overhead-cuda.png").stat().st_size > 0

@@ -30,7 +30,9 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     words with a true byte, a second one over just those words' bytes places
     the entries. On one CPU thread that is about half the time of
     ``nonzero`` on the bytes themselves for a 4M-entry layer at 1 %. When
-    more than two thirds of the words hold a true byte, plain ``nonzero`` is
+    more than two thirds of the words hold a true byte, or on a GPU (where
+    ``nonzero`` is one parallel pass, and the two extra passes and their
+    host synchronisations cost more than they save), plain ``nonzero`` is
     used. Exact: the same indices, in the same order.
 
     Args:
@@ -41,7 +43,8 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     """
     numel = mask.numel()
     whole = numel // WORD * WORD
-    if whole < 4 * SAMPLE or not mask.is_contiguous() or mask.storage_offset() % WORD:
+    if (whole < 4 * SAMPLE or mask.device.type != "cpu" or not mask.is_contiguous()
+            or mask.storage_offset() % WORD):
         return mask.nonzero().squeeze(1)
     words = mask[:whole].view(torch.int64)
     hot = words.nonzero().squeeze(1)
