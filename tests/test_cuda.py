@@ -238,3 +238,32 @@ def test_autodiff_engine_on_the_gpu_matches_the_cpu(mode: str) -> None:
     for key, expected in grads[0].items():
         assert grads[1][key].device.type == "cuda"
         torch.testing.assert_close(grads[1][key].cpu(), expected, rtol=1e-9, atol=1e-12)
+
+
+def _autodiff_sites(rank: int, world_size: int) -> dict[str, dict[str, list[torch.Tensor]]]:
+    """Each mode's synchronised gradients at this site, on the CPU and on the shared GPU."""
+    generator = torch.Generator().manual_seed(rank)
+    inputs = torch.randn(6, 5, dtype=torch.float64, generator=generator)
+    labels = torch.randint(0, 3, (6,), generator=generator)
+    out: dict[str, dict[str, list[torch.Tensor]]] = {}
+    for mode in MODES:
+        for device in (torch.device("cpu"), GPU):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+            model.to(device)
+            options = {"rank": 2} if mode in ("rank-dad", "powersgd") else {}
+            engine = DistributedAutodiff(model, mode, **options)
+            nn.functional.cross_entropy(model(inputs.to(device)), labels.to(device)).backward()
+            grads = engine.synchronize()
+            out.setdefault(mode, {})[device.type] = [grads[key].cpu() for key in sorted(grads)]
+    return out
+
+
+def test_autodiff_engine_across_two_gloo_sites_on_the_gpu_matches_the_cpu() -> None:
+    sites = spawn(_autodiff_sites, 2)
+    for mode in MODES:
+        for site in sites:
+            for got, expected in zip(site[mode]["cuda"], site[mode]["cpu"]):
+                torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+        for a, b in zip(sites[0][mode]["cuda"], sites[1][mode]["cuda"]):
+            assert torch.equal(a, b), f"{mode}: sites disagree"
