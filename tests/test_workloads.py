@@ -66,6 +66,14 @@ def test_bad_workload_and_optimizer_names_raise_value_error() -> None:
         RunOptions(workload="cifar")
     with pytest.raises(ValueError, match="optimizer='lamb'"):
         RunOptions(optimizer="lamb")
+    with pytest.raises(ValueError, match="device='gpu' must name a torch device"):
+        RunOptions(device="gpu")
+
+
+def test_a_workload_moved_to_a_device_builds_its_models_there() -> None:
+    work = workloads.load("digits-mlp").to("meta")
+    assert work.train.inputs.device.type == work.test.targets.device.type == "meta"
+    assert {p.device.type for p in work.model(0).parameters()} == {"meta"}
 
 
 def test_dlrm_click_target_is_clearly_above_every_seeds_base_rate() -> None:

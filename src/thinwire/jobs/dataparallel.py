@@ -44,7 +44,6 @@ class RunOptions:
     until_target: bool = False  # stop at the first evaluation that reaches the target
     device: str = "cpu"  # where the model, its data and the scheme's state live
 
-
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "hidden", "eval_every"):
             value = getattr(self, name)
