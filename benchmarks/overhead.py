@@ -136,7 +136,10 @@ def codec_floors(grad: torch.Tensor, sparsity: float, tau: float) -> dict[str, S
     return {
         "floor topk": lambda: scatter(torch.topk(grad.abs(), k, sorted=False).indices),
         "floor dct_reuse": lambda: scatter((grad.abs() >= tau).nonzero().squeeze(1)),
-        "floor dct_refresh_extra": lambda: torch.kthvalue(grad.abs(), numel - k + 1),
+        # kthvalue on the CPU; on a GPU, where kthvalue sorts, the end of a topk
+        "floor dct_refresh_extra": (
+            (lambda: torch.kthvalue(grad.abs(), numel - k + 1)) if grad.device.type == "cpu"
+            else lambda: torch.topk(grad.abs(), k, sorted=False).values.min()),
         "floor laplace": lambda: scatter(
             (lambda a: (a >= a.mean() * scale).nonzero().squeeze(1))(grad.abs())),
     }

@@ -19,6 +19,7 @@ from thinwire.compress import (
     decode,
 )
 from thinwire.compress._select import (
+    kth_by_topk,
     kth_largest,
     largest_in_order,
     sparse_nonzero,
@@ -175,6 +176,14 @@ def _adversarial() -> list[torch.Tensor]:
 def test_candidate_kth_largest_matches_torch_kthvalue(case: int, k: int) -> None:
     magnitudes = _adversarial()[case]
     assert torch.equal(kth_largest(magnitudes, k),
+                       torch.kthvalue(magnitudes, magnitudes.numel() - k + 1).values)
+
+
+@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("k", [1, 7, 4999, 25_000, 25_001, 45_000, 50_000])
+def test_kth_by_topk_matches_torch_kthvalue(case: int, k: int) -> None:
+    magnitudes = _adversarial()[case]  # the GPU's path, checked here on the CPU
+    assert torch.equal(kth_by_topk(magnitudes, k),
                        torch.kthvalue(magnitudes, magnitudes.numel() - k + 1).values)
 
 

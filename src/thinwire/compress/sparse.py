@@ -282,7 +282,8 @@ class DCTThreshold(Sparsifier):
     Every ``life_span`` calls for a key (Alg. 1 lines 4-6, ``L | k``), tau is
     recomputed as the k-th largest ``|x|`` with ``k = ceil(N (1 - sparsity))``
     by exact candidate selection (:func:`~thinwire.compress._select.kth_largest`:
-    a sampled lower bound, then ``kthvalue`` on the few entries above it).
+    a sampled lower bound, then ``kthvalue`` on the few entries above it, or the end
+    of a ``topk`` on a GPU).
     Algorithm 1 indexes the ascending sort at ``floor(N * eta)``, which keeps
     one entry more than the target; we index so that exactly k entries survive
     when there are no ties, which makes ``life_span=1`` identical to
