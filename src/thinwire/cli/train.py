@@ -95,14 +95,16 @@ def rank_device(name: str | None) -> torch.device:
         device = torch.device(name)
     except RuntimeError as error:
         raise ValueError(f"--device {name!r} must be cpu, cuda or cuda:N") from error
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        count = torch.cuda.device_count()
-        if device.index >= count:
-            raise ValueError(f"--device {name!r} is {device}, but this machine has {count} "
-                             f"GPU(s): cuda:0 to cuda:{count - 1}" if count else
-                             f"--device {name!r} needs a GPU, and torch finds none here")
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(f"--device {name!r} needs a GPU, and torch finds none here")
+    if device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.index >= count:
+        raise ValueError(f"--device {name!r} is {device}, but this machine has {count} "
+                         f"GPU(s): cuda:0 to cuda:{count - 1}")
     return device
 
 
