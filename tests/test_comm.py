@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm import Meter, all_gather_bytes
+from thinwire.comm.collectives import _pair_groups, all_gather_fixed
 from thinwire.comm.fingerprint import check_peers, describe, digest, flatten
 from thinwire.comm.meter import TRAFFIC
 from thinwire.comm.rounds import TwoRounds, all_reduce_round
@@ -86,11 +87,29 @@ def _gather_payloads(rank: int, world_size: int) -> tuple[list[bytes], list[int]
                                                                           ["total"])
 
 
+def _gather_fixed(rank: int, pair: dist.ProcessGroup) -> dict[str, Any]:
+    """all_gather_fixed over all three ranks (one all-gather) and over ranks 0 and 1
+    (one broadcast each, on pair groups made once), twice each."""
+    out: dict[str, Any] = {"world": [], "pair": [], "same_pair_groups": None}
+    meter = Meter(rank, 3)
+    for step in range(2):
+        payload = torch.arange(6, dtype=torch.uint8) + 10 * rank + 100 * step
+        rows = all_gather_fixed(payload, meter=meter, segments=[("w", 6)]).wait()
+        out["world"].append([row.tolist() for row in rows])
+        if rank < 2:
+            rows = all_gather_fixed(payload, pair).wait()
+            out["pair"].append([row.tolist() for row in rows])
+    out["handed"] = meter.totals()
+    if rank < 2:
+        out["same_pair_groups"] = _pair_groups(pair) == _pair_groups(pair)
+    return out
+
+
 def _all(rank: int, world_size: int) -> dict[str, Any]:
     """Every multi-process case in one spawn of three ranks; the scheme cases run on a
     group of ranks 0 and 1."""
     pair = dist.new_group([0, 1])
-    return {"gather": _gather_payloads(rank, world_size),
+    return {"gather": _gather_payloads(rank, world_size), "fixed": _gather_fixed(rank, pair),
             **{name: _reduce_with_scheme(rank, name, pair) if rank < 2 else None
                for name in SCHEMES}}
 
@@ -98,6 +117,17 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
     return spawn(_all, 3)
+
+
+def test_fixed_all_gather_gives_every_rank_every_row_in_rank_order(
+        runs: list[dict[str, Any]]) -> None:
+    for step in range(2):
+        world = [(torch.arange(6) + 10 * r + 100 * step).tolist() for r in range(3)]
+        assert all(run["fixed"]["world"][step] == world for run in runs)
+        # two ranks: one broadcast each, the same rows as an all-gather
+        assert all(run["fixed"]["pair"][step] == world[:2] for run in runs[:2])
+    assert all(run["fixed"]["handed"] == {"total": 12.0} for run in runs)
+    assert all(run["fixed"]["same_pair_groups"] for run in runs[:2])
 
 
 def test_sparse_all_gather_reconstructs_the_exact_sum(runs: list[dict[str, Any]]) -> None:

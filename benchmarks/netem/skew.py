@@ -33,16 +33,18 @@ from benchmarks.machine import cpu_model
 from benchmarks.netem import net
 from benchmarks.netem.harness import REPO, worker_env
 from benchmarks.netem.summary import FRAME_OVERHEAD
+from thinwire.comm.collectives import all_gather_fixed
 from thinwire.comm.meter import TRAFFIC
 from thinwire.jobs.compare import parse_bandwidth
 
-COLLECTIVES = ("all_gather", "all_reduce")
+COLLECTIVES = ("all_gather", "all_reduce", "exchange")
 PAUSE_S = 0.03  # between the barrier and the first rank's call: a step's compute
 PORT = 29_731
 
 
 def collective(name: str, nbytes: int, world_size: int) -> Callable[[], None]:
-    """One call of ``name`` on ``nbytes`` per rank (all-reduce: the same bytes, as fp32)."""
+    """One call of ``name`` on ``nbytes`` per rank (all-reduce: the same bytes, as fp32;
+    exchange: thinwire's sparse exchange)."""
     if name == "all_gather":
         payload = torch.zeros(nbytes, dtype=torch.uint8)
         rows = torch.empty(world_size * nbytes, dtype=torch.uint8)
@@ -50,6 +52,9 @@ def collective(name: str, nbytes: int, world_size: int) -> Callable[[], None]:
     if name == "all_reduce":
         values = torch.zeros(nbytes // 4)
         return lambda: dist.all_reduce(values)
+    if name == "exchange":
+        payload = torch.zeros(nbytes, dtype=torch.uint8)
+        return lambda: all_gather_fixed(payload).wait()
     raise ValueError(f"collective={name!r} must be one of {COLLECTIVES}")
 
 
@@ -61,7 +66,7 @@ def cases(sizes: Sequence[int], skews_ms: Sequence[float]) -> list[tuple[int, fl
 def need_ms(name: str, nbytes: int, world_size: int, rate_bps: float) -> float:
     """What one call puts on the busier direction of a rank's link (the Meter's ring model,
     :data:`thinwire.comm.meter.TRAFFIC`), as TCP frames, at ``rate_bps``."""
-    busier = max(TRAFFIC[name](nbytes, world_size, 0, 0))
+    busier = max(TRAFFIC["all_gather" if name == "exchange" else name](nbytes, world_size, 0, 0))
     return 1000 * busier * FRAME_OVERHEAD * 8 / rate_bps
 
 

@@ -14,12 +14,10 @@ from benchmarks.netem import harness, net, skew
 from benchmarks.netem.summary import FRAME_OVERHEAD
 
 
-def test_every_case_runs_both_collectives_on_the_same_bytes() -> None:
+def test_every_case_runs_every_collective_on_the_same_bytes() -> None:
+    names = ["all_gather", "all_reduce", "exchange"]
     assert skew.cases([100, 200], [0.0, 5.0]) == [
-        (100, 0.0, "all_gather"), (100, 0.0, "all_reduce"),
-        (100, 5.0, "all_gather"), (100, 5.0, "all_reduce"),
-        (200, 0.0, "all_gather"), (200, 0.0, "all_reduce"),
-        (200, 5.0, "all_gather"), (200, 5.0, "all_reduce")]
+        (size, lag, name) for size in (100, 200) for lag in (0.0, 5.0) for name in names]
     with pytest.raises(ValueError, match="collective='broadcast'"):
         skew.collective("broadcast", 8, 2)
 
@@ -40,6 +38,7 @@ def test_what_the_bytes_need_follows_the_ring_traffic_of_each_collective() -> No
     assert skew.need_ms("all_gather", 1000, 2, rate) == pytest.approx(1.0)
     assert skew.need_ms("all_reduce", 1000, 2, rate) == pytest.approx(1.0)
     assert skew.need_ms("all_gather", 1000, 4, rate) == pytest.approx(3.0)  # 3 others
+    assert skew.need_ms("exchange", 1000, 4, rate) == pytest.approx(3.0)  # an all-gather's
     assert skew.need_ms("all_reduce", 1000, 4, rate) == pytest.approx(1.5)  # 2 (n-1)/n
     # 261,000 bytes between two ranks at 100 Mbit/s, as the shipped data says
     assert skew.need_ms("all_gather", 261_000, 2, 1e8) == pytest.approx(21.84, abs=0.01)
@@ -58,17 +57,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_three_workers_on_loopback_time_every_case_on_the_first_and_the_late_rank(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("count", [2, 3])  # the exchange: pair broadcasts / an all-gather
+def test_workers_on_loopback_time_every_case_on_the_first_and_the_late_rank(
+        tmp_path: Path, count: int) -> None:
     out = tmp_path / "rows.json"
-    command = [sys.executable, "-m", "benchmarks.netem.skew", "--workers", "3", "--init-method",
+    command = [sys.executable, "-m", "benchmarks.netem.skew", "--workers", str(count),
+               "--init-method",
                f"tcp://127.0.0.1:{_free_port()}", "--sizes", "4000", "--skews-ms", "0,2",
                "--rounds", "2", "--out", str(out)]
     workers = [subprocess.Popen([*command, "--worker", str(rank)], cwd=harness.REPO,
                                 env={**harness.worker_env(), "GLOO_SOCKET_IFNAME": "lo"})
-               for rank in range(3)]
+               for rank in range(count)]
     try:  # a few seconds idle; the guard is for a busy machine, and nothing outlives it
-        assert [w.wait(timeout=300) for w in workers] == [0, 0, 0]
+        assert [w.wait(timeout=300) for w in workers] == [0] * count
     finally:
         for w in workers:
             if w.poll() is None:
@@ -76,7 +77,7 @@ def test_three_workers_on_loopback_time_every_case_on_the_first_and_the_late_ran
                 w.wait()
     rows = json.loads(out.read_text())
     assert [(r["workers"], r["bytes"], r["skew_ms"], r["collective"]) for r in rows] == [
-        (3, *case) for case in skew.cases([4000], [0, 2])]
+        (count, *case) for case in skew.cases([4000], [0, 2])]
     for row in rows:
         assert row["first_rank_ms"] > 0 and row["later_rank_ms"] > 0
 

@@ -9,6 +9,8 @@ deadlocks on gloo.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -150,26 +152,76 @@ def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | 
     """All-gather uint8 buffers of the same length on every rank, in one round.
 
     For payloads of a fixed capacity (:class:`thinwire.compress.SparseLayout`)
-    there is no round of lengths first: nothing blocks the caller.
+    there is no round of lengths first: nothing blocks the caller. Two gloo
+    ranks exchange by one broadcast each, on groups of their own
+    (:func:`_pair_groups`): the same bytes, without the wait gloo's two-rank
+    all-gather puts on the rank that arrives second.
 
     Args:
         segments: ``(layer, nbytes)`` parts of ``payload`` recorded by the meter;
             they should add up to its length (padding included).
 
     Returns:
-        A future holding the list of each rank's buffer (views of one tensor).
+        A future holding the list of each rank's buffer, in rank order
+        (this rank's is ``payload`` itself).
     """
-    _, n = world(group)
+    rank, n = world(group)
     if meter is not None and n > 1:
         for layer, nbytes in segments:
             meter.record(entity, layer, "all_gather", nbytes, world_size=n)
     if n == 1:
         return done([payload])
+    roots = _pair_groups(group) if n == 2 else None
+    if roots is not None:  # the same bytes each way, one broadcast per rank
+        rows = [payload if r == rank else torch.empty_like(payload) for r in range(2)]
+        works = [dist.broadcast(row, group=side, async_op=True, group_src=r)
+                 for r, (row, side) in enumerate(zip(rows, roots))]
+        both = collect([work.get_future() for work in works if work is not None],
+                       [payload.device])
+        return both.then(lambda _: rows)
     gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
     work = all_gather_single(gathered, payload, group=group, async_op=True)
     assert work is not None
     result: Future[Any] = work.get_future().then(lambda _: list(gathered.view(n, -1)))
     return result
+
+
+# group -> weak references to its two pair groups. Only torch's registry holds the pair
+# groups, so destroy_process_group frees them with the rest: a gloo group freed later, as
+# the interpreter exits, can abort the process.
+_PAIRS: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[weakref.ref[dist.ProcessGroup], ...]] \
+    = weakref.WeakKeyDictionary()
+_PAIRS_LOCK = threading.Lock()
+
+
+def _pair_groups(group: Group) -> list[dist.ProcessGroup] | None:
+    """Two more gloo groups of ``group``'s two ranks, one per root; None off gloo.
+
+    gloo's all-gather sends a rank's data as soon as its peer can receive,
+    then posts its own receive. Between two ranks both go over one TCP
+    connection, so the rank that arrives second has its notice queued behind
+    its own payload and receives late; the roles then persist from step to
+    step (``benchmarks.netem.skew``: at 100 Mbit/s a 261 kB exchange took the
+    later rank 31.7 ms where the bytes need 21.8). A broadcast from each rank,
+    each on a group of its own, has its own connections, so each carries data
+    one way only and nothing queues behind it: 21.9 ms. With more ranks gloo's
+    broadcast is a tree that forwards what it receives, slower than the ring
+    all-gather, which is kept there.
+
+    Created on first use, in the order the exchanges run (every rank of
+    ``group`` makes the same calls), and again after the groups were destroyed.
+    """
+    parent = group if group is not None else dist.group.WORLD
+    if parent is None or dist.get_backend(parent) != "gloo":
+        return None
+    with _PAIRS_LOCK:
+        pair = [side for side in (ref() for ref in _PAIRS.get(parent, ())) if side is not None]
+        if len(pair) != 2:
+            ranks = dist.get_process_group_ranks(parent)
+            pair = [dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+                    for _ in range(2)]
+            _PAIRS[parent] = tuple(weakref.ref(side) for side in pair)
+    return pair
 
 
 def split_flat(flat: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
