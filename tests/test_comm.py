@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm import Meter, all_gather_bytes
-from thinwire.comm.collectives import _pair_groups, all_gather_fixed
+from thinwire.comm.collectives import _PAIRS, PAIR_MIN_BYTES, _pair_groups, all_gather_fixed
 from thinwire.comm.fingerprint import check_peers, describe, digest, flatten
 from thinwire.comm.meter import TRAFFIC
 from thinwire.comm.rounds import TwoRounds, all_reduce_round
@@ -88,19 +88,22 @@ def _gather_payloads(rank: int, world_size: int) -> tuple[list[bytes], list[int]
 
 
 def _gather_fixed(rank: int, pair: dist.ProcessGroup) -> dict[str, Any]:
-    """all_gather_fixed over all three ranks (one all-gather) and over ranks 0 and 1
-    (one broadcast each, on pair groups made once), twice each."""
+    """all_gather_fixed over all three ranks (one all-gather), twice, and over ranks 0 and 1
+    with a small payload (an all-gather) and a large one (one broadcast each, on pair
+    groups made then)."""
     out: dict[str, Any] = {"world": [], "pair": [], "same_pair_groups": None}
     meter = Meter(rank, 3)
     for step in range(2):
         payload = torch.arange(6, dtype=torch.uint8) + 10 * rank + 100 * step
         rows = all_gather_fixed(payload, meter=meter, segments=[("w", 6)]).wait()
         out["world"].append([row.tolist() for row in rows])
-        if rank < 2:
-            rows = all_gather_fixed(payload, pair).wait()
-            out["pair"].append([row.tolist() for row in rows])
     out["handed"] = meter.totals()
     if rank < 2:
+        for size in (6, PAIR_MIN_BYTES):
+            rows = all_gather_fixed(torch.full((size,), rank + 1, dtype=torch.uint8), pair).wait()
+            out["pair"].append(([torch.equal(row, torch.full_like(row, r + 1))
+                                 for r, row in enumerate(rows)],
+                                [row.numel() for row in rows], pair in _PAIRS))
         out["same_pair_groups"] = _pair_groups(pair) == _pair_groups(pair)
     return out
 
@@ -124,10 +127,11 @@ def test_fixed_all_gather_gives_every_rank_every_row_in_rank_order(
     for step in range(2):
         world = [(torch.arange(6) + 10 * r + 100 * step).tolist() for r in range(3)]
         assert all(run["fixed"]["world"][step] == world for run in runs)
-        # two ranks: one broadcast each, the same rows as an all-gather
-        assert all(run["fixed"]["pair"][step] == world[:2] for run in runs[:2])
     assert all(run["fixed"]["handed"] == {"total": 12.0} for run in runs)
-    assert all(run["fixed"]["same_pair_groups"] for run in runs[:2])
+    for run in runs[:2]:  # two ranks: the large payload goes by one broadcast each
+        assert run["fixed"]["pair"] == [([True, True], [6, 6], False),
+                                        ([True, True], [PAIR_MIN_BYTES] * 2, True)]
+        assert run["fixed"]["same_pair_groups"]
 
 
 def test_sparse_all_gather_reconstructs_the_exact_sum(runs: list[dict[str, Any]]) -> None:
