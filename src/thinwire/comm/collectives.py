@@ -183,8 +183,8 @@ def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | 
 
 
 # Below this many bytes per rank two ranks all-gather: the later rank's wait is then under
-# 3 ms at 100 Mbit/s, and two collectives cost about 1 ms more than one on two busy cores
-# (the transformer's 8.5 kB payloads at 100 Mbit/s: dct-dp's step 7.1 against 6.0 ms).
+# 3 ms at 100 Mbit/s, less than two collectives and their groups' threads cost on busy
+# cores (whole steps with 8.5 and 42.6 kB payloads were slower with the broadcasts).
 PAIR_MIN_BYTES = 1 << 16
 # group -> weak references to its two pair groups. Only torch's registry holds the pair
 # groups, so destroy_process_group frees them with the rest: a gloo group freed later, as
