@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.netem import harness, net, skew
 from benchmarks.netem.summary import FRAME_OVERHEAD
+from thinwire.comm.collectives import PAIR_MIN_BYTES
 
 
 def test_every_case_runs_every_collective_on_the_same_bytes() -> None:
@@ -57,13 +58,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("count", [2, 3])  # the exchange: pair broadcasts / an all-gather
+@pytest.mark.parametrize("count", [2, 3])  # the exchange: broadcasts / an all-gather
 def test_workers_on_loopback_time_every_case_on_the_first_and_the_late_rank(
         tmp_path: Path, count: int) -> None:
     out = tmp_path / "rows.json"
     command = [sys.executable, "-m", "benchmarks.netem.skew", "--workers", str(count),
                "--init-method",
-               f"tcp://127.0.0.1:{_free_port()}", "--sizes", "4000", "--skews-ms", "0,2",
+               f"tcp://127.0.0.1:{_free_port()}", "--sizes", str(PAIR_MIN_BYTES),
+               "--skews-ms", "0,2",
                "--rounds", "2", "--out", str(out)]
     workers = [subprocess.Popen([*command, "--worker", str(rank)], cwd=harness.REPO,
                                 env={**harness.worker_env(), "GLOO_SOCKET_IFNAME": "lo"})
@@ -77,7 +79,7 @@ def test_workers_on_loopback_time_every_case_on_the_first_and_the_late_rank(
                 w.wait()
     rows = json.loads(out.read_text())
     assert [(r["workers"], r["bytes"], r["skew_ms"], r["collective"]) for r in rows] == [
-        (count, *case) for case in skew.cases([4000], [0, 2])]
+        (count, *case) for case in skew.cases([PAIR_MIN_BYTES], [0, 2])]
     for row in rows:
         assert row["first_rank_ms"] > 0 and row["later_rank_ms"] > 0
 

@@ -201,10 +201,11 @@ def _pair_groups(group: Group) -> list[dist.ProcessGroup] | None:
     then posts its own receive. Between two ranks both go over one TCP
     connection, so the rank that arrives second has its notice queued behind
     its own payload and receives late; the roles then persist from step to
-    step (``benchmarks.netem.skew``: at 100 Mbit/s a 261 kB exchange took the
-    later rank 31.7 ms where the bytes need 21.8). A broadcast from each rank,
-    each on a group of its own, has its own connections, so each carries data
-    one way only and nothing queues behind it: 21.9 ms. With more ranks gloo's
+    step (``benchmarks.netem.skew``, ``docs/data/netem-gather-skew.json``: at
+    100 Mbit/s, with one rank 13 ms late, a 261 kB all-gather took the later
+    rank 31.6 ms where the bytes need 21.8). A broadcast from each rank, each on
+    a group of its own, has its own connections, so each carries data one way
+    only and nothing queues behind it: 26.3 ms. With more ranks gloo's
     broadcast is a tree that forwards what it receives, slower than the ring
     all-gather, which is kept there.
 
