@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import ddp, optim
-from thinwire.comm import Meter
+from thinwire.comm import Meter, collectives
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import DensePayload, TensorInfo
 from thinwire.launch import spawn
@@ -203,9 +203,20 @@ FLAT = {
     "dct-dp-delta16": ("dct-dp", {"sparsity": 0.97, "life_span": 2, "indices": "delta16",
                                   **LAYER}),
 }
+PAIRED = ("topk", "dct-dp-delta16", "laplace")  # also run with the two-rank broadcasts
 # Sparse tensors in several buckets, which DDP builds anew after its first step.
 DRAIN = {"sparsity": 0.8, "life_span": 4, "min_numel": 20, "drain_every": 2,
          "scope": "bucket"}
+
+
+def _with_pairs(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run`` with every two-rank sparse exchange by broadcasts, however small."""
+    saved = collectives.PAIR_MIN_BYTES
+    collectives.PAIR_MIN_BYTES = 0
+    try:
+        return {**run(), "paired": dist.group.WORLD in collectives._PAIRS}
+    finally:
+        collectives.PAIR_MIN_BYTES = saved
 
 
 def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
@@ -236,6 +247,10 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
            for name, (scheme, config) in FLAT.items()},
         **{f"reference-{name}": _reference_run(rank, world_size, scheme, config)
            for name, (scheme, config) in FLAT.items()},
+        **{f"pairs-{name}": _with_pairs(
+            lambda scheme=scheme, config=config: _ddp_run(rank, world_size, scheme, config,
+                                                          0.001))
+           for name, (scheme, config) in FLAT.items() if name in PAIRED},
         "mismatch": {pair: _mismatch_run(rank, pair) for pair in MISMATCHES},
         "mismatch-at-first-call": _mismatch_at_first_call(rank),  # last: it breaks a DDP
     }
@@ -283,6 +298,16 @@ def test_forgetting_to_couple_warns_once_and_coupling_silences_it(
             assert not [w for w in runs[rank][label]["warnings"] if "couple" in w]
     for a, b in zip(runs[0]["topk-coupled"]["params"], runs[1]["topk-coupled"]["params"]):
         assert torch.equal(a, b)  # replicas agree
+
+
+@pytest.mark.parametrize("name", PAIRED)
+def test_two_rank_broadcast_exchange_trains_bit_identically_to_the_all_gather(
+        runs: list[dict[str, Any]], name: str) -> None:
+    for rank in range(2):
+        paired = runs[rank][f"pairs-{name}"]
+        assert paired["paired"]  # the broadcasts ran
+        for a, b in zip(runs[rank][f"flat-{name}"]["params"], paired["params"]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("bucketing", ["dct-small-buckets", "dct-one-bucket"])
