@@ -170,11 +170,12 @@ def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | 
     roots = _pair_groups(group) if n == 2 and payload.numel() >= PAIR_MIN_BYTES else None
     if roots is not None:  # the same bytes each way, one broadcast per rank
         rows = [payload if r == rank else torch.empty_like(payload) for r in range(2)]
-        works = [dist.broadcast(row, group=side, async_op=True, group_src=r)
-                 for r, (row, side) in enumerate(zip(rows, roots))]
-        both = collect([work.get_future() for work in works if work is not None],
-                       [payload.device])
-        return both.then(lambda _: rows)
+        futures = []
+        for r, (row, side) in enumerate(zip(rows, roots)):
+            work = dist.broadcast(row, group=side, async_op=True, group_src=r)
+            assert work is not None
+            futures.append(work.get_future())
+        return collect(futures, [payload.device]).then(lambda _: rows)
     gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
     work = all_gather_single(gathered, payload, group=group, async_op=True)
     assert work is not None
