@@ -18,7 +18,9 @@ from thinwire.comm import Meter, collectives
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import DensePayload, TensorInfo
 from thinwire.launch import spawn
+from thinwire.schemes import base as schemes_base
 from thinwire.schemes import build
+from thinwire.schemes.base import CompressedScheme
 
 STEPS = 6
 
@@ -204,6 +206,15 @@ FLAT = {
                                   **LAYER}),
 }
 PAIRED = ("topk", "dct-dp-delta16", "laplace")  # also run with the two-rank broadcasts
+# dct-dp in pieces of 64 entries, against one payload: with room for every entry (10 x k at
+# 90 % sparsity) no part can pass more than its room, so the bits must agree.
+PIECED = {
+    "roomy": ({"sparsity": 0.9, "life_span": 2, "capacity": 10.0, **LAYER}, False),
+    "roomy-coupled": ({"sparsity": 0.9, "life_span": 3, "capacity": 10.0, **LAYER}, True),
+    "roomy-drain": ({"sparsity": 0.9, "life_span": 2, "capacity": 10.0, "drain_every": 2,
+                     **LAYER}, False),
+    "tight": ({"sparsity": 0.9, "life_span": 3, "capacity": 1.0, **LAYER}, True),
+}
 # Sparse tensors in several buckets, which DDP builds anew after its first step.
 DRAIN = {"sparsity": 0.8, "life_span": 4, "min_numel": 20, "drain_every": 2,
          "scope": "bucket"}
@@ -225,6 +236,25 @@ def _with_pairs(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {**run(), "paired": sum(paired)}
     finally:
         collectives.PAIR_MIN_BYTES, collectives._pair_groups = saved, pair_groups
+
+
+def _in_pieces(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run`` with dct-dp's sparse tensors cut into pieces of 64 entries; its
+    ``"pieced"`` counts the launches that went in pieces."""
+    saved, launch = schemes_base.PIECE_ENTRIES, CompressedScheme._launch_pieces
+    pieced = []
+
+    def counted(self: CompressedScheme, *args: Any, **kwargs: Any) -> Any:
+        pieced.append(True)
+        return launch(self, *args, **kwargs)
+
+    schemes_base.PIECE_ENTRIES = 64
+    CompressedScheme._launch_pieces = counted  # type: ignore[method-assign]
+    try:
+        return {**run(), "pieced": len(pieced)}
+    finally:
+        schemes_base.PIECE_ENTRIES = saved
+        CompressedScheme._launch_pieces = launch  # type: ignore[method-assign]
 
 
 def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
@@ -259,6 +289,13 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
             lambda scheme=scheme, config=config: _ddp_run(rank, world_size, scheme, config,
                                                           0.001))
            for name, (scheme, config) in FLAT.items() if name in PAIRED},
+        **{f"{label}-{name}": run(lambda config=config, couple=couple: _ddp_run(
+            rank, world_size, "dct-dp", config, 0.001, couple=couple))
+           for name, (config, couple) in PIECED.items()
+           for label, run in (("pieces", _in_pieces), ("one-payload", lambda f: f()))},
+        "pieces-nan": _in_pieces(lambda: _ddp_run(rank, world_size, "dct-dp",
+                                                  {**PIECED["roomy"][0], "nonfinite": "skip"},
+                                                  0.001, (1, 2))),
         "mismatch": {pair: _mismatch_run(rank, pair) for pair in MISMATCHES},
         "mismatch-at-first-call": _mismatch_at_first_call(rank),  # last: it breaks a DDP
     }
@@ -358,6 +395,35 @@ def test_flat_bucket_path_is_bit_identical_to_the_per_tensor_path(
         assert flat["scheme"]["compressor"] == reference["scheme"]["compressor"]
     if name == "dct-dp-drain":
         assert runs[0][f"flat-{name}"]["scheme"]["memory"]["drains"] > 0
+
+
+@pytest.mark.parametrize("name", [name for name in PIECED if name.startswith("roomy")])
+def test_dct_in_pieces_with_room_for_every_entry_trains_as_one_payload(
+        runs: list[dict[str, Any]], name: str) -> None:
+    for rank in range(2):
+        pieced, whole = runs[rank][f"pieces-{name}"], runs[rank][f"one-payload-{name}"]
+        assert pieced["pieced"] >= STEPS
+        for a, b in zip(pieced["params"], whole["params"]):
+            assert torch.equal(a, b)
+        assert pieced["scheme"]["compressor"] == whole["scheme"]["compressor"]
+
+
+def test_dct_in_pieces_keeps_replicas_identical_when_parts_pass_beyond_their_room(
+        runs: list[dict[str, Any]]) -> None:
+    for a, b in zip(runs[0]["pieces-tight"]["params"], runs[1]["pieces-tight"]["params"]):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0]["pieces-tight"]["params"],
+                                                      runs[0]["one-payload-tight"]["params"]))
+
+
+def test_nan_on_one_rank_in_pieces_is_skipped_and_replicas_stay_identical(
+        runs: list[dict[str, Any]]) -> None:
+    """The skipping rank sends empty pieces of the same sizes: nothing hangs."""
+    results = [r["pieces-nan"] for r in runs]
+    assert results[0]["skipped"] == 0 and results[1]["skipped"] >= 1
+    assert results[1]["pieced"] >= STEPS
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
 
 
 def test_nan_on_one_rank_is_skipped_and_replicas_stay_identical(

@@ -205,6 +205,16 @@ class Sparsifier(Compressor):
         return sum(self.capacity(sum(infos[i].numel for i in group))
                    for group in self._groups(infos))
 
+    @property
+    def cuts(self) -> bool:
+        """Whether a tensor's entries may travel in pieces (:mod:`thinwire.compress.pieces`).
+
+        True for a per-tensor threshold that keeps each entry on its own
+        (:class:`DCTThreshold`); a selection over a whole tensor or bucket
+        (top-k, a Laplace fit) must see all of it first.
+        """
+        return False
+
     def _groups(self, infos: Sequence[TensorInfo]) -> list[list[int]]:
         """Positions in ``infos`` of each group to select together (``scope="bucket"``)."""
         return regroup(self.groups, [info.key for info in infos])
@@ -363,6 +373,63 @@ class DCTThreshold(Sparsifier):
             room = self.capacity(magnitudes.numel())
             self.tau[key] = tau * self._correction(magnitudes, indices.numel(), k, room)
         return indices, tau
+
+    @property
+    def cuts(self) -> bool:
+        """Per tensor (``scope="layer"``) and without the budget guard, whose refresh
+        re-selects the whole tensor at once."""
+        return self.scope == "layer" and self.refresh_above is None
+
+    def reused(self, info: TensorInfo) -> bool:
+        """Whether this call reuses ``info``'s tau (Alg. 1 line 8): known before its magnitudes."""
+        return info.key in self.tau and self._calls.get(info.key, 0) % self.life_span != 0
+
+    def open_call(self, magnitudes: torch.Tensor | None, info: TensorInfo) -> float:
+        """Begin a call on ``info``'s tensor in pieces; its threshold for this call.
+
+        A refresh (lines 4-6) needs the whole tensor's ``magnitudes``; a reused
+        tau does not (None is fine). Finish with :meth:`close_call`.
+        """
+        if not self.reused(info):
+            if magnitudes is None:
+                raise ValueError(f"{info.key!r}: a refresh call needs the tensor's magnitudes")
+            self._refresh(magnitudes, info.key, keep_count(info.numel, self.density))
+        return self.tau[info.key]
+
+    def pick(self, magnitudes: torch.Tensor, tau: float,
+             room: int) -> tuple[torch.Tensor, int]:
+        """Ascending indices of a part's entries at or above ``tau`` (line 9), at most
+        ``room`` of them (the largest); and how many passed before that cut."""
+        indices = _above(magnitudes, tau)
+        passed = indices.numel()
+        if passed > room:
+            indices = indices.index_select(
+                0, largest_in_order(magnitudes.index_select(0, indices), room))
+        return indices, passed
+
+    def close_call(self, magnitudes: torch.Tensor, info: TensorInfo, passed: int,
+                   sent: int) -> None:
+        """End a call begun by :meth:`open_call`: count it, trace it, move tau for the next.
+
+        As :meth:`_select` does, except that a stale tau (0, passing more than
+        k) is refreshed for the next call instead of this one: the pieces
+        sent with it are on the wire already.
+
+        Args:
+            magnitudes: the whole tensor's ``|p|`` of this call.
+            passed: entries at or above tau over all the parts.
+            sent: entries sent (``passed`` less what the parts' rooms cut).
+        """
+        key, numel = info.key, info.numel
+        call = self._calls.get(key, 0)
+        self._calls[key] = call + 1
+        k = keep_count(numel, self.density)
+        tau = self.tau[key]
+        if self._stale(tau, passed, k):
+            self._refresh(magnitudes, key, k)
+        elif self.gain is not None and tau > 0:
+            self.tau[key] = tau * self._correction(magnitudes, passed, k, self.capacity(numel))
+        self._trace(key, call, tau, sent / numel)
 
     def _stale(self, tau: float, count: int, k: int) -> bool:
         """Whether a reused tau passing ``count`` entries is recomputed at once."""

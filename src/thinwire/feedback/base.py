@@ -66,6 +66,28 @@ class Memory(ABC):
         """
         return self.compensate(key, grad)
 
+    def holds(self, key: str, grad: torch.Tensor) -> bool:
+        """Whether :meth:`absorb_part_` can take parts of ``key``'s gradient ``grad``.
+
+        It can once the memory owns in-place state of ``grad``'s size and
+        dtype for the key (from an earlier round); here never.
+        """
+        return False
+
+    def absorb_part_(self, key: str, grad: torch.Tensor, start: int) -> torch.Tensor:
+        """:meth:`absorb_` for entries ``[start, start + grad.numel())`` of ``key``'s flat tensor.
+
+        Bit for bit what :meth:`absorb_` does to those entries (elementwise ops
+        do not depend on the rest), so a tensor may be absorbed part by part
+        and sent while the rest waits. Only when :meth:`holds` is true.
+
+        Returns:
+            The key's whole flat ``p`` buffer (the other parts as they stand);
+            hand it to :meth:`update_selected_` / :meth:`update_sparse` once
+            every part is absorbed.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not absorb parts")
+
     @abstractmethod
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         """Store what ``sent`` left out of ``compensated``."""

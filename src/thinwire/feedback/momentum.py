@@ -129,6 +129,21 @@ class MomentumCorrection(Memory):
         """Velocity + error in the inner memory's own buffer (see :meth:`Memory.absorb_`)."""
         return self.inner.absorb_(key, self._advance(key, grad))
 
+    def holds(self, key: str, grad: torch.Tensor) -> bool:
+        velocity = self.velocity.get(key)
+        return (velocity is not None and velocity.numel() == grad.numel()
+                and self.inner.holds(key, grad))
+
+    def absorb_part_(self, key: str, grad: torch.Tensor, start: int) -> torch.Tensor:
+        """Advance the part's velocity, then absorb it into the inner memory's part.
+
+        The same ``mul_`` / ``add_`` kernels as :meth:`advance_`, on the part.
+        """
+        part = self.velocity[key].view(-1)[start: start + grad.numel()]
+        part.mul_(self.momentum).add_(grad, alpha=1.0 - self.dampening)
+        sent = grad.add(part, alpha=self.momentum) if self.nesterov else part
+        return self.inner.absorb_part_(key, sent, start)
+
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         self.inner.update(key, compensated, sent)
 

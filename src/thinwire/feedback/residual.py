@@ -124,6 +124,16 @@ class Residual(Memory):
         self.buffers[key] = buffer
         return buffer
 
+    def holds(self, key: str, grad: torch.Tensor) -> bool:
+        buffer = self.buffers.get(key)
+        return buffer is not None and buffer.numel() == grad.numel() and buffer.dtype == grad.dtype
+
+    def absorb_part_(self, key: str, grad: torch.Tensor, start: int) -> torch.Tensor:
+        """``e[start:stop] += grad`` in the key's buffer (see :meth:`Memory.absorb_part_`)."""
+        flat = self.buffers[key].view(-1)
+        flat[start: start + grad.numel()].add_(grad)
+        return flat
+
     def subtract_(self, key: str, sent: torch.Tensor) -> None:
         """``e <- p - sent`` in place after :meth:`absorb_` (or a drain); one update."""
         buffer = self.buffers[key]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -13,9 +14,18 @@ import torch
 
 from thinwire.comm import Meter, all_reduce_mean, world
 from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect, split_flat
-from thinwire.compress import Compressor, Dense, DensePayload, Payload, Sparsifier, TensorInfo
+from thinwire.compress import (
+    Compressor,
+    DCTThreshold,
+    Dense,
+    DensePayload,
+    Payload,
+    Sparsifier,
+    TensorInfo,
+)
 from thinwire.compress import decode as decode_payload
 from thinwire.compress.payload import SparseLayout, layout_segments
+from thinwire.compress.pieces import PIECE_ENTRIES, Part, cut
 from thinwire.feedback import Memory, all_finite
 
 
@@ -184,8 +194,12 @@ class CompressedScheme(Scheme):
                   if isinstance(compressor, Sparsifier) and not compressor.is_dense(info)]
         sparse_keys = {info.key for info in sparse}
         dense = [info for info in infos if info.key not in sparse_keys]
+        pieces = self._pieces(buffer, sparse)
+        streamed = finite and pieces is not None and self._streams(sparse, views)
         if finite and self.memory is not None:  # sparse tensors: in the memory, below
-            self.memory.advance_(views)  # the round's per-tensor state, batched
+            # the round's per-tensor state, batched; a streamed tensor's, part by part
+            self.memory.advance_({info.key: views[info.key] for info in dense} if streamed
+                                 else views)
             self.memory.compensate_all_({info.key: views[info.key] for info in dense})
         futures = []
         if dense and len(dense) == len(infos) and self.memory is None and isinstance(
@@ -198,15 +212,20 @@ class CompressedScheme(Scheme):
             dense = []
         elif dense:
             futures.append(self._launch_dense(dense, views, finite, group))
-        if sparse:
+        if pieces is not None:
+            futures.append(self._launch_pieces(buffer, infos, pieces, views, finite, streamed,
+                                               group))
+        elif sparse:
             futures.append(self._launch_sparse(buffer, infos, sparse, views, finite, group))
         self._charge(time.perf_counter() - start)
 
         def decode(fut: Future[Any]) -> torch.Tensor:
             begin = time.perf_counter()
             results = [f.value() for f in fut.value()]
-            if sparse:
+            if sparse and pieces is None:  # pieces are decoded as they arrive
                 self._sum_sparse(buffer, results.pop(), n)
+            elif sparse:
+                results.pop()
             if dense:
                 torch._foreach_copy_([views[info.key] for info in dense],
                                      split_flat(results.pop(), [i.numel for i in dense]))
@@ -295,17 +314,136 @@ class CompressedScheme(Scheme):
         future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments)
         return future.then(lambda f: (layout, f.value()))
 
+    def _pieces(self, buffer: torch.Tensor,
+                sparse: Sequence[TensorInfo]) -> list[list[Part]] | None:
+        """The pieces ``sparse`` travels in (:mod:`thinwire.compress.pieces`); None: one payload.
+
+        Only on the CPU, where compression costs as much as a slow link's
+        transfer (a GPU compresses in a fraction of it), and only for a
+        compressor that cuts and at least two pieces' worth of entries. The
+        answer depends on shapes and configuration alone, never on this rank's
+        values, so every rank sends the same payloads.
+        """
+        compressor = self.compressor
+        if (buffer.device.type != "cpu" or not isinstance(compressor, Sparsifier)
+                or not compressor.cuts
+                or sum(info.numel for info in sparse) < 2 * PIECE_ENTRIES):
+            return None
+        return cut(sparse, [compressor.capacity(info.numel) for info in sparse], PIECE_ENTRIES)
+
+    def _streams(self, sparse: Sequence[TensorInfo], views: Mapping[str, torch.Tensor]) -> bool:
+        """Whether every sparse tensor's threshold and memory let it be absorbed part by part
+        (a reused tau, state from an earlier round); else each is absorbed whole first."""
+        compressor, memory = self.compressor, self.memory
+        assert isinstance(compressor, DCTThreshold)
+        return all(compressor.reused(info) and (
+            memory is None or memory.holds(info.key, views[info.key])) for info in sparse)
+
+    def _launch_pieces(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
+                       pieces: Sequence[Sequence[Part]], views: Mapping[str, torch.Tensor],
+                       finite: bool, streamed: bool, group: Group) -> Future[Any]:
+        """:meth:`_launch_sparse` in pieces, each sent once selected and decoded on arrival.
+
+        ``streamed``: each part is absorbed into the memory, selected and sent
+        before the next part is touched, so compression runs while earlier
+        pieces are on the wire. Otherwise (a threshold refresh, a first round)
+        every tensor is absorbed whole first; the parts are then selected
+        alike, so both give the same bits.
+
+        Returns:
+            A future (of None) completed once every piece is decoded into ``buffer``.
+        """
+        compressor, memory = self.compressor, self.memory
+        assert isinstance(compressor, DCTThreshold)
+        _, n = world(group)
+        offsets = dict(zip([info.key for info in infos],
+                           itertools.accumulate([0] + [info.numel for info in infos])))
+        tensors = list(dict.fromkeys(part.info for piece in pieces for part in piece))
+        scratch = self._magnitudes(buffer)
+
+        def magnitudes(info: TensorInfo, start: int = 0, stop: int | None = None) -> torch.Tensor:
+            offset = offsets[info.key]
+            return scratch[offset + start: offset + (info.numel if stop is None else stop)]
+
+        held: dict[str, torch.Tensor] = {}  # key -> p, flat (the memory's buffer)
+        tau: dict[str, float] = {}
+        if finite:
+            for info in tensors:
+                whole = views[info.key].reshape(-1)
+                if not streamed:
+                    whole = whole if memory is None else memory.absorb_(info.key, whole)
+                    torch.abs(whole, out=magnitudes(info))
+                    held[info.key] = whole
+                tau[info.key] = compressor.open_call(None if streamed else magnitudes(info), info)
+        passed = dict.fromkeys(tau, 0)
+        chosen: dict[str, list[torch.Tensor]] = {key: [] for key in tau}
+        sent: dict[str, list[torch.Tensor]] = {key: [] for key in tau}
+        futures = []
+        for piece in pieces:
+            indices, values, counts = [], [], []
+            for part in piece if finite else ():
+                key, start, stop = part.info.key, part.start, part.stop
+                if streamed:
+                    grad = views[key].reshape(-1)
+                    held[key] = grad if memory is None else memory.absorb_part_(
+                        key, grad[start:stop], start)
+                p = held[key][start:stop]
+                size = magnitudes(part.info, start, stop)
+                if streamed:
+                    torch.abs(p, out=size)
+                local, count = compressor.pick(size, tau[key], part.room)
+                passed[key] += count
+                chosen[key].append(local + start)
+                sent[key].append(p.index_select(0, local).to(compressor.value_dtype))
+                indices.append(chosen[key][-1] + offsets[key])
+                values.append(sent[key][-1])
+                counts.append((key, local.numel()))
+            layout = SparseLayout(buffer.numel(), sum(part.room for part in piece),
+                                  compressor.value_dtype, compressor.index_format)
+            empty = buffer.new_zeros(0)
+            payload = layout.encode(torch.cat(indices) if indices else empty.long(),
+                                    torch.cat(values) if values else empty)
+            ranges = [(offsets[part.info.key] + part.start, offsets[part.info.key] + part.stop)
+                      for part in piece]
+            future = all_gather_fixed(payload, group, self.meter, layout_segments(layout, counts))
+            futures.append(future.then(functools.partial(self._decode_piece, buffer, layout,
+                                                         ranges, n)))
+        for info in tensors if finite else ():
+            key = info.key
+            local = torch.cat(chosen[key])
+            exact = compressor.value_dtype == buffer.dtype
+            if memory is not None and memory.forgets_what_is_sent and exact:
+                memory.update_selected_(key, held[key], local)  # sent exactly: zeroed
+            elif memory is not None:
+                memory.update_sparse(key, held[key], local, torch.cat(sent[key]))
+            compressor.close_call(magnitudes(info), info, passed[key], local.numel())
+        return collect(futures, [buffer.device]).then(lambda _: None)
+
+    def _decode_piece(self, buffer: torch.Tensor, layout: SparseLayout,
+                      ranges: Sequence[tuple[int, int]], n: int, future: Future[Any]) -> None:
+        """Decode one piece's rows into its ``ranges`` of ``buffer`` (on arrival)."""
+        begin = time.perf_counter()
+        self._sum_sparse(buffer, (layout, future.value()), n, ranges)
+        self._charge(time.perf_counter() - begin)
+
     @staticmethod
     def _sum_sparse(buffer: torch.Tensor, gathered: tuple[SparseLayout, list[torch.Tensor]],
-                    n: int) -> None:
+                    n: int, ranges: Sequence[tuple[int, int]] | None = None) -> None:
         """Write the mean of every rank's sparse payload into ``buffer`` (rank order).
 
         Sums in rank order, then divides only the entries some rank sent (a
         duplicate index writes the same quotient twice): the same bits as
         dividing the whole buffer, without a pass over it.
+
+        Args:
+            ranges: ``[start, stop)`` of ``buffer`` the payloads cover (zeroed
+                first); None: all of it.
         """
         layout, rows = gathered
-        buffer.zero_()
+        if ranges is None:
+            buffer.zero_()
+        for start, stop in ranges or ():
+            buffer[start:stop].zero_()
         touched = []
         for row in rows:
             indices, values = layout.decode(row)
