@@ -18,7 +18,6 @@ from thinwire.comm import Meter, collectives
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import DensePayload, TensorInfo
 from thinwire.launch import spawn
-from thinwire.schemes import base as schemes_base
 from thinwire.schemes import build
 from thinwire.schemes.base import CompressedScheme
 
@@ -206,8 +205,9 @@ FLAT = {
                                   **LAYER}),
 }
 PAIRED = ("topk", "dct-dp-delta16", "laplace")  # also run with the two-rank broadcasts
-# dct-dp in pieces of 64 entries, against one payload: with room for every entry (10 x k at
-# 90 % sparsity) no part can pass more than its room, so the bits must agree.
+# dct-dp in pieces of 64 entries (piece=64), against one payload (piece=0): with room for
+# every entry (10 x k at 90 % sparsity) no part can pass more than its room, so the bits
+# must agree.
 PIECED = {
     "roomy": ({"sparsity": 0.9, "life_span": 2, "capacity": 10.0, **LAYER}, False),
     "roomy-coupled": ({"sparsity": 0.9, "life_span": 3, "capacity": 10.0, **LAYER}, True),
@@ -238,22 +238,19 @@ def _with_pairs(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         collectives.PAIR_MIN_BYTES, collectives._pair_groups = saved, pair_groups
 
 
-def _in_pieces(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """``run`` with dct-dp's sparse tensors cut into pieces of 64 entries; its
-    ``"pieced"`` counts the launches that went in pieces."""
-    saved, launch = schemes_base.PIECE_ENTRIES, CompressedScheme._launch_pieces
+def _counting_pieces(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run``, its ``"pieced"`` counting the launches that went in pieces."""
+    launch = CompressedScheme._launch_pieces
     pieced = []
 
     def counted(self: CompressedScheme, *args: Any, **kwargs: Any) -> Any:
         pieced.append(True)
         return launch(self, *args, **kwargs)
 
-    schemes_base.PIECE_ENTRIES = 64
     CompressedScheme._launch_pieces = counted  # type: ignore[method-assign]
     try:
         return {**run(), "pieced": len(pieced)}
     finally:
-        schemes_base.PIECE_ENTRIES = saved
         CompressedScheme._launch_pieces = launch  # type: ignore[method-assign]
 
 
@@ -289,13 +286,14 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
             lambda scheme=scheme, config=config: _ddp_run(rank, world_size, scheme, config,
                                                           0.001))
            for name, (scheme, config) in FLAT.items() if name in PAIRED},
-        **{f"{label}-{name}": run(lambda config=config, couple=couple: _ddp_run(
-            rank, world_size, "dct-dp", config, 0.001, couple=couple))
+        **{f"{label}-{name}": _counting_pieces(
+            lambda config=config, couple=couple, piece=piece: _ddp_run(
+                rank, world_size, "dct-dp", {**config, "piece": piece}, 0.001, couple=couple))
            for name, (config, couple) in PIECED.items()
-           for label, run in (("pieces", _in_pieces), ("one-payload", lambda f: f()))},
-        "pieces-nan": _in_pieces(lambda: _ddp_run(rank, world_size, "dct-dp",
-                                                  {**PIECED["roomy"][0], "nonfinite": "skip"},
-                                                  0.001, (1, 2))),
+           for label, piece in (("pieces", 64), ("one-payload", 0))},
+        "pieces-nan": _counting_pieces(lambda: _ddp_run(
+            rank, world_size, "dct-dp", {**PIECED["roomy"][0], "piece": 64, "nonfinite": "skip"},
+            0.001, (1, 2))),
         "mismatch": {pair: _mismatch_run(rank, pair) for pair in MISMATCHES},
         "mismatch-at-first-call": _mismatch_at_first_call(rank),  # last: it breaks a DDP
     }
@@ -402,7 +400,7 @@ def test_dct_in_pieces_with_room_for_every_entry_trains_as_one_payload(
         runs: list[dict[str, Any]], name: str) -> None:
     for rank in range(2):
         pieced, whole = runs[rank][f"pieces-{name}"], runs[rank][f"one-payload-{name}"]
-        assert pieced["pieced"] >= STEPS
+        assert pieced["pieced"] >= STEPS and whole["pieced"] == 0
         for a, b in zip(pieced["params"], whole["params"]):
             assert torch.equal(a, b)
         assert pieced["scheme"]["compressor"] == whole["scheme"]["compressor"]

@@ -12,7 +12,6 @@ from thinwire import schemes
 from thinwire.compress import TensorInfo
 from thinwire.compress.pieces import cut
 from thinwire.feedback import MomentumCorrection
-from thinwire.schemes import base
 from thinwire.schemes.base import CompressedScheme
 
 SHAPES = {"w": (40, 30), "v": (900,), "b": (30,)}  # b travels dense (min_numel)
@@ -20,8 +19,7 @@ SHAPES = {"w": (40, 30), "v": (900,), "b": (30,)}  # b travels dense (min_numel)
 
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Pieces of 100 entries; yields the number of piece-wise launches so far."""
-    monkeypatch.setattr(base, "PIECE_ENTRIES", 100)
+    """Yields the number of piece-wise launches so far."""
     calls = [0]
     launch = CompressedScheme._launch_pieces
 
@@ -42,7 +40,7 @@ def _grads(step: int) -> dict[str, torch.Tensor]:
 
 def _scheme(momentum: bool = False, **config: Any) -> CompressedScheme:
     scheme = schemes.build("dct-dp", **{"sparsity": 0.95, "life_span": 3, "min_numel": 100,
-                                        **config})
+                                        "piece": 100, **config})
     assert isinstance(scheme, CompressedScheme) and scheme.memory is not None
     if momentum:
         scheme.memory = MomentumCorrection(scheme.memory, 0.9)
@@ -71,6 +69,22 @@ def test_cut_covers_every_tensor_once_and_shares_each_room_exactly() -> None:
         cut(infos, rooms, entries=0)
     with pytest.raises(ValueError, match="3 rooms for 4 tensors"):
         cut(infos, rooms[:3])
+
+
+@pytest.mark.parametrize("config,pieces", [
+    ({}, 2),  # 1,200 + 900 sparse entries: at least two pieces of 1,000
+    ({"piece": 1100}, 0),  # not two pieces' worth: one payload
+    ({"scope": "bucket"}, 0),  # one threshold over the bucket needs all of it first
+    ({"refresh_above": 2.0}, 0),  # the guard re-selects a whole tensor at once
+])
+def test_which_buckets_go_in_pieces(config: dict[str, Any], pieces: int) -> None:
+    scheme = _scheme(**{"piece": 1000, **config})
+    grads = _grads(0)
+    infos = [TensorInfo.of(key, grads[key]) for key in ("w", "v")]
+    got = scheme._pieces(torch.zeros(2100), infos)
+    assert (0 if got is None else len(got)) == pieces
+    with pytest.raises(ValueError, match="piece=-1"):
+        schemes.build("dct-dp", piece=-1)
 
 
 @pytest.mark.parametrize("momentum", [False, True])
@@ -121,8 +135,7 @@ def test_pieces_with_room_for_every_entry_equal_one_payload(small_pieces: list[i
     pieced = _scheme(momentum=True, capacity=20.0)
     outputs = _run(pieced)
     assert small_pieces[0] == 7
-    base.PIECE_ENTRIES = 10**9  # type: ignore[attr-defined]  (restored by the fixture)
-    whole = _scheme(momentum=True, capacity=20.0)
+    whole = _scheme(momentum=True, capacity=20.0, piece=0)
     for a, b in zip(outputs, _run(whole)):
         for key in a:
             assert torch.equal(a[key], b[key])

@@ -206,14 +206,14 @@ class Sparsifier(Compressor):
                    for group in self._groups(infos))
 
     @property
-    def cuts(self) -> bool:
-        """Whether a tensor's entries may travel in pieces (:mod:`thinwire.compress.pieces`).
+    def piece(self) -> int:
+        """Entries per piece a large bucket travels in (:mod:`thinwire.compress.pieces`); 0: whole.
 
-        True for a per-tensor threshold that keeps each entry on its own
-        (:class:`DCTThreshold`); a selection over a whole tensor or bucket
-        (top-k, a Laplace fit) must see all of it first.
+        Only a per-tensor threshold that keeps each entry on its own
+        (:class:`DCTThreshold`) cuts; a selection over a whole tensor or
+        bucket (top-k, a Laplace fit) must see all of it first.
         """
-        return False
+        return 0
 
     def _groups(self, infos: Sequence[TensorInfo]) -> list[list[int]]:
         """Positions in ``infos`` of each group to select together (``scope="bucket"``)."""
@@ -332,11 +332,16 @@ class DCTThreshold(Sparsifier):
             times the target count; None (default) never does. Must be > 1.
         gain: the density control's gain g, in (0, 1]; None (default)
             keeps tau fixed between refreshes.
+        piece: entries per piece in which the engine sends a bucket of at
+            least two pieces' worth of sparse entries on the CPU
+            (:mod:`thinwire.compress.pieces`); 0 (default here; the dct-dp
+            scheme's default is :data:`~thinwire.compress.pieces.PIECE_ENTRIES`)
+            sends each bucket as one payload.
     """
 
     def __init__(self, sparsity: float, life_span: int = 1000,
                  refresh_above: float | None = None, gain: float | None = None,
-                 **kwargs: Any) -> None:
+                 piece: int = 0, **kwargs: Any) -> None:
         check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
         if not isinstance(life_span, int) or life_span < 1:
             raise ValueError(f"life_span={life_span!r} must be an integer >= 1")
@@ -344,7 +349,10 @@ class DCTThreshold(Sparsifier):
             raise ValueError(f"refresh_above={refresh_above!r} must be None or > 1")
         if gain is not None:
             check_fraction("gain", gain, 0.0, 1.0, closed_low=False, closed_high=True)
+        if isinstance(piece, bool) or not isinstance(piece, int) or piece < 0:
+            raise ValueError(f"piece={piece!r} must be an integer >= 0 (0: one payload)")
         super().__init__(**kwargs)
+        self._piece = piece
         self.sparsity = sparsity
         self.life_span = life_span
         self.refresh_above = refresh_above
@@ -375,10 +383,10 @@ class DCTThreshold(Sparsifier):
         return indices, tau
 
     @property
-    def cuts(self) -> bool:
-        """Per tensor (``scope="layer"``) and without the budget guard, whose refresh
-        re-selects the whole tensor at once."""
-        return self.scope == "layer" and self.refresh_above is None
+    def piece(self) -> int:
+        """The ``piece`` option, per tensor (``scope="layer"``) and without the budget
+        guard (whose refresh re-selects a whole tensor at once); else 0."""
+        return self._piece if self.scope == "layer" and self.refresh_above is None else 0
 
     def reused(self, info: TensorInfo) -> bool:
         """Whether this call reuses ``info``'s tau (Alg. 1 line 8): known before its magnitudes."""

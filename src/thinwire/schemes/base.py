@@ -25,7 +25,7 @@ from thinwire.compress import (
 )
 from thinwire.compress import decode as decode_payload
 from thinwire.compress.payload import SparseLayout, layout_segments
-from thinwire.compress.pieces import PIECE_ENTRIES, Part, cut
+from thinwire.compress.pieces import Part, cut
 from thinwire.feedback import Memory, all_finite
 
 
@@ -320,16 +320,18 @@ class CompressedScheme(Scheme):
 
         Only on the CPU, where compression costs as much as a slow link's
         transfer (a GPU compresses in a fraction of it), and only for a
-        compressor that cuts and at least two pieces' worth of entries. The
-        answer depends on shapes and configuration alone, never on this rank's
-        values, so every rank sends the same payloads.
+        compressor that cuts (:attr:`~thinwire.compress.Sparsifier.piece`) and
+        at least two pieces' worth of entries. The answer depends on shapes
+        and configuration alone, never on this rank's values, so every rank
+        sends the same payloads.
         """
         compressor = self.compressor
-        if (buffer.device.type != "cpu" or not isinstance(compressor, Sparsifier)
-                or not compressor.cuts
-                or sum(info.numel for info in sparse) < 2 * PIECE_ENTRIES):
+        if buffer.device.type != "cpu" or not isinstance(compressor, Sparsifier):
             return None
-        return cut(sparse, [compressor.capacity(info.numel) for info in sparse], PIECE_ENTRIES)
+        entries = compressor.piece
+        if not entries or sum(info.numel for info in sparse) < 2 * entries:
+            return None
+        return cut(sparse, [compressor.capacity(info.numel) for info in sparse], entries)
 
     def _streams(self, sparse: Sequence[TensorInfo], views: Mapping[str, torch.Tensor]) -> bool:
         """Whether every sparse tensor's threshold and memory let it be absorbed part by part

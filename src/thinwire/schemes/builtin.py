@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thinwire.compress import FP16, DCTThreshold, Dense, LaplaceThreshold, TopK
+from thinwire.compress.pieces import PIECE_ENTRIES
 from thinwire.compress.sparse import CAPACITY, MIN_NUMEL
 from thinwire.feedback import Residual
 from thinwire.schemes.base import CompressedScheme, Scheme
@@ -54,6 +55,7 @@ class DCTConfig:
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     include: tuple[str, ...] = ()  # fnmatch patterns of parameters to compress; others dense
     scope: str = "layer"  # "layer": tau per tensor (Alg. 1); "bucket": one tau over the bucket
+    piece: int = PIECE_ENTRIES  # entries per piece sent while the next is compressed; 0: whole
 
     def __post_init__(self) -> None:
         validate_sparsity(self.sparsity)
@@ -66,6 +68,8 @@ class DCTConfig:
             raise ValueError(f"refresh_above={self.refresh_above!r} must be None or > 1")
         if self.gain is not None and not 0.0 < self.gain <= 1.0:
             raise ValueError(f"gain={self.gain!r} must be None or in (0, 1]")
+        if isinstance(self.piece, bool) or not isinstance(self.piece, int) or self.piece < 0:
+            raise ValueError(f"piece={self.piece!r} must be an integer >= 0 (0: one payload)")
         if self.drain_every is not None and self.drain_every < 1:
             raise ValueError(f"drain_every={self.drain_every!r} must be None or >= 1")
         validate_capacity(self.capacity)
@@ -111,7 +115,7 @@ def _dct_dp(config: DCTConfig) -> Scheme:
                               config.gain, min_numel=config.min_numel,
                               values=config.values, capacity=config.capacity,
                               indices=config.indices, include=config.include,
-                              scope=config.scope)
+                              scope=config.scope, piece=config.piece)
     return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
 
 
