@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 from thinwire.compress.base import TensorInfo
 
-# Entries per piece. Measured on the 4.35M-parameter MLP at 100 Mbit/s with
-# 2 workers (docs/bench.md): 1M-entry pieces hid as much as 0.25M or 0.5M
-# with fewer collectives; a piece should also carry enough bytes to keep the
-# link busy while the next one is compressed.
+# Entries per piece. On the 4.35M-parameter MLP at 100 Mbit/s with 2 and 4
+# workers (docs/data/netem-pieces.json), 1M-entry pieces stepped within noise
+# of 0.25M or 0.5M ones with fewer collectives; a piece should carry enough
+# bytes to keep the link busy while the next one is compressed.
 PIECE_ENTRIES = 1 << 20
 
 

@@ -390,10 +390,10 @@ class CompressedScheme(Scheme):
                     held[key] = grad if memory is None else memory.absorb_part_(
                         key, grad[start:stop], start)
                 p = held[key][start:stop]
-                size = magnitudes(part.info, start, stop)
+                part_abs = magnitudes(part.info, start, stop)
                 if streamed:
-                    torch.abs(p, out=size)
-                local, count = compressor.pick(size, tau[key], part.room)
+                    torch.abs(p, out=part_abs)
+                local, count = compressor.pick(part_abs, tau[key], part.room)
                 passed[key] += count
                 chosen[key].append(local + start)
                 sent[key].append(p.index_select(0, local).to(compressor.value_dtype))
