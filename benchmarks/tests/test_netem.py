@@ -433,6 +433,25 @@ def test_report_adds_a_column_per_shipped_workload_run(tmp_path: Path) -> None:
     assert "| dct-dp | 36.00 m @200 |" in page  # the median round: 12, 36, 36 s
 
 
+def test_report_compares_dct_dp_pieces_round_by_round(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    (docs / "data").mkdir(parents=True)
+    record = _netem_record(load=0.2)
+    rounds = [_run(label, "100mbit", 1e8, 2, step_s, 150_000, 100, 100, [2.0, 1.0])
+              for step_s, label in ((0.052, "dct-dp"), (0.06, "dct-dp:piece=0"),
+                                    (0.048, "dct-dp"), (0.055, "dct-dp:piece=0"),
+                                    (0.05, "dct-dp"), (0.058, "dct-dp:piece=0"))]
+    failed = {"scheme": "dct-dp", "status": "failed", "note": "hang", "rate": "100mbit",
+              "workers": 2}
+    record |= {"rates": ["100mbit"], "rounds": 3, "runs": derive(rounds) + [failed]}
+    (docs / "data" / report.PIECES).write_text(json.dumps(record))
+    page = report.render(None, None, docs)
+    assert "## dct-dp in pieces" in page and record["command"] in page
+    # The median round (by time to target) gives the ratio and the time: 0.05 s a step.
+    assert "| 2 | dct-dp | 50.0 (48.0, 50.0, 52.0) | 1.56 | 1.0 | 150,000 | 5.00 s @100 |" in page
+    assert "| 2 | dct-dp:piece=0 | 58.0 (55.0, 58.0, 60.0) | 1.81 |" in page
+
+
 def test_cpu_used_by_others_is_busy_time_less_our_own() -> None:
     ticks = os.sysconf("SC_CLK_TCK")
     stat = f"cpu  {3 * ticks} {ticks} {2 * ticks} {50 * ticks} 7 {ticks} {ticks} 0 0 0\ncpu0 1\n"
