@@ -18,7 +18,7 @@ from thinwire.comm import Meter, collectives
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import DensePayload, TensorInfo
 from thinwire.launch import spawn
-from thinwire.schemes import build
+from thinwire.schemes import base, build
 from thinwire.schemes.base import CompressedScheme
 
 STEPS = 6
@@ -254,6 +254,26 @@ def _counting_pieces(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         CompressedScheme._launch_pieces = launch  # type: ignore[method-assign]
 
 
+def _auto_pieces(rank: int, world_size: int) -> dict[str, Any]:
+    """dct-dp with ``stream="auto"``, one trial round, and a rule that always says pieces pay."""
+    saved = base.TRIALS, base.pay
+    base.TRIALS, base.pay = 1, lambda wire_s, codec_s: True
+    try:
+        return _counting_pieces(lambda: _ddp_run(
+            rank, world_size, "dct-dp", {**PIECED["tight"][0], "piece": 64}, 0.001, couple=True))
+    finally:
+        base.TRIALS, base.pay = saved
+
+
+def _agreed(rank: int) -> dict[str, bool]:
+    """The stream choice from trials that differ by rank (see the test)."""
+    scheme = build("dct-dp")
+    assert isinstance(scheme, CompressedScheme)
+    return {"quick-link": scheme._agree([[(0.010, 0.030)], [(0.020, 0.005)]][rank], None),
+            "slow-link": scheme._agree([[(0.010, 0.030), (0.012, 0.040), (0.011, 0.035)],
+                                        []][rank], None)}
+
+
 def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     """Every DDP scenario in one process group: one spawn instead of ten."""
     return {
@@ -288,12 +308,15 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
            for name, (scheme, config) in FLAT.items() if name in PAIRED},
         **{f"{label}-{name}": _counting_pieces(
             lambda config=config, couple=couple, piece=piece: _ddp_run(
-                rank, world_size, "dct-dp", {**config, "piece": piece}, 0.001, couple=couple))
+                rank, world_size, "dct-dp", {**config, "piece": piece, "stream": "always"},
+                0.001, couple=couple))
            for name, (config, couple) in PIECED.items()
            for label, piece in (("pieces", 64), ("one-payload", 0))},
         "pieces-nan": _counting_pieces(lambda: _ddp_run(
-            rank, world_size, "dct-dp", {**PIECED["roomy"][0], "piece": 64, "nonfinite": "skip"},
-            0.001, (1, 2))),
+            rank, world_size, "dct-dp", {**PIECED["roomy"][0], "piece": 64, "stream": "always",
+                                         "nonfinite": "skip"}, 0.001, (1, 2))),
+        "pieces-auto": _auto_pieces(rank, world_size),
+        "stream-agreed": _agreed(rank),
         "mismatch": {pair: _mismatch_run(rank, pair) for pair in MISMATCHES},
         "mismatch-at-first-call": _mismatch_at_first_call(rank),  # last: it breaks a DDP
     }
@@ -412,6 +435,27 @@ def test_dct_in_pieces_keeps_replicas_identical_when_parts_pass_beyond_their_roo
         assert torch.equal(a, b) and torch.isfinite(a).all()
     assert not all(torch.equal(a, b) for a, b in zip(runs[0]["pieces-tight"]["params"],
                                                       runs[0]["one-payload-tight"]["params"]))
+
+
+def test_ranks_take_one_stream_choice_from_the_least_wait_and_the_most_codec(
+        runs: list[dict[str, Any]]) -> None:
+    """Rank 0 alone would choose pieces on the first trials (30 ms of exchange against
+    10 ms of codec), rank 1 not (5 against 20); agreed, the least exchange (5 ms) against
+    the most codec (20 ms) says one payload. On the second, rank 1 timed nothing (its
+    rounds skipped): rank 0's medians (35 against 11 ms) decide for both."""
+    assert [r["stream-agreed"] for r in runs] == [{"quick-link": False, "slow-link": True}] * 2
+
+
+def test_auto_stream_sends_one_payload_while_timing_then_pieces_on_every_rank(
+        runs: list[dict[str, Any]]) -> None:
+    results = [r["pieces-auto"] for r in runs]
+    for result in results:
+        assert result["pieced"] >= 2  # rounds 3 to 6 of each bucket with enough entries
+        choices = result["scheme"]["streaming"]
+        assert choices and all(choice for _, choice in choices)
+    assert results[0]["scheme"]["streaming"] == results[1]["scheme"]["streaming"]
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
 
 
 def test_nan_on_one_rank_in_pieces_is_skipped_and_replicas_stay_identical(

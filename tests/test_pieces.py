@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,8 +11,9 @@ import torch
 
 from thinwire import schemes
 from thinwire.compress import TensorInfo
-from thinwire.compress.pieces import cut
+from thinwire.compress.pieces import TRIALS, cut, pay
 from thinwire.feedback import MomentumCorrection
+from thinwire.schemes import base
 from thinwire.schemes.base import CompressedScheme
 
 SHAPES = {"w": (40, 30), "v": (900,), "b": (30,)}  # b travels dense (min_numel)
@@ -40,7 +42,7 @@ def _grads(step: int) -> dict[str, torch.Tensor]:
 
 def _scheme(momentum: bool = False, **config: Any) -> CompressedScheme:
     scheme = schemes.build("dct-dp", **{"sparsity": 0.95, "life_span": 3, "min_numel": 100,
-                                        "piece": 100, **config})
+                                        "piece": 100, "stream": "always", **config})
     assert isinstance(scheme, CompressedScheme) and scheme.memory is not None
     if momentum:
         scheme.memory = MomentumCorrection(scheme.memory, 0.9)
@@ -169,3 +171,42 @@ def test_a_non_finite_round_in_pieces_changes_nothing(small_pieces: list[int]) -
     assert after["compressor"] == before["compressor"]
     for key, buffer in before["memory"]["buffers"].items():
         assert torch.equal(after["memory"]["buffers"][key], buffer)
+
+
+def test_pieces_pay_where_the_exchange_takes_half_the_codec_or_more() -> None:
+    assert pay(0.022, 0.016) and pay(0.008, 0.016)  # 100 Mbit/s; the line
+    assert not pay(0.0025, 0.016)  # 1 Gbit/s
+    assert not pay(math.inf, 0.0)  # nothing timed anywhere
+    with pytest.raises(ValueError, match="stream='never'"):
+        schemes.build("dct-dp", stream="never")
+
+
+def test_auto_stream_times_one_payload_then_keeps_the_choice(
+        small_pieces: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[tuple[float, float]] = []
+
+    def always(wire_s: float, codec_s: float) -> bool:
+        asked.append((wire_s, codec_s))
+        return True
+
+    monkeypatch.setattr(base, "pay", always)
+    scheme = _scheme(stream="auto")
+    _run(scheme, TRIALS + 4)
+    assert small_pieces[0] == 3  # one payload for TRIALS + 1 rounds, then pieces
+    [(wire, codec)] = asked  # decided once, from timed rounds
+    assert 0.0 <= wire < math.inf and 0.0 < codec
+    resumed = _scheme(stream="auto")
+    resumed.load_state_dict(scheme.state_dict())
+    _run(resumed, 2)
+    assert small_pieces[0] == 5 and len(asked) == 1  # the checkpoint keeps the choice
+
+
+def test_auto_stream_that_finds_no_gain_trains_as_one_payload(
+        small_pieces: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base, "pay", lambda wire_s, codec_s: False)
+    auto, whole = _scheme(momentum=True, stream="auto"), _scheme(momentum=True, piece=0)
+    for a, b in zip(_run(auto, 10), _run(whole, 10)):
+        assert all(torch.equal(a[key], b[key]) for key in SHAPES)
+    assert small_pieces[0] == 0
+    assert auto.state_dict()["streaming"] == [[["w", "v"], False]]
+    assert not auto._trials  # nothing more is timed once the choice is made

@@ -56,6 +56,7 @@ from thinwire.compress._select import (
 from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
 from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, SparsePayload
+from thinwire.compress.pieces import STREAM_RULES
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 SCOPES = ("layer", "bucket")
@@ -337,11 +338,15 @@ class DCTThreshold(Sparsifier):
             (:mod:`thinwire.compress.pieces`); 0 (default here; the dct-dp
             scheme's default is :data:`~thinwire.compress.pieces.PIECE_ENTRIES`)
             sends each bucket as one payload.
+        stream: when the engine sends in pieces: ``"always"`` (default here),
+            or ``"auto"`` (the dct-dp scheme's default), once a bucket's timed
+            rounds of one payload show that pieces pay on this link
+            (:func:`thinwire.compress.pieces.pay`).
     """
 
     def __init__(self, sparsity: float, life_span: int = 1000,
                  refresh_above: float | None = None, gain: float | None = None,
-                 piece: int = 0, **kwargs: Any) -> None:
+                 piece: int = 0, stream: str = "always", **kwargs: Any) -> None:
         check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
         if not isinstance(life_span, int) or life_span < 1:
             raise ValueError(f"life_span={life_span!r} must be an integer >= 1")
@@ -351,8 +356,11 @@ class DCTThreshold(Sparsifier):
             check_fraction("gain", gain, 0.0, 1.0, closed_low=False, closed_high=True)
         if isinstance(piece, bool) or not isinstance(piece, int) or piece < 0:
             raise ValueError(f"piece={piece!r} must be an integer >= 0 (0: one payload)")
+        if stream not in STREAM_RULES:
+            raise ValueError(f"stream={stream!r} must be one of {STREAM_RULES}")
         super().__init__(**kwargs)
         self._piece = piece
+        self.stream = stream
         self.sparsity = sparsity
         self.life_span = life_span
         self.refresh_above = refresh_above

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
+import statistics
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -25,7 +27,7 @@ from thinwire.compress import (
 )
 from thinwire.compress import decode as decode_payload
 from thinwire.compress.payload import SparseLayout, layout_segments
-from thinwire.compress.pieces import Part, cut
+from thinwire.compress.pieces import TRIALS, Part, cut, pay
 from thinwire.feedback import Memory, all_finite
 
 
@@ -136,6 +138,11 @@ class CompressedScheme(Scheme):
         self.memory = memory
         self.nonfinite = nonfinite
         self._scratch: torch.Tensor | None = None  # |p|, reused across launches
+        # stream="auto": per bucket (its sparse keys), rounds launched, timed trial rounds
+        # (codec s, exchange s), and the agreed choice (True: pieces).
+        self._rounds: dict[tuple[str, ...], int] = {}
+        self._trials: dict[tuple[str, ...], list[tuple[float, float]]] = {}
+        self.streaming: dict[tuple[str, ...], bool] = {}
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified): one flat buffer per dtype and device."""
@@ -195,7 +202,11 @@ class CompressedScheme(Scheme):
         sparse_keys = {info.key for info in sparse}
         dense = [info for info in infos if info.key not in sparse_keys]
         pieces = self._pieces(buffer, sparse)
-        streamed = finite and pieces is not None and self._streams(sparse, views)
+        streamable = finite and pieces is not None and self._streams(sparse, views)
+        choice = True if pieces is None else self._stream_now(sparse, group)
+        timed = choice is None and streamable  # a trial round of one payload
+        pieces = pieces if choice else None
+        streamed = streamable and pieces is not None
         if finite and self.memory is not None:  # sparse tensors: in the memory, below
             # the round's per-tensor state, batched; a streamed tensor's, part by part
             self.memory.advance_({info.key: views[info.key] for info in dense} if streamed
@@ -217,7 +228,12 @@ class CompressedScheme(Scheme):
                                                group))
         elif sparse:
             futures.append(self._launch_sparse(buffer, infos, sparse, views, finite, group))
-        self._charge(time.perf_counter() - start)
+        handed = time.perf_counter()
+        self._charge(handed - start)
+        if timed:  # the codec to hand-over, and the exchange until the payloads arrive
+            trials = self._trials.setdefault(tuple(info.key for info in sparse), [])
+            futures[-1] = futures[-1].then(functools.partial(
+                self._timed, trials, handed - start, handed))
 
         def decode(fut: Future[Any]) -> torch.Tensor:
             begin = time.perf_counter()
@@ -332,6 +348,53 @@ class CompressedScheme(Scheme):
         if not entries or sum(info.numel for info in sparse) < 2 * entries:
             return None
         return cut(sparse, [compressor.capacity(info.numel) for info in sparse], entries)
+
+    def _stream_now(self, sparse: Sequence[TensorInfo], group: Group) -> bool | None:
+        """Whether a bucket that can go in pieces does, this round (``stream``); None: a
+        trial round, one payload timed.
+
+        Under ``"auto"`` a bucket travels as one payload for its first
+        ``TRIALS + 1`` rounds, the last :data:`~thinwire.compress.pieces.TRIALS`
+        of them timed; then every rank contributes its medians to one
+        all-reduce and all take the same choice (:func:`~thinwire.compress.pieces.pay`),
+        kept for the rest of the run and in :meth:`state_dict`. Rounds are
+        counted whatever this rank's values, so every rank decides in the same
+        round.
+        """
+        compressor = self.compressor
+        assert isinstance(compressor, DCTThreshold)
+        bucket = tuple(info.key for info in sparse)
+        if compressor.stream == "always":
+            return True
+        if bucket not in self.streaming:
+            rounds = self._rounds[bucket] = self._rounds.get(bucket, 0) + 1
+            if rounds <= TRIALS + 1:
+                return None
+            self.streaming[bucket] = self._agree(self._trials.pop(bucket, []), group)
+            del self._rounds[bucket]
+        return self.streaming[bucket]
+
+    @staticmethod
+    def _timed(trials: list[tuple[float, float]], codec_s: float, handed: float,
+               future: Future[Any]) -> Any:
+        trials.append((codec_s, time.perf_counter() - handed))
+        return future.value()
+
+    def _agree(self, trials: Sequence[tuple[float, float]], group: Group) -> bool:
+        """Every rank's choice from the trials: the least exchange time against the most codec.
+
+        A rank whose trial rounds were all skipped (non-finite) or refreshed
+        its thresholds contributes nothing to either.
+        """
+        _, n = world(group)
+        codec = statistics.median(c for c, _ in trials) if trials else 0.0
+        wire = statistics.median(w for _, w in trials) if trials else math.inf
+        if n > 1:
+            both = torch.tensor([wire, -codec], dtype=torch.float64)
+            torch.distributed.all_reduce(both, torch.distributed.ReduceOp.MIN, group=group)
+            self._record([("stream", both.numel() * both.element_size())], "all_reduce", n)
+            wire, codec = both[0].item(), -both[1].item()
+        return pay(wire, codec)
 
     def _streams(self, sparse: Sequence[TensorInfo], views: Mapping[str, torch.Tensor]) -> bool:
         """Whether every sparse tensor's threshold and memory let it be absorbed part by part
@@ -462,11 +525,16 @@ class CompressedScheme(Scheme):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict(),
-                "memory": None if self.memory is None else self.memory.state_dict()}
+                "memory": None if self.memory is None else self.memory.state_dict(),
+                "streaming": [[list(bucket), choice]
+                              for bucket, choice in self.streaming.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.compressor.load_state_dict(state["compressor"])
+        # Trials in progress are not kept: every rank loading the checkpoint starts them anew.
+        self.streaming = {tuple(bucket): choice for bucket, choice in state.get("streaming", [])}
+        self._rounds, self._trials = {}, {}
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
 

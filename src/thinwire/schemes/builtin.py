@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thinwire.compress import FP16, DCTThreshold, Dense, LaplaceThreshold, TopK
-from thinwire.compress.pieces import PIECE_ENTRIES
+from thinwire.compress.pieces import PIECE_ENTRIES, STREAM_RULES
 from thinwire.compress.sparse import CAPACITY, MIN_NUMEL
 from thinwire.feedback import Residual
 from thinwire.schemes.base import CompressedScheme, Scheme
@@ -56,6 +56,7 @@ class DCTConfig:
     include: tuple[str, ...] = ()  # fnmatch patterns of parameters to compress; others dense
     scope: str = "layer"  # "layer": tau per tensor (Alg. 1); "bucket": one tau over the bucket
     piece: int = PIECE_ENTRIES  # entries per piece sent while the next is compressed; 0: whole
+    stream: str = "auto"  # pieces "auto" (once timed rounds show they pay) or "always"
 
     def __post_init__(self) -> None:
         validate_sparsity(self.sparsity)
@@ -70,6 +71,8 @@ class DCTConfig:
             raise ValueError(f"gain={self.gain!r} must be None or in (0, 1]")
         if isinstance(self.piece, bool) or not isinstance(self.piece, int) or self.piece < 0:
             raise ValueError(f"piece={self.piece!r} must be an integer >= 0 (0: one payload)")
+        if self.stream not in STREAM_RULES:
+            raise ValueError(f"stream={self.stream!r} must be one of {STREAM_RULES}")
         if self.drain_every is not None and self.drain_every < 1:
             raise ValueError(f"drain_every={self.drain_every!r} must be None or >= 1")
         validate_capacity(self.capacity)
@@ -115,7 +118,8 @@ def _dct_dp(config: DCTConfig) -> Scheme:
                               config.gain, min_numel=config.min_numel,
                               values=config.values, capacity=config.capacity,
                               indices=config.indices, include=config.include,
-                              scope=config.scope, piece=config.piece)
+                              scope=config.scope, piece=config.piece,
+                              stream=config.stream)
     return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
 
 
