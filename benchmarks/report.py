@@ -472,45 +472,58 @@ def workloads_section(records: list[tuple[dict[str, Any], Path]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-PIECES = "netem-pieces.json"  # benchmarks.netem --schemes dct-dp,dct-dp:piece=0,...
+PIECES = "netem-pieces*.json"  # benchmarks.netem --schemes dct-dp,dct-dp:piece=0,...
 
 
-def pieces_section(record: dict[str, Any], path: Path) -> str:
-    """dct-dp's bucket in pieces against one payload: interleaved rounds of one netem run.
+def pieces_section(records: list[tuple[dict[str, Any], Path]]) -> str:
+    """dct-dp's bucket in pieces against one payload: interleaved rounds of netem runs.
 
-    Per variant and worker count, the median over rounds of each round's median
+    Per file, link and variant, the median over rounds of each round's median
     step, the rounds' range, step / floor and codec time of the median round,
-    and the median round's time to target.
+    the median round's time to target, and what ``stream="auto"`` chose.
     """
     lines = ["## dct-dp in pieces", "",
-             "dct-dp sends a bucket of at least two pieces' worth of sparse entries in pieces "
-             "of `piece` entries (default 1,048,576), each compressed and handed to "
-             "torch.distributed before the next is touched ([foundation.md](foundation.md)); "
-             "`piece=0` sends one payload. Each variant ran once per round, interleaved. "
-             f"Source `{path.as_posix()}`: `{record['command']}` · "
-             f"{machine_line(record)} · {record['date']}. {activity(record)}", "",
-             "| workers | variant | median step ms (rounds) | step / floor | codec ms "
-             "| handed B/step | time to target |", "|---|---|---|---|---|---|---|"]
-    medians = median_runs(record["runs"])
-    for rate, workers in _cells(record):
-        for label in _schemes(record["runs"]):
-            rounds = [r for r in record["runs"] if r.get("status") == "ok" and (
-                r["rate"], r["workers"], r["scheme"]) == (rate, workers, label)]
-            if not rounds:
-                continue
-            steps = sorted(1000 * r["median_step_s"] for r in rounds)
-            chosen = next(r for r in medians if (r["rate"], r["workers"], r["scheme"])
-                          == (rate, workers, label))
-            reached = (f"{fmt_seconds(chosen['time_to_target_s'])} s @{chosen['steps_to_target']}"
-                       if chosen["time_to_target_s"] is not None else "not reached")
-            lines.append(f"| {workers} | {label} | {steps[(len(steps) - 1) // 2]:.1f} "
-                         f"({', '.join(f'{v:.1f}' for v in steps)}) | "
-                         f"{chosen['floor_ratio']:.2f} | "
-                         f"{1000 * chosen['overhead_s_per_step']:.1f} | "
-                         f"{chosen['bytes_handed_per_step']:,.0f} | {reached} |")
-    lines += ["", f"Target {record['options']['target']:.0%} test accuracy on the shaped-link "
-              "MLP; *codec ms* counts every piece's compression and decoding, most of it "
-              "while earlier pieces are on the wire.", ""]
+             "dct-dp can send a bucket of at least two pieces' worth of sparse entries in "
+             "pieces of `piece` entries (default 1,048,576), each compressed and handed to "
+             "torch.distributed before the next is touched "
+             "([foundation.md](foundation.md#dct-dp-in-pieces)); "
+             "`piece=0` sends one payload, `stream=always` pieces from the first round, and the "
+             "default `stream=auto` one payload for a few timed rounds, then pieces where they "
+             "pay on the link. Each variant ran once per round, interleaved.", ""]
+    for record, path in records:
+        lines += [f"Source `{path.as_posix()}`: `{record['command']}` · "
+                  f"{machine_line(record)} · {record['date']}. {activity(record)}", "",
+                  "| link | variant | median step ms (rounds) | step / floor | codec ms "
+                  "| handed B/step | time to target | auto chose |",
+                  "|---|---|---|---|---|---|---|---|"]
+        medians = median_runs(record["runs"])
+        for rate, workers in _cells(record):
+            for label in _schemes(record["runs"]):
+                rounds = [r for r in record["runs"] if r.get("status") == "ok" and (
+                    r["rate"], r["workers"], r["scheme"]) == (rate, workers, label)]
+                if not rounds:
+                    continue
+                steps = sorted(1000 * r["median_step_s"] for r in rounds)
+                chosen = next(r for r in medians if (r["rate"], r["workers"], r["scheme"])
+                              == (rate, workers, label))
+                reached = (f"{fmt_seconds(chosen['time_to_target_s'])} s "
+                           f"@{chosen['steps_to_target']}"
+                           if chosen["time_to_target_s"] is not None else "not reached")
+                choices = sorted({choice for r in rounds
+                                  for choice in r.get("streaming", {}).values()})
+                auto = ", ".join("pieces" if c else "one payload" for c in choices) or "-"
+                lines.append(f"| {rate}, {workers} workers | {label} | "
+                             f"{steps[(len(steps) - 1) // 2]:.1f} "
+                             f"({', '.join(f'{v:.1f}' for v in steps)}) | "
+                             f"{chosen['floor_ratio']:.2f} | "
+                             f"{1000 * chosen['overhead_s_per_step']:.1f} | "
+                             f"{chosen['bytes_handed_per_step']:,.0f} | {reached} | {auto} |")
+        lines += ["", f"Target {record['options']['target']:.0%} test accuracy on the "
+                  "shaped-link MLP; *codec ms* counts every piece's compression and decoding, "
+                  "most of it while earlier pieces are on the wire."
+                  + ("" if any("streaming" in r for r in record["runs"]) else
+                     " These runs predate `stream`: `dct-dp` sent in pieces from the first "
+                     "round, as `stream=always` does."), ""]
     return "\n".join(lines)
 
 
@@ -529,9 +542,9 @@ def render(netem: tuple[dict[str, Any], Path] | None,
                   "(root: network namespaces and tc), then this command again.", ""]
     else:
         parts.append(netem_section(netem[0], netem[1], figures, docs))
-    if (docs / "data" / PIECES).exists():
-        pieces = docs / "data" / PIECES
-        parts.append(pieces_section(json.loads(pieces.read_text()), pieces))
+    pieces = [(json.loads(path.read_text()), path) for path in sorted((docs / "data").glob(PIECES))]
+    if pieces:
+        parts.append(pieces_section(pieces))
     workloads = [(json.loads(path.read_text()), path)
                  for path in sorted((docs / "data").glob(WORKLOAD_FILES))]
     if workloads:

@@ -67,6 +67,7 @@ BATCH = 32
 SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {  # thinwire variant -> (scheme, options)
     "dense": ("dense", {}),
     "dct-dp": ("dct-dp", {"sparsity": 0.99}),
+    "dct-dp-whole": ("dct-dp", {"sparsity": 0.99, "piece": 0}),  # one payload, no pieces
     "topk": ("topk", {"ratio": 0.01}),
     "clt-k": ("clt-k", {"ratio": 0.01}),
     "powersgd": ("powersgd", {"rank": 2, "start_iter": 2}),
@@ -79,6 +80,7 @@ RATIOS = {"dense/ddp": ("dense", "ddp"),
           "ddp/compute": ("ddp", "compute"),
           "powersgd/torch-powersgd": ("powersgd", "torch-powersgd"),
           "dct-dp/floor-dct-dp": ("dct-dp", "floor-dct-dp"),
+          "dct-dp/dct-dp-whole": ("dct-dp", "dct-dp-whole"),
           "floor-dct-dp/compute": ("floor-dct-dp", "compute"),
           "powersgd/floor-powersgd": ("powersgd", "floor-powersgd"),
           "floor-powersgd/compute": ("floor-powersgd", "compute"),

@@ -437,19 +437,33 @@ def test_report_compares_dct_dp_pieces_round_by_round(tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     (docs / "data").mkdir(parents=True)
     record = _netem_record(load=0.2)
-    rounds = [_run(label, "100mbit", 1e8, 2, step_s, 150_000, 100, 100, [2.0, 1.0])
+    rounds = [{**_run(label, "100mbit", 1e8, 2, step_s, 150_000, 100, 100, [2.0, 1.0]),
+               **({"streaming": {"fc.weight": True}} if label == "dct-dp" else {})}
               for step_s, label in ((0.052, "dct-dp"), (0.06, "dct-dp:piece=0"),
                                     (0.048, "dct-dp"), (0.055, "dct-dp:piece=0"),
                                     (0.05, "dct-dp"), (0.058, "dct-dp:piece=0"))]
     failed = {"scheme": "dct-dp", "status": "failed", "note": "hang", "rate": "100mbit",
               "workers": 2}
     record |= {"rates": ["100mbit"], "rounds": 3, "runs": derive(rounds) + [failed]}
-    (docs / "data" / report.PIECES).write_text(json.dumps(record))
+    (docs / "data" / "netem-pieces.json").write_text(json.dumps(record))
+    fast = {**record, "command": "python -m benchmarks.netem --rates 1gbit", "rates": ["1gbit"],
+            "runs": derive([{**_run("dct-dp", "1gbit", 1e9, 2, 0.03, 150_000, 100, 100, [1.0]),
+                             "streaming": {"fc.weight": False}}])}
+    (docs / "data" / "netem-pieces-auto.json").write_text(json.dumps(fast))
     page = report.render(None, None, docs)
     assert "## dct-dp in pieces" in page and record["command"] in page
     # The median round (by time to target) gives the ratio and the time: 0.05 s a step.
-    assert "| 2 | dct-dp | 50.0 (48.0, 50.0, 52.0) | 1.56 | 1.0 | 150,000 | 5.00 s @100 |" in page
-    assert "| 2 | dct-dp:piece=0 | 58.0 (55.0, 58.0, 60.0) | 1.81 |" in page
+    assert ("| 100mbit, 2 workers | dct-dp | 50.0 (48.0, 50.0, 52.0) | 1.56 | 1.0 | 150,000 "
+            "| 5.00 s @100 | pieces |") in page
+    assert "| 100mbit, 2 workers | dct-dp:piece=0 | 58.0 (55.0, 58.0, 60.0) | 1.81 |" in page
+    assert "python -m benchmarks.netem --rates 1gbit" in page  # every file, in name order
+    assert page.index("--rates 1gbit") < page.index(record["command"])
+    assert "| 1gbit, 2 workers | dct-dp | 30.0 (30.0) |" in page and "| one payload |" in page
+    assert "predate `stream`" not in page
+    for run in fast["runs"]:
+        del run["streaming"]
+    (docs / "data" / "netem-pieces-auto.json").write_text(json.dumps(fast))
+    assert report.render(None, None, docs).count("These runs predate `stream`") == 1
 
 
 def test_cpu_used_by_others_is_busy_time_less_our_own() -> None:
