@@ -20,8 +20,8 @@ in the error memory, as when a whole tensor passes more than its room.
 Pieces pay only where the link is slow next to the codec: each piece is one
 more collective, and its transfer and decoding run beside the next piece's
 compression on the same cores. On the shaped-link MLP with 2 workers they
-shortened the step by 5 ms at 100 Mbit/s and lengthened it by 3.4 ms at
-1 Gbit/s (``docs/data/netem-pieces.json``, ``docs/data/netem-pieces-1gbit.json``).
+shortened the step by 3-5 ms at 100 Mbit/s and lengthened it by about 2 ms at
+1 Gbit/s (``docs/data/netem-pieces.json``, ``docs/data/netem-pieces-auto.json``).
 So by default (``stream="auto"``) a bucket first travels as one payload for
 :data:`TRIALS` rounds, timed, and the ranks then agree once whether pieces pay
 (:func:`pay`).
@@ -51,9 +51,9 @@ def pay(wire_s: float, codec_s: float) -> bool:
 
     The overlap pieces win is about the shorter of the two, less the first
     piece's compression; each piece costs a collective and its decoding beside
-    the codec (about 3 ms a step on 2 cores with 4 pieces). At 100 Mbit/s the
-    MLP's exchange took about 22 ms against a 16 ms codec (pieces won 5 ms), at
-    1 Gbit/s about 2-3 ms (they lost 3.4 ms).
+    the codec (2-3 ms a step on 2 cores with 4 pieces). On the shaped-link MLP
+    the payload takes about 22 ms at 100 Mbit/s against a 16 ms codec (pieces
+    won 3-5 ms) and about 2 ms at 1 Gbit/s (they lost about 2 ms).
 
     Args:
         wire_s: the exchange's median time from hand-over to arrival, on the
