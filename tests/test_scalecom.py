@@ -80,13 +80,23 @@ def test_layer_k_uses_ratio_or_a_capped_k() -> None:
 
 
 @pytest.mark.parametrize("numel,k", [(1000, 10), (1000, 31), (1000, 32), (1000, 300), (9, 9),
-                                     (33, 2), (7, 0)])
+                                     (33, 2), (7, 0), (300_000, 3000), (300_000, 2)])
 def test_index_codec_round_trips_in_its_declared_bytes(numel: int, k: int) -> None:
     indices = torch.sort(torch.randperm(numel)[:k]).values
     wire = encode_indices(indices, numel)
     assert wire.dtype == torch.uint8
-    assert wire.numel() == index_nbytes(k, numel) == min(4 * k, (-(-numel // 8) + 3) // 4 * 4)
+    gaps = (2 * k + 3) // 4 * 4 + 4 * (numel // 65536 + 1)
+    assert wire.numel() == index_nbytes(k, numel) == min(4 * k, gaps,
+                                                         (-(-numel // 8) + 3) // 4 * 4)
     assert torch.equal(decode_indices(wire, k, numel), indices)
+
+
+def test_index_gaps_of_65536_or_more_travel_in_escape_slots() -> None:
+    # gaps 65536, 1, 134464 and 99960 need escape slots; the 40 last entries are 1 apart
+    chosen = torch.tensor([65_535, 65_536, 200_000, *range(299_960, 300_000)])
+    wire = encode_indices(chosen, 300_000)
+    assert wire.numel() == 88 + 4 * 5 < 4 * 43  # 43 gaps padded, 5 escape slots: not int32
+    assert torch.equal(decode_indices(wire, 43, 300_000), chosen)
 
 
 def test_sparsify_keeps_only_the_indices() -> None:
@@ -509,8 +519,11 @@ def test_cltk_bytes_per_worker_do_not_grow_with_world_size_but_local_topks_do(
     def mean_over_ranks(n: int, label: str, field: str) -> float:
         return float(np.mean([run["bytes"][label][field] for run in runs[n]]))
 
-    # k = 3 + 40 + 1 entries per step: fp64 values all-reduced, int32 indices broadcast.
-    values, index = 8 * (3 + 40 + 1), 4 * (3 + 40 + 1)
+    # k = 3 + 40 + 1 entries per step: fp64 values all-reduced, indices broadcast (int32 for
+    # the conv and the bias, 16-bit gaps for fc.weight's 40: 84 bytes instead of 160).
+    values = 8 * (3 + 40 + 1)
+    index = index_nbytes(3, 108) + index_nbytes(40, 2000) + index_nbytes(1, 20)
+    assert index == 12 + 84 + 4
     for n in (2, 3):
         assert mean_over_ranks(n, "chunk", "bytes_sent_per_step") == values + index
         entities = runs[n][0]["bytes"]["chunk"]["bytes_per_entity"]

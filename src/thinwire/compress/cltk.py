@@ -26,9 +26,10 @@ Selection (the leader only), per layer of ``N`` entries keeping ``k``:
   (docs/convergence.md), so exact is the default.
 
 Indices are returned ascending, so every rank gathers in the same order.
-An index set travels as ``k`` int32 or as a bitmap of ``N`` bits, whichever
-is smaller; both sizes depend only on ``(k, N)``, which every rank knows, so
-the broadcast needs no size round.
+An index set travels as ``k`` int32, as ``k`` 16-bit gaps between ascending
+indices (with an int32 slot for each gap of 65536 or more) or as a bitmap of
+``N`` bits, whichever is smallest; the sizes depend only on ``(k, N)``, which
+every rank knows, so the broadcast needs no size round.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 from thinwire.compress._select import largest_in_order
 from thinwire.compress.base import keep_count
-from thinwire.compress.payload import pack_bits, unpack_bits
+from thinwire.compress.payload import decode_gaps, encode_gaps, gap_bytes, pack_bits, unpack_bits
 
 
 def chunk_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -127,30 +128,43 @@ def _pad4(nbytes: int) -> int:
     return (nbytes + 3) // 4 * 4
 
 
-def _uses_bitmap(k: int, numel: int) -> bool:
-    return _pad4(math.ceil(numel / 8)) < 4 * k
+def _index_format(k: int, numel: int) -> tuple[str, int]:
+    """The smallest encoding of ``k`` indices into ``numel`` entries, and its bytes:
+    int32, 16-bit gaps (:func:`~thinwire.compress.payload.gap_bytes`) or a bitmap,
+    the first of those on a tie."""
+    sizes = {"int32": 4 * k, "gaps": gap_bytes(k, numel), "bitmap": _pad4(math.ceil(numel / 8))}
+    name = min(sizes, key=lambda format: sizes[format])
+    return name, sizes[name]
 
 
 def index_nbytes(k: int, numel: int) -> int:
-    """Wire bytes of ``k`` indices into ``numel`` entries: min(4k, bitmap padded to 4)."""
-    return _pad4(math.ceil(numel / 8)) if _uses_bitmap(k, numel) else 4 * k
+    """Wire bytes of ``k`` indices into ``numel`` entries (:func:`encode_indices`)."""
+    return _index_format(k, numel)[1]
 
 
 def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
     """``indices`` (distinct, ascending) as ``index_nbytes(k, numel)`` uint8."""
     k = indices.numel()
-    if _uses_bitmap(k, numel):
+    name, nbytes = _index_format(k, numel)
+    if name == "bitmap":
         mask = torch.zeros(numel, dtype=torch.bool, device=indices.device)
         mask[indices] = True
         packed = pack_bits(mask)
-        return torch.nn.functional.pad(packed, (0, index_nbytes(k, numel) - packed.numel()))
+        return torch.nn.functional.pad(packed, (0, nbytes - packed.numel()))
+    if name == "gaps":
+        area = torch.zeros(nbytes, dtype=torch.uint8, device=indices.device)
+        encode_gaps(indices, k, area)
+        return area
     return indices.to(torch.int32).view(torch.uint8)
 
 
 def decode_indices(wire: torch.Tensor, k: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`encode_indices`: ``k`` int64 indices, ascending."""
-    if _uses_bitmap(k, numel):
+    name, _ = _index_format(k, numel)
+    if name == "bitmap":
         return unpack_bits(wire[: math.ceil(numel / 8)], numel).nonzero().squeeze(1)
+    if name == "gaps":
+        return decode_gaps(wire, k, k, numel)
     return wire.view(torch.int32).to(torch.int64)
 
 

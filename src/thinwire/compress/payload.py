@@ -51,6 +51,35 @@ def _ascending(indices: torch.Tensor) -> bool:
     return indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
 
 
+def gap_bytes(capacity: int, numel: int) -> int:
+    """Bytes of up to ``capacity`` ascending indices into ``numel`` entries as 16-bit gaps:
+    the gaps padded to 4, then an int32 slot for each gap of 65536 or more (they add up
+    to at most ``numel``, so there are at most ``numel // 65536 + 1``)."""
+    return _pad4(2 * capacity) + 4 * (numel // 65536 + 1)
+
+
+def encode_gaps(indices: torch.Tensor, capacity: int, area: torch.Tensor) -> None:
+    """Write distinct ascending ``indices`` into ``area`` (zeroed uint8 of
+    :func:`gap_bytes`) as gaps from the one before (the first from -1)."""
+    gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
+    wide = gaps > 0xFFFF
+    escapes = gaps[wide]
+    # 0 never is a gap: it marks one that waits in the escape slots instead
+    # (copy_ narrows the int64 gaps in place of a converted copy).
+    area[: 2 * indices.numel()].view(torch.int16).copy_(gaps.masked_fill_(wide, 0))
+    start = _pad4(2 * capacity)
+    area[start: start + 4 * escapes.numel()].view(torch.int32).copy_(escapes)
+
+
+def decode_gaps(area: torch.Tensor, count: int, capacity: int, numel: int) -> torch.Tensor:
+    """The ``count`` int64 indices :func:`encode_gaps` wrote into ``area``."""
+    gaps = area[: 2 * count].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+    start = _pad4(2 * capacity)
+    escapes = area[start: start + 4 * (numel // 65536 + 1)].view(torch.int32)
+    # The escape slots in order fill the 0 gaps (no count needed: no sync).
+    return gaps.masked_scatter_(gaps == 0, escapes.long()).cumsum_(0).sub_(1)
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a flat bool mask into bytes, least significant bit first."""
     pad = (-mask.numel()) % 8
@@ -198,14 +227,9 @@ class SparseLayout:
             raise ValueError(f"indices={self.indices!r} must be one of {INDEX_FORMATS}")
 
     @property
-    def _escapes(self) -> int:
-        """Room for gaps of 65536 or more: they add up to less than numel."""
-        return self.numel // 65536 + 1
-
-    @property
     def _list_bytes(self) -> int:
         if self.indices == "delta16":
-            return _pad4(2 * self.capacity) + 4 * self._escapes
+            return gap_bytes(self.capacity, self.numel)
         return 4 * self.capacity
 
     @property
@@ -258,18 +282,10 @@ class SparseLayout:
             bits = pack_bits(mask)
             area[: bits.numel()] = bits
         elif self.indices == "delta16":
-            gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
-            if count and int(gaps.min()) < 1:  # not ascending: gaps need sorted indices
+            if not _ascending(indices):  # gaps need sorted indices
                 indices, order = torch.sort(indices)
                 values = values[order]
-                gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
-            wide = gaps > 0xFFFF
-            escapes = gaps[wide]
-            # 0 never is a gap: it marks one that waits in the escape slots instead
-            # (copy_ narrows the int64 gaps in place of a converted copy).
-            area[: 2 * count].view(torch.int16).copy_(gaps.masked_fill_(wide, 0))
-            start = _pad4(2 * self.capacity)
-            area[start: start + 4 * escapes.numel()].view(torch.int32).copy_(escapes)
+            encode_gaps(indices, self.capacity, area)
         else:
             area[: 4 * count].view(torch.int32).copy_(indices)
         start = self.value_start
@@ -284,11 +300,7 @@ class SparseLayout:
             indices = unpack_bits(area[: math.ceil(self.numel / 8)], self.numel).nonzero()
             indices = indices.squeeze(1)
         elif self.indices == "delta16":
-            gaps = area[: 2 * count].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
-            start = _pad4(2 * self.capacity)
-            escapes = area[start: start + 4 * self._escapes].view(torch.int32)
-            # The escape slots in order fill the 0 gaps (no count needed: no sync).
-            indices = gaps.masked_scatter_(gaps == 0, escapes.long()).cumsum_(0).sub_(1)
+            indices = decode_gaps(area, count, self.capacity, self.numel)
         else:
             indices = area[: 4 * count].view(torch.int32).long()
         start = self.value_start
