@@ -84,7 +84,7 @@ class LaplaceConfig:
     sparsity: float = 0.99  # target fraction of entries dropped, in [0, 1)
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
-    indices: str = "int32"  # index list on the wire: "int32" or "delta16" (16-bit gaps)
+    indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
