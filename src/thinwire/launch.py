@@ -14,6 +14,7 @@ Floor: core, beside comm and feedback; it imports no other part of thinwire.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import tempfile
@@ -102,6 +103,11 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, tim
         phase("saving its result")
         torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
     finally:
+        # Free what ``fn`` left in reference cycles (a scheme and the futures and gloo
+        # work it keeps) while the process group and the interpreter are alive: freed
+        # during interpreter shutdown instead, gloo work can abort the process
+        # ("terminate called without an active exception", seen once in the tests).
+        gc.collect()
         dist.destroy_process_group()
 
 
