@@ -83,8 +83,8 @@ def test_which_buckets_go_in_pieces(config: dict[str, Any], pieces: int) -> None
     scheme = _scheme(**{"piece": 1000, **config})
     grads = _grads(0)
     infos = [TensorInfo.of(key, grads[key]) for key in ("w", "v")]
-    got = scheme._pieces(torch.zeros(2100), infos)
-    assert (0 if got is None else len(got)) == pieces
+    cuts = scheme._cuts(torch.zeros(2100), infos)
+    assert (len(scheme._cut(infos)) if cuts else 0) == pieces
     with pytest.raises(ValueError, match="piece=-1"):
         schemes.build("dct-dp", piece=-1)
 

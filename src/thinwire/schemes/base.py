@@ -201,11 +201,10 @@ class CompressedScheme(Scheme):
                   if isinstance(compressor, Sparsifier) and not compressor.is_dense(info)]
         sparse_keys = {info.key for info in sparse}
         dense = [info for info in infos if info.key not in sparse_keys]
-        pieces = self._pieces(buffer, sparse)
-        streamable = finite and pieces is not None and self._streams(sparse, views)
-        choice = True if pieces is None else self._stream_now(sparse, group)
+        choice = self._stream_now(sparse, group) if self._cuts(buffer, sparse) else False
+        streamable = choice is not False and finite and self._streams(sparse, views)
         timed = choice is None and streamable  # a trial round of one payload
-        pieces = pieces if choice else None
+        pieces = self._cut(sparse) if choice else None
         streamed = streamable and pieces is not None
         if finite and self.memory is not None:  # sparse tensors: in the memory, below
             # the round's per-tensor state, batched; a streamed tensor's, part by part
@@ -293,8 +292,7 @@ class CompressedScheme(Scheme):
         """Select, send and remember the sparse tensors of ``buffer`` in one all-gather."""
         compressor = self.compressor
         assert isinstance(compressor, Sparsifier)
-        offsets = dict(zip([info.key for info in infos],
-                           itertools.accumulate([0] + [info.numel for info in infos])))
+        offsets = _offsets(infos)
         layout = SparseLayout(buffer.numel(), compressor.room(sparse), compressor.value_dtype,
                               compressor.index_format)
         chosen: list[torch.Tensor] = []  # per sparse tensor, indices into its own view
@@ -330,9 +328,8 @@ class CompressedScheme(Scheme):
         future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments)
         return future.then(lambda f: (layout, f.value()))
 
-    def _pieces(self, buffer: torch.Tensor,
-                sparse: Sequence[TensorInfo]) -> list[list[Part]] | None:
-        """The pieces ``sparse`` travels in (:mod:`thinwire.compress.pieces`); None: one payload.
+    def _cuts(self, buffer: torch.Tensor, sparse: Sequence[TensorInfo]) -> bool:
+        """Whether ``sparse`` can travel in pieces (:mod:`thinwire.compress.pieces`).
 
         Only on the CPU, where compression costs as much as a slow link's
         transfer (a GPU compresses in a fraction of it), and only for a
@@ -343,11 +340,15 @@ class CompressedScheme(Scheme):
         """
         compressor = self.compressor
         if buffer.device.type != "cpu" or not isinstance(compressor, Sparsifier):
-            return None
+            return False
         entries = compressor.piece
-        if not entries or sum(info.numel for info in sparse) < 2 * entries:
-            return None
-        return cut(sparse, [compressor.capacity(info.numel) for info in sparse], entries)
+        return bool(entries) and sum(info.numel for info in sparse) >= 2 * entries
+
+    def _cut(self, sparse: Sequence[TensorInfo]) -> list[list[Part]]:
+        """The pieces ``sparse`` travels in, each tensor's room shared among its parts."""
+        compressor = self.compressor
+        assert isinstance(compressor, Sparsifier)
+        return cut(sparse, [compressor.capacity(info.numel) for info in sparse], compressor.piece)
 
     def _stream_now(self, sparse: Sequence[TensorInfo], group: Group) -> bool | None:
         """Whether a bucket that can go in pieces does, this round (``stream``); None: a
@@ -421,8 +422,7 @@ class CompressedScheme(Scheme):
         compressor, memory = self.compressor, self.memory
         assert isinstance(compressor, DCTThreshold)
         _, n = world(group)
-        offsets = dict(zip([info.key for info in infos],
-                           itertools.accumulate([0] + [info.numel for info in infos])))
+        offsets = _offsets(infos)
         tensors = list(dict.fromkeys(part.info for piece in pieces for part in piece))
         scratch = self._magnitudes(buffer)
 
@@ -473,10 +473,10 @@ class CompressedScheme(Scheme):
             future = all_gather_fixed(payload, group, self.meter, layout_segments(layout, counts))
             futures.append(future.then(functools.partial(self._decode_piece, buffer, layout,
                                                          ranges, n)))
+        exact = compressor.value_dtype == buffer.dtype
         for info in tensors if finite else ():
             key = info.key
             local = torch.cat(chosen[key])
-            exact = compressor.value_dtype == buffer.dtype
             if memory is not None and memory.forgets_what_is_sent and exact:
                 memory.update_selected_(key, held[key], local)  # sent exactly: zeroed
             elif memory is not None:
@@ -537,6 +537,12 @@ class CompressedScheme(Scheme):
         self._rounds, self._trials = {}, {}
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
+
+
+def _offsets(infos: Sequence[TensorInfo]) -> dict[str, int]:
+    """Where each tensor of a flat buffer laid out as ``infos`` starts."""
+    return dict(zip([info.key for info in infos],
+                    itertools.accumulate([0] + [info.numel for info in infos])))
 
 
 def unflatten(flat: torch.Tensor, infos: Sequence[TensorInfo]) -> dict[str, torch.Tensor]:
