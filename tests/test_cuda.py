@@ -26,6 +26,7 @@ from thinwire import ddp, schemes
 from thinwire.autodiff import MODES, DistributedAutodiff
 from thinwire.comm import Meter
 from thinwire.compress import TensorInfo
+from thinwire.compress._select import GPU_DIRECT, largest_in_order
 from thinwire.compress.cltk import chunk_topk, encode_indices, exact_topk
 from thinwire.launch import spawn
 from thinwire.pipeline.boundary import compact, expand
@@ -222,6 +223,33 @@ def test_cltk_selection_and_index_encoding_on_the_gpu(k: int) -> None:
         assert torch.equal(on_gpu.sort().values.cpu(), on_cpu.sort().values)
         assert torch.equal(encode_indices(on_gpu.sort().values, 100).cpu(),
                            encode_indices(on_cpu.sort().values, 100))
+
+
+def _tied(case: str, numel: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(numel)
+    if case == "constant":
+        return torch.ones(numel)
+    if case == "zeros":
+        return torch.zeros(numel)
+    if case == "few values":
+        return torch.randint(0, 4, (numel,), generator=generator).float()
+    huge = torch.zeros(numel)
+    huge[numel // 3] = 1e30
+    return huge
+
+
+@pytest.mark.parametrize("numel", [100, 70_000, 1_000_000, GPU_DIRECT + 4096])
+@pytest.mark.parametrize("case", ["constant", "zeros", "few values", "one huge"])
+def test_largest_in_order_on_the_gpu_keeps_the_same_tied_positions(case: str,
+                                                                   numel: int) -> None:
+    """The GPU's direct path (torch.topk, then a sort) and its candidates path
+    (above GPU_DIRECT) keep the lowest positions of the entries tied at the k-th
+    value, as the CPU does."""
+    magnitudes = _tied(case, numel)
+    on_gpu = magnitudes.to(GPU)
+    for k in sorted({1, 7, numel // 100, numel // 2, numel - 1}):
+        expected = largest_in_order(magnitudes, k)
+        assert torch.equal(largest_in_order(on_gpu, k).cpu(), expected), (case, numel, k)
 
 
 @pytest.mark.parametrize("mode", MODES)
