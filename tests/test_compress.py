@@ -107,6 +107,17 @@ def test_all_zero_tensor_sends_nothing(compressor: TopK) -> None:
     assert payload.nbytes == 4
 
 
+def test_topk_sends_only_the_nonzero_entries_among_its_k_largest() -> None:
+    grad = torch.zeros(1000)
+    grad[[3, 500, 999]] = torch.tensor([-2.0, 0.5, 1.0])  # k = 10, three nonzero
+    topk = TopK(0.01, min_numel=0)
+    payload = topk.compress(grad, info_of(grad))
+    assert isinstance(payload, SparsePayload)
+    assert payload.indices.tolist() == [3, 500, 999] and topk.trace["w"][-1][1] == 0.5
+    grad[:] = torch.arange(1000.0)  # all ten of the largest are nonzero: tau is the 10th
+    assert topk.compress(grad, info_of(grad)).count == 10 and topk.trace["w"][-1][1] == 990.0
+
+
 def test_small_tensors_sparsity_zero_and_empty_tensors() -> None:
     small = torch.randn(10)
     assert isinstance(DCTThreshold(0.9, 1, min_numel=11).compress(small, info_of(small)),

@@ -122,3 +122,21 @@ def test_layout_bytes_do_not_depend_on_the_order_entries_come_in(indices: str) -
     got_indices, got_values = layout.decode(shuffled)
     order = torch.argsort(got_indices)
     assert torch.equal(got_indices[order], chosen) and torch.equal(got_values[order], values)
+
+
+@pytest.mark.parametrize("indices", ["delta16", "int32"])
+def test_vouched_ascending_indices_make_the_same_payload_and_counts_read_every_header(
+        indices: str) -> None:
+    numel = 300_000
+    layout = SparseLayout(numel, 1000, torch.float32, indices)
+    rows = []
+    for count in (900, 0, 17):
+        chosen = torch.randperm(numel)[:count].sort().values
+        values = torch.randn(count)
+        vouched = layout.encode(chosen, values, ascending=True)
+        assert torch.equal(vouched, layout.encode(chosen, values))
+        rows.append(vouched)
+    assert layout.counts(rows) == [900, 0, 17] and layout.counts(rows[2:]) == [17]
+    for row, count in zip(rows, layout.counts(rows)):
+        assert all(torch.equal(a, b) for a, b in zip(layout.decode(row, count),
+                                                       layout.decode(row)))

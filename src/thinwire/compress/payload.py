@@ -17,6 +17,7 @@ otherwise the bitmap, whose values are then in ascending index order.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,7 @@ def encode_gaps(indices: torch.Tensor, capacity: int, area: torch.Tensor) -> Non
 
 def decode_gaps(area: torch.Tensor, count: int, capacity: int, numel: int) -> torch.Tensor:
     """The ``count`` int64 indices :func:`encode_gaps` wrote into ``area``."""
-    gaps = area[: 2 * count].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+    gaps = area[: 2 * count].view(torch.uint16).to(torch.int64)
     start = _pad4(2 * capacity)
     escapes = area[start: start + 4 * (numel // 65536 + 1)].view(torch.int32)
     # The escape slots in order fill the 0 gaps (no count needed: no sync).
@@ -258,8 +259,14 @@ class SparseLayout:
     def nbytes(self) -> int:
         return _align(self.value_start + self.capacity * self.value_size, self.value_size)
 
-    def encode(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def encode(self, indices: torch.Tensor, values: torch.Tensor, *,
+               ascending: bool = False) -> torch.Tensor:
         """The payload of ``values`` at ``indices`` (distinct, at most ``capacity``).
+
+        Args:
+            ascending: the caller vouches that ``indices`` ascend strictly (a
+                sparsifier's selection does), so the gap code and the bitmap skip
+                the check, a pass and a wait on a GPU; else they sort when needed.
 
         Returns:
             ``nbytes`` uint8 on ``values``' device.
@@ -274,7 +281,7 @@ class SparseLayout:
         out[:HEADER_BYTES].view(torch.int32).fill_(count)
         area = out[HEADER_BYTES: HEADER_BYTES + self.index_bytes]
         if self.uses_bitmap:
-            if not _ascending(indices):
+            if not (ascending or _ascending(indices)):
                 indices, order = torch.sort(indices)
                 values = values[order]
             mask = torch.zeros(self.numel, dtype=torch.bool, device=values.device)
@@ -282,7 +289,7 @@ class SparseLayout:
             bits = pack_bits(mask)
             area[: bits.numel()] = bits
         elif self.indices == "delta16":
-            if not _ascending(indices):  # gaps need sorted indices
+            if not (ascending or _ascending(indices)):  # gaps need sorted indices
                 indices, order = torch.sort(indices)
                 values = values[order]
             encode_gaps(indices, self.capacity, area)
@@ -292,9 +299,21 @@ class SparseLayout:
         out[start: start + count * self.value_size].view(self.value_dtype).copy_(values)
         return out
 
-    def decode(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(indices, values)`` of a payload made by :meth:`encode` (int64, value dtype)."""
-        count = int(buffer[:HEADER_BYTES].view(torch.int32)[0])
+    def counts(self, buffers: Sequence[torch.Tensor]) -> list[int]:
+        """The valid entries of each payload of ``buffers``, read in one transfer."""
+        if len(buffers) == 1:
+            return [int(buffers[0][:HEADER_BYTES].view(torch.int32)[0])]
+        return torch.cat([b[:HEADER_BYTES] for b in buffers]).view(torch.int32).tolist()
+
+    def decode(self, buffer: torch.Tensor,
+               count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, values)`` of a payload made by :meth:`encode` (int64, value dtype).
+
+        Args:
+            count: its valid entries, if already read (:meth:`counts`).
+        """
+        if count is None:
+            count = self.counts([buffer])[0]
         area = buffer[HEADER_BYTES: HEADER_BYTES + self.index_bytes]
         if self.uses_bitmap:
             indices = unpack_bits(area[: math.ceil(self.numel / 8)], self.numel).nonzero()

@@ -190,12 +190,12 @@ class PowerSGD:
             kept = q_mean
             previous = self.qs.get(key)
             # A zero column (a zero mean gradient, or one of rank below r) would make the
-            # next P's column zero too; keep the previous column there instead. q_mean is
-            # identical on every rank, so is this choice.
-            zero = torch.linalg.vector_norm(q_mean, dim=0) == 0
-            if previous is not None and previous.shape == kept.shape and bool(zero.any()):
-                kept = q_mean.clone()
-                kept[:, zero] = previous[:, zero].to(kept.dtype)
+            # next P's column zero too; keep the previous column there instead, chosen on
+            # the device (no wait on a GPU). q_mean is identical on every rank, so is this.
+            if previous is not None and previous.shape == kept.shape:
+                zero = torch.linalg.vector_norm(q_mean, dim=0) == 0
+                kept = q_mean.new_empty(q_mean.shape[::-1]).t()
+                torch.where(zero, previous.to(kept.dtype), q_mean, out=kept)
             self.qs[key] = kept
         else:
             self.qs.pop(key, None)

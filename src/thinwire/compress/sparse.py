@@ -282,9 +282,12 @@ class TopK(Sparsifier):
         k = keep_count(magnitudes.numel(), self.ratio)
         indices = largest_in_order(magnitudes, k)  # ascending: the gap code needs no sort
         top = magnitudes.index_select(0, indices)
-        keep = top > 0
-        tau = float(top[keep].min()) if bool(keep.any()) else 0.0
-        return indices[keep], tau
+        tau = float(top.min())  # one read in the usual case: no zero among the k largest
+        if tau > 0:
+            return indices, tau
+        keep = top > 0  # fewer than k nonzero entries (or a NaN): zeros are not sent
+        top = top[keep]
+        return indices[keep], float(top.min()) if top.numel() else 0.0
 
 
 class DCTThreshold(Sparsifier):

@@ -321,11 +321,12 @@ class CompressedScheme(Scheme):
         else:
             chosen = [torch.zeros(0, dtype=torch.int64, device=buffer.device) for _ in sparse]
             sent = [torch.zeros(0, dtype=layout.value_dtype, device=buffer.device)]
-        indices = torch.cat([local + offsets[info.key] for info, local in zip(sparse, chosen)])
-        values = torch.cat(sent)
+        indices = joined([local + offsets[info.key] if offsets[info.key] else local
+                           for info, local in zip(sparse, chosen)])
         segments = layout_segments(layout, [(info.key, local.numel())
                                             for info, local in zip(sparse, chosen)])
-        future = all_gather_fixed(layout.encode(indices, values), group, self.meter, segments)
+        payload = layout.encode(indices, joined(sent), ascending=True)  # select_all's order
+        future = all_gather_fixed(payload, group, self.meter, segments)
         return future.then(lambda f: (layout, f.value()))
 
     def _cuts(self, buffer: torch.Tensor, sparse: Sequence[TensorInfo]) -> bool:
@@ -466,8 +467,8 @@ class CompressedScheme(Scheme):
             layout = SparseLayout(buffer.numel(), sum(part.room for part in piece),
                                   compressor.value_dtype, compressor.index_format)
             empty = buffer.new_zeros(0)
-            payload = layout.encode(torch.cat(indices) if indices else empty.long(),
-                                    torch.cat(values) if values else empty)
+            payload = layout.encode(joined(indices) if indices else empty.long(),
+                                    joined(values) if values else empty, ascending=True)
             ranges = [(offsets[part.info.key] + part.start, offsets[part.info.key] + part.stop)
                       for part in piece]
             future = all_gather_fixed(payload, group, self.meter, layout_segments(layout, counts))
@@ -510,8 +511,8 @@ class CompressedScheme(Scheme):
         for start, stop in ranges or ():
             buffer[start:stop].zero_()
         touched = []
-        for row in rows:
-            indices, values = layout.decode(row)
+        for row, count in zip(rows, layout.counts(rows)):
+            indices, values = layout.decode(row, count)
             buffer.index_add_(0, indices, values.to(buffer.dtype))
             touched.append(indices)
         if n > 1:  # x / 1 == x
@@ -537,6 +538,13 @@ class CompressedScheme(Scheme):
         self._rounds, self._trials = {}, {}
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
+
+
+def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensors flat and back to back (a view of a lone one: no copy)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _offsets(infos: Sequence[TensorInfo]) -> dict[str, int]:

@@ -61,7 +61,7 @@ from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.compress.sparse import MIN_NUMEL
 from thinwire.feedback import LowPass, Memory, all_finite
-from thinwire.schemes.base import Scheme, unflatten
+from thinwire.schemes.base import Scheme, joined, unflatten
 from thinwire.schemes.registry import register, validate_common, validate_ratio
 
 
@@ -228,7 +228,7 @@ class CyclicLocalTopK(_SelectedTopK):
         compensated = {key: self._compensated(key, grads[key], finite) for key in sparse}
         groups = self._groups(sparse)
         plan = _Plan(self, groups, {key: grads[key].numel() for key in sparse},
-                     [_joined([compensated[key] for key in keys]) for keys in groups])
+                     [joined([compensated[key] for key in keys]) for keys in groups])
         wire = plan.wire(rank == leader, next(iter(grads.values())).device)
         self._charge(time.perf_counter() - start)
 
@@ -248,7 +248,7 @@ class CyclicLocalTopK(_SelectedTopK):
             for key in dense:
                 parts.append(self._whole(key, grads[key], finite).reshape(-1).to(dtype))
             self._charge(time.perf_counter() - begin)
-            return torch.cat(parts)
+            return joined(parts) if not dense else torch.cat(parts)  # a lone part is fresh
 
         future = self.rounds.launch(
             lambda: broadcast_indices(wire, leader, group, self.meter, plan.index_segments()),
@@ -340,7 +340,7 @@ class CyclicLocalTopK(_SelectedTopK):
                 else:
                     parts.append(torch.zeros_like(view))
             self._charge(time.perf_counter() - begin)
-            return torch.cat(parts)
+            return joined(parts) if not dense else torch.cat(parts)  # a lone part is fresh
 
         size = buffer.element_size()
         future = self.rounds.launch(
@@ -404,8 +404,8 @@ class _Plan:
     def wire(self, leading: bool, device: torch.device) -> torch.Tensor:
         """The index sets the leader broadcasts (its own selection), or room for them."""
         if leading and self.groups:
-            return torch.cat([encode_indices(select(p, k, self.selection), size)
-                              for p, k, size in zip(self.joined, self.ks, self.sizes)])
+            return joined([encode_indices(select(p, k, self.selection), size)
+                           for p, k, size in zip(self.joined, self.ks, self.sizes)])
         return torch.empty(sum(self.nbytes), dtype=torch.uint8, device=device)
 
     def decode(self, received: torch.Tensor) -> Iterator[tuple[list[str], torch.Tensor,
@@ -440,13 +440,6 @@ class _Plan:
 def _name(keys: Sequence[str]) -> str:
     """A group's name for the meter: its key, or ``first..last``."""
     return keys[0] if len(keys) == 1 else f"{keys[0]}..{keys[-1]}"
-
-
-def _joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Tensors flat and back to back (a view of a lone one)."""
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _span(buffer: torch.Tensor, infos: Sequence[TensorInfo], keys: Sequence[str],
@@ -486,7 +479,7 @@ class LocalTopK(_SelectedTopK):
         groups = self._groups(sparse)
         for keys in groups:  # one selection per layer, or per bucket
             if finite:
-                p = _joined([compensated[key] for key in keys])
+                p = joined([compensated[key] for key in keys])
                 picked = select(p, self.k(p.numel()), self.config.selection)
                 chosen.update(zip(keys, split_ascending(picked, [grads[key].numel()
                                                                  for key in keys])))
@@ -516,7 +509,8 @@ class LocalTopK(_SelectedTopK):
                                   sum(self.k(sum(grads[key].numel() for key in keys))
                                       for keys in groups), sparse_dtype)
             wire = layout.encode(torch.cat([chosen[key] + offsets[key] for key in sparse]),
-                                 torch.cat([values[key].to(sparse_dtype) for key in sparse]))
+                                 torch.cat([values[key].to(sparse_dtype) for key in sparse]),
+                                 ascending=True)  # each key's ascending, keys in order
             futures.append(all_gather_fixed(wire, group, self.meter,
                                             layout_segments(layout, [(key, chosen[key].numel())
                                                                      for key in sparse])))
@@ -531,8 +525,9 @@ class LocalTopK(_SelectedTopK):
             if sparse:  # summed in rank order, so every rank gets the same bits
                 assert sparse_dtype is not None
                 summed = torch.zeros(layout.numel, dtype=sparse_dtype, device=wire.device)
-                for row in results.pop(0):
-                    indices, received = layout.decode(row)
+                rows = results.pop(0)
+                for row, count in zip(rows, layout.counts(rows)):
+                    indices, received = layout.decode(row, count)
                     summed.index_add_(0, indices, received)
                 summed.div_(n)
                 parts = split_flat(summed, [grads[key].numel() for key in sparse])
