@@ -200,7 +200,7 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     The non-finite check at the cost of one reduction (what the library's
     ``nonfinite`` policy needs: :func:`thinwire.feedback.all_finite`), error
     feedback, selection or factorisation, the residual, the payload in the
-    scheme's default wire format and back (dct-dp, topk: 16-bit index gaps
+    scheme's default wire format and back (dct-dp, topk: 16-bit indices
     and fp32 values, :func:`benchmarks.step.floor_encode`) and the decoded
     result: what the scheme must do at the least, with none of its
     bookkeeping, in place into buffers kept across steps (a fresh buffer of

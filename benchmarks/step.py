@@ -18,7 +18,7 @@ per variant and the ratios the project tracks:
 * ``dct-dp / floor-dct-dp``: thinwire's dct-dp against the same work
   written as a plain DDP hook in torch ops (:func:`floor_hook`: momentum
   correction, error feedback, a reused per-tensor threshold with the density
-  control, a payload of 16-bit index gaps and values with room for k, as
+  control, a payload of 16-bit indices and values with room for k, as
   dct-dp's default wire format, one all-gather, the mean decoded into the
   bucket), with none of the library's checks, metering or
   bookkeeping: what the step costs at the least on this machine;
@@ -130,7 +130,7 @@ class FloorState:
 
 def floor_largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending positions of the k largest entries, by ``torch.topk``'s k-th value and a
-    mask (the gap code needs ascending indices; a sort of k indices would cost more).
+    mask (the 16-bit index code needs them ascending; a sort of k would cost more).
     With ties at the k-th value, the first k positions at or above it."""
     kth = torch.topk(magnitudes, k, sorted=False).values.min()
     return (magnitudes >= kth).nonzero().squeeze(1)[:k]
@@ -153,32 +153,33 @@ def floor_dct_select(magnitudes: torch.Tensor, tau: float, k: int,
 def floor_encode(indices: torch.Tensor, values: torch.Tensor, room: int,
                  numel: int) -> torch.Tensor:
     """dct-dp's and topk's default wire format written in plain torch ops, as int32 words:
-    the count; ``room`` 16-bit gaps between the ascending ``indices`` (0 marks a gap of
-    65536 or more, which follows in one of ``numel // 65536 + 1`` int32 slots); ``room``
-    fp32 values. The same bytes as :class:`thinwire.compress.payload.SparseLayout` ``"delta16"``."""
-    gap_words, escapes = (room + 1) // 2, numel // 65536 + 1
-    payload = torch.zeros(1 + gap_words + escapes + room, dtype=torch.int32,
+    the count; ``room`` 16-bit offsets of the ascending ``indices`` in their blocks of
+    65536 entries; for each of the ``numel // 65536 + 1`` blocks, how many indices lie
+    before its end; ``room`` fp32 values. The same bytes as
+    :class:`thinwire.compress.payload.SparseLayout` ``"delta16"``."""
+    offset_words, blocks = (room + 1) // 2, numel // 65536 + 1
+    payload = torch.zeros(1 + offset_words + blocks + room, dtype=torch.int32,
                           device=values.device)
     count = indices.numel()
     payload[0] = count
-    gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
-    wide = gaps > 0xFFFF
-    wide_gaps = gaps[wide]
-    payload[1: 1 + gap_words].view(torch.int16)[:count] = gaps.masked_fill_(wide, 0)
-    payload[1 + gap_words: 1 + gap_words + wide_gaps.numel()] = wide_gaps
-    start = 1 + gap_words + escapes
+    payload[1: 1 + offset_words].view(torch.int16)[:count] = indices  # the low 16 bits
+    ends = torch.arange(1, blocks + 1, device=values.device) * 65536
+    payload[1 + offset_words: 1 + offset_words + blocks] = torch.searchsorted(indices, ends)
+    start = 1 + offset_words + blocks
     payload[start: start + count].view(torch.float32).copy_(values)
     return payload
 
 
 def floor_decode(row: torch.Tensor, room: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of one :func:`floor_encode` payload."""
-    gap_words, escapes = (room + 1) // 2, numel // 65536 + 1
+    offset_words, blocks = (room + 1) // 2, numel // 65536 + 1
     count = int(row[0])
-    gaps = row[1: 1 + gap_words].view(torch.int16)[:count].long().bitwise_and_(0xFFFF)
-    gaps.masked_scatter_(gaps == 0, row[1 + gap_words: 1 + gap_words + escapes].long())
-    start = 1 + gap_words + escapes
-    return gaps.cumsum_(0).sub_(1), row[start: start + count].view(torch.float32)
+    offsets = row[1: 1 + offset_words].view(torch.int16)[:count].long().bitwise_and_(0xFFFF)
+    ends = row[1 + offset_words: 1 + offset_words + blocks]
+    block = torch.searchsorted(ends, torch.arange(count, dtype=torch.int32, device=row.device),
+                               side="right")
+    start = 1 + offset_words + blocks
+    return offsets + block * 65536, row[start: start + count].view(torch.float32)
 
 
 def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -190,7 +191,7 @@ def floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Futu
     with those zeroed and tau moves by ``exp(gain (sent / k - 1))`` (a count
     beyond twice the room counting in full, as in ``DCTThreshold``). One
     all-gather carries every rank's payload in dct-dp's wire format
-    (:func:`floor_encode`: 16-bit index gaps and values, padded to the room)
+    (:func:`floor_encode`: 16-bit indices and values, padded to the room)
     with the dense part after it; the mean is decoded into the bucket.
     """
     buffer = bucket.buffer()

@@ -3,7 +3,7 @@
 A sparse bucket travels as one fixed-capacity payload
 (:class:`~thinwire.compress.payload.SparseLayout`): its size depends on the
 capacity (room for ``capacity * k`` entries per tensor), the index list
-(int32, or 16-bit gaps ``delta16``; a bitmap replaces either when smaller,
+(int32, or 16 bits an index ``delta16``; a bitmap replaces either when smaller,
 which at 1 % density it never is) and the value dtype, never on the data. So
 bytes per step are a property of the format, while accuracy depends on the
 capacity (what a threshold passes beyond it waits in the error memory) and on

@@ -93,7 +93,7 @@ def test_fixed_capacity_layout_refuses_overflow_and_bad_sizes() -> None:
         SparseLayout(10, 11)
 
 
-def test_gap_list_escapes_gaps_beyond_16_bits_and_halves_index_bytes() -> None:
+def test_16_bit_code_spans_blocks_of_65536_and_halves_index_bytes() -> None:
     numel = 400_000
     indices = torch.tensor([0, 1, 65_535, 65_536 + 65_535, 300_000, 399_999, 65_536])
     layout = SparseLayout(numel, 10, torch.float32, "delta16")

@@ -85,17 +85,20 @@ def test_index_codec_round_trips_in_its_declared_bytes(numel: int, k: int) -> No
     indices = torch.sort(torch.randperm(numel)[:k]).values
     wire = encode_indices(indices, numel)
     assert wire.dtype == torch.uint8
-    gaps = (2 * k + 3) // 4 * 4 + 4 * (numel // 65536 + 1)
-    assert wire.numel() == index_nbytes(k, numel) == min(4 * k, gaps,
+    code16 = (2 * k + 3) // 4 * 4 + 4 * (numel // 65536 + 1)
+    assert wire.numel() == index_nbytes(k, numel) == min(4 * k, code16,
                                                          (-(-numel // 8) + 3) // 4 * 4)
     assert torch.equal(decode_indices(wire, k, numel), indices)
 
 
-def test_index_gaps_of_65536_or_more_travel_in_escape_slots() -> None:
-    # gaps 65536, 1, 134464 and 99960 need escape slots; the 40 last entries are 1 apart
+def test_index_code_keeps_16_bit_offsets_and_the_count_before_each_block_end() -> None:
+    # blocks of 65536: one entry in block 0, one in block 1, one in block 3, 40 in block 4
     chosen = torch.tensor([65_535, 65_536, 200_000, *range(299_960, 300_000)])
     wire = encode_indices(chosen, 300_000)
-    assert wire.numel() == 88 + 4 * 5 < 4 * 43  # 43 gaps padded, 5 escape slots: not int32
+    assert wire.numel() == 88 + 4 * 5 < 4 * 43  # 43 offsets padded, 5 block ends: not int32
+    offsets = wire[:86].view(torch.int16).to(torch.int64) & 0xFFFF
+    assert torch.equal(offsets, chosen % 65_536)
+    assert wire[88:].view(torch.int32).tolist() == [1, 2, 2, 3, 43]
     assert torch.equal(decode_indices(wire, 43, 300_000), chosen)
 
 
@@ -520,7 +523,7 @@ def test_cltk_bytes_per_worker_do_not_grow_with_world_size_but_local_topks_do(
         return float(np.mean([run["bytes"][label][field] for run in runs[n]]))
 
     # k = 3 + 40 + 1 entries per step: fp64 values all-reduced, indices broadcast (int32 for
-    # the conv and the bias, 16-bit gaps for fc.weight's 40: 84 bytes instead of 160).
+    # the conv and the bias, the 16-bit code for fc.weight's 40: 84 bytes instead of 160).
     values = 8 * (3 + 40 + 1)
     index = index_nbytes(3, 108) + index_nbytes(40, 2000) + index_nbytes(1, 20)
     assert index == 12 + 84 + 4

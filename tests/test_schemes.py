@@ -245,4 +245,4 @@ def test_bucket_room_is_the_capacity_of_its_selection_not_one_per_tensor(
     expected = _bucket_reference(grads, {key: torch.zeros(30) for key in grads}, 12)
     assert all(torch.equal(out[key], expected[key]) for key in grads)
     layer, bucket = handed
-    assert layer - bucket == (40 - 12) * (4 + 2)  # fp32 values, 16-bit gaps
+    assert layer - bucket == (40 - 12) * (4 + 2)  # fp32 values, 16-bit indices

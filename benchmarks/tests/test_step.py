@@ -108,7 +108,7 @@ def test_powersgd_floor_reconstructs_a_gradient_of_rank_below_r(one_rank: None) 
 
 def test_floor_payload_is_the_bytes_of_the_schemes_delta16_layout() -> None:
     """The floor packs what dct-dp and topk send by default, byte for byte, and reads it
-    back: gaps of 65536 and more (in their escape slots) included, padding zero."""
+    back: indices in several blocks of 65536 entries included, padding zero."""
     numel, room = 300_000, 40
     indices = torch.tensor([0, 7, 70_000, 70_001, 200_000, 299_999])
     values = torch.randn(indices.numel())

@@ -124,7 +124,7 @@ def largest_in_order(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
 
     Ties at the k-th largest value are broken towards the lowest positions,
     so the choice is the same on every call and device, and the positions come
-    out ascending (a sparse payload's index gaps need them so). Only the
+    out ascending (a sparse payload's 16-bit index code needs them so). Only the
     candidates above a sampled bound are ranked when there are enough of them;
     they come out of ``nonzero`` ascending, so keeping the k largest of them
     keeps the order. On a GPU, up to :data:`GPU_DIRECT` entries: ``torch.topk``

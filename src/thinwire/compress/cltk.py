@@ -26,10 +26,11 @@ Selection (the leader only), per layer of ``N`` entries keeping ``k``:
   (docs/convergence.md), so exact is the default.
 
 Indices are returned ascending, so every rank gathers in the same order.
-An index set travels as ``k`` int32, as ``k`` 16-bit gaps between ascending
-indices (with an int32 slot for each gap of 65536 or more) or as a bitmap of
-``N`` bits, whichever is smallest; the sizes depend only on ``(k, N)``, which
-every rank knows, so the broadcast needs no size round.
+An index set travels as ``k`` int32, in the 16-bit code (each index's offset
+in its block of 65536 entries, then an int32 per block: how many indices lie
+before its end) or as a bitmap of ``N`` bits, whichever is smallest; the sizes
+depend only on ``(k, N)``, which every rank knows, so the broadcast needs no
+size round.
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ import torch
 
 from thinwire.compress._select import largest_in_order
 from thinwire.compress.base import keep_count
-from thinwire.compress.payload import decode_gaps, encode_gaps, gap_bytes, pack_bits, unpack_bits
+from thinwire.compress.payload import (
+    decode_index16,
+    encode_index16,
+    index16_bytes,
+    pack_bits,
+    unpack_bits,
+)
 
 
 def chunk_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -130,9 +137,10 @@ def _pad4(nbytes: int) -> int:
 
 def _index_format(k: int, numel: int) -> tuple[str, int]:
     """The smallest encoding of ``k`` indices into ``numel`` entries, and its bytes:
-    int32, 16-bit gaps (:func:`~thinwire.compress.payload.gap_bytes`) or a bitmap,
+    int32, the 16-bit code (:func:`~thinwire.compress.payload.index16_bytes`) or a bitmap,
     the first of those on a tie."""
-    sizes = {"int32": 4 * k, "gaps": gap_bytes(k, numel), "bitmap": _pad4(math.ceil(numel / 8))}
+    sizes = {"int32": 4 * k, "index16": index16_bytes(k, numel),
+             "bitmap": _pad4(math.ceil(numel / 8))}
     name = min(sizes, key=lambda format: sizes[format])
     return name, sizes[name]
 
@@ -151,9 +159,9 @@ def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
         mask[indices] = True
         packed = pack_bits(mask)
         return torch.nn.functional.pad(packed, (0, nbytes - packed.numel()))
-    if name == "gaps":
+    if name == "index16":
         area = torch.zeros(nbytes, dtype=torch.uint8, device=indices.device)
-        encode_gaps(indices, k, area)
+        encode_index16(indices, k, numel, area)
         return area
     return indices.to(torch.int32).view(torch.uint8)
 
@@ -163,8 +171,8 @@ def decode_indices(wire: torch.Tensor, k: int, numel: int) -> torch.Tensor:
     name, _ = _index_format(k, numel)
     if name == "bitmap":
         return unpack_bits(wire[: math.ceil(numel / 8)], numel).nonzero().squeeze(1)
-    if name == "gaps":
-        return decode_gaps(wire, k, k, numel)
+    if name == "index16":
+        return decode_index16(wire, k, k, numel)
     return wire.view(torch.int32).to(torch.int64)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 HEADER_BYTES = 4
+BLOCK = 1 << 16  # entries per block of the 16-bit index code
 INDEX_FORMATS = ("int32", "delta16")  # index lists of a SparseLayout (a bitmap when smaller)
 _BITMAP = -1
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -48,37 +49,37 @@ def _padded(part: torch.Tensor) -> torch.Tensor:
 
 
 def _ascending(indices: torch.Tensor) -> bool:
-    """Whether ``indices`` (1-D) are strictly ascending, so a gap code needs no sort first."""
+    """Whether ``indices`` (1-D) are strictly ascending, as the 16-bit code needs them."""
     return indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
 
 
-def gap_bytes(capacity: int, numel: int) -> int:
-    """Bytes of up to ``capacity`` ascending indices into ``numel`` entries as 16-bit gaps:
-    the gaps padded to 4, then an int32 slot for each gap of 65536 or more (they add up
-    to at most ``numel``, so there are at most ``numel // 65536 + 1``)."""
-    return _pad4(2 * capacity) + 4 * (numel // 65536 + 1)
+def index16_bytes(capacity: int, numel: int) -> int:
+    """Bytes of up to ``capacity`` ascending indices into ``numel`` entries in the 16-bit
+    index code: each index's offset in its block of :data:`BLOCK` entries (its low 16
+    bits), padded to 4, then one int32 per block: how many indices lie before its end."""
+    return _pad4(2 * capacity) + 4 * (numel // BLOCK + 1)
 
 
-def encode_gaps(indices: torch.Tensor, capacity: int, area: torch.Tensor) -> None:
+def encode_index16(indices: torch.Tensor, capacity: int, numel: int,
+                   area: torch.Tensor) -> None:
     """Write distinct ascending ``indices`` into ``area`` (zeroed uint8 of
-    :func:`gap_bytes`) as gaps from the one before (the first from -1)."""
-    gaps = torch.diff(indices, prepend=indices.new_full((1,), -1))
-    wide = gaps > 0xFFFF
-    escapes = gaps[wide]
-    # 0 never is a gap: it marks one that waits in the escape slots instead
-    # (copy_ narrows the int64 gaps in place of a converted copy).
-    area[: 2 * indices.numel()].view(torch.int16).copy_(gaps.masked_fill_(wide, 0))
-    start = _pad4(2 * capacity)
-    area[start: start + 4 * escapes.numel()].view(torch.int32).copy_(escapes)
+    :func:`index16_bytes`). Fixed sizes only, so nothing waits on a GPU."""
+    area[: 2 * indices.numel()].view(torch.int16).copy_(indices)  # copy_ keeps the low 16 bits
+    start, blocks = _pad4(2 * capacity), numel // BLOCK + 1
+    ends = torch.arange(BLOCK, BLOCK * (blocks + 1), BLOCK, device=indices.device)
+    torch.searchsorted(indices, ends, out_int32=True,
+                       out=area[start: start + 4 * blocks].view(torch.int32))
 
 
-def decode_gaps(area: torch.Tensor, count: int, capacity: int, numel: int) -> torch.Tensor:
-    """The ``count`` int64 indices :func:`encode_gaps` wrote into ``area``."""
-    gaps = area[: 2 * count].view(torch.uint16).to(torch.int64)
+def decode_index16(area: torch.Tensor, count: int, capacity: int,
+                   numel: int) -> torch.Tensor:
+    """The ``count`` int64 indices, ascending, that :func:`encode_index16` wrote into ``area``."""
+    offsets = area[: 2 * count].view(torch.uint16).to(torch.int64)
     start = _pad4(2 * capacity)
-    escapes = area[start: start + 4 * (numel // 65536 + 1)].view(torch.int32)
-    # The escape slots in order fill the 0 gaps (no count needed: no sync).
-    return gaps.masked_scatter_(gaps == 0, escapes.long()).cumsum_(0).sub_(1)
+    ends = area[start: start + 4 * (numel // BLOCK + 1)].view(torch.int32)
+    # Entry j lies in the first block whose end is above j.
+    positions = torch.arange(count, dtype=torch.int32, device=area.device)
+    return offsets.add_(torch.searchsorted(ends, positions, side="right"), alpha=BLOCK)
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -201,15 +202,16 @@ class SparseLayout:
         int32 header        valid count c <= capacity
         indices             one of (the smallest; the same choice on every rank):
                             "int32": capacity int32 slots;
-                            "delta16": capacity 16-bit gaps between ascending
-                              indices (padded to 4), then room for the gaps that do
-                              not fit 16 bits (a 0 gap marks each), int32 each: at
-                              most numel / 65536 + 1 of them;
+                            "delta16": ascending indices in the 16-bit code
+                              (:func:`index16_bytes`): capacity uint16 offsets
+                              from the start of each one's block of 65536 entries
+                              (padded to 4), then numel // 65536 + 1 int32 block
+                              ends, the count of indices before each block's end;
                             "bitmap": ceil(numel / 8) bytes padded to 4
         values              capacity slots, starting and ending aligned to 4 bytes
                             and to the value dtype's width (fp64: 8)
 
-    Unused slots and alignment bytes are zero. With a bitmap or gaps, values
+    Unused slots and alignment bytes are zero. With a bitmap or the 16-bit code, values
     are in ascending index order.
     """
 
@@ -230,7 +232,7 @@ class SparseLayout:
     @property
     def _list_bytes(self) -> int:
         if self.indices == "delta16":
-            return gap_bytes(self.capacity, self.numel)
+            return index16_bytes(self.capacity, self.numel)
         return 4 * self.capacity
 
     @property
@@ -265,7 +267,7 @@ class SparseLayout:
 
         Args:
             ascending: the caller vouches that ``indices`` ascend strictly (a
-                sparsifier's selection does), so the gap code and the bitmap skip
+                sparsifier's selection does), so the 16-bit code and the bitmap skip
                 the check, a pass and a wait on a GPU; else they sort when needed.
 
         Returns:
@@ -289,10 +291,10 @@ class SparseLayout:
             bits = pack_bits(mask)
             area[: bits.numel()] = bits
         elif self.indices == "delta16":
-            if not (ascending or _ascending(indices)):  # gaps need sorted indices
+            if not (ascending or _ascending(indices)):  # the code needs them sorted
                 indices, order = torch.sort(indices)
                 values = values[order]
-            encode_gaps(indices, self.capacity, area)
+            encode_index16(indices, self.capacity, self.numel, area)
         else:
             area[: 4 * count].view(torch.int32).copy_(indices)
         start = self.value_start
@@ -319,7 +321,7 @@ class SparseLayout:
             indices = unpack_bits(area[: math.ceil(self.numel / 8)], self.numel).nonzero()
             indices = indices.squeeze(1)
         elif self.indices == "delta16":
-            indices = decode_gaps(area, count, self.capacity, self.numel)
+            indices = decode_index16(area, count, self.capacity, self.numel)
         else:
             indices = area[: 4 * count].view(torch.int32).long()
         start = self.value_start
@@ -332,7 +334,7 @@ def layout_segments(layout: SparseLayout,
 
     Each layer is charged its valid entries (values, and indices unless a
     bitmap); the header and the bitmap are charged as ``"(header)"`` and
-    ``"(bitmap)"``, the unused capacity (and a gap list's escape room) as
+    ``"(bitmap)"``, the unused capacity (and the 16-bit code's block ends) as
     ``"(padding)"``.
 
     Args:

@@ -280,7 +280,7 @@ class TopK(Sparsifier):
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int
     ) -> tuple[torch.Tensor, float]:
         k = keep_count(magnitudes.numel(), self.ratio)
-        indices = largest_in_order(magnitudes, k)  # ascending: the gap code needs no sort
+        indices = largest_in_order(magnitudes, k)  # ascending: the 16-bit code needs no sort
         top = magnitudes.index_select(0, indices)
         tau = float(top.min())  # one read in the usual case: no zero among the k largest
         if tau > 0:

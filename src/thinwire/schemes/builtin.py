@@ -31,7 +31,7 @@ class TopKConfig:
     ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
-    indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
+    indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     error_feedback: bool = True  # keep what was not sent for the next step
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
@@ -49,7 +49,7 @@ class DCTConfig:
     gain: float | None = 0.05  # in (0, 1]: tau *= exp(gain (sent / k - 1)) per step; None: off
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
-    indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
+    indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     drain_every: int | None = None  # stochastic drain period of the error buffer
     capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
@@ -84,7 +84,7 @@ class LaplaceConfig:
     sparsity: float = 0.99  # target fraction of entries dropped, in [0, 1)
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
-    indices: str = "delta16"  # index list on the wire: "delta16" (16-bit gaps) or "int32"
+    indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
 
