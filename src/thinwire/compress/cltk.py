@@ -43,6 +43,7 @@ import torch
 from thinwire.compress._select import largest_in_order
 from thinwire.compress.base import keep_count
 from thinwire.compress.payload import (
+    bitmap_bytes,
     decode_index16,
     encode_index16,
     index16_bytes,
@@ -131,16 +132,12 @@ def sparsify(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return out.reshape(tensor.shape)
 
 
-def _pad4(nbytes: int) -> int:
-    return (nbytes + 3) // 4 * 4
-
-
 def _index_format(k: int, numel: int) -> tuple[str, int]:
     """The smallest encoding of ``k`` indices into ``numel`` entries, and its bytes:
     int32, the 16-bit code (:func:`~thinwire.compress.payload.index16_bytes`) or a bitmap,
     the first of those on a tie."""
     sizes = {"int32": 4 * k, "index16": index16_bytes(k, numel),
-             "bitmap": _pad4(math.ceil(numel / 8))}
+             "bitmap": bitmap_bytes(numel)}
     name = min(sizes, key=lambda format: sizes[format])
     return name, sizes[name]
 

@@ -33,6 +33,11 @@ def _pad4(nbytes: int) -> int:
     return (nbytes + 3) // 4 * 4
 
 
+def bitmap_bytes(numel: int) -> int:
+    """Bytes of a bitmap of ``numel`` entries (:func:`pack_bits`), padded to 4."""
+    return _pad4(math.ceil(numel / 8))
+
+
 def _align(nbytes: int, size: int) -> int:
     """``nbytes`` rounded up to a multiple of 4 and of ``size`` (a dtype's width)."""
     step = max(4, size)
@@ -127,11 +132,11 @@ class SparsePayload:
 
     @property
     def uses_bitmap(self) -> bool:
-        return 4 * self.count > _pad4(math.ceil(self.numel / 8))
+        return 4 * self.count > bitmap_bytes(self.numel)
 
     @property
     def nbytes(self) -> int:
-        index_bytes = _pad4(math.ceil(self.numel / 8)) if self.uses_bitmap else 4 * self.count
+        index_bytes = bitmap_bytes(self.numel) if self.uses_bitmap else 4 * self.count
         return HEADER_BYTES + index_bytes + _pad4(self.count * self.values.element_size())
 
     def to_bytes(self) -> torch.Tensor:
@@ -237,11 +242,11 @@ class SparseLayout:
 
     @property
     def uses_bitmap(self) -> bool:
-        return self._list_bytes > _pad4(math.ceil(self.numel / 8))
+        return self._list_bytes > bitmap_bytes(self.numel)
 
     @property
     def index_bytes(self) -> int:
-        return _pad4(math.ceil(self.numel / 8)) if self.uses_bitmap else self._list_bytes
+        return bitmap_bytes(self.numel) if self.uses_bitmap else self._list_bytes
 
     @property
     def index_entry_bytes(self) -> int:
