@@ -213,8 +213,8 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     error = torch.zeros(numel, device=grad.device)
     out, scratch = torch.empty_like(error), torch.empty_like(error)
 
-    def finite() -> bool:  # the one reduction the non-finite policy costs
-        return bool(torch.isfinite(grad.sum(dtype=torch.float32)))
+    def finite() -> bool:  # the one reduction the non-finite policy costs, read once
+        return math.isfinite(grad.sum(dtype=torch.float32).item())
 
     def sparse_step(select: Callable[[torch.Tensor], torch.Tensor], wire: bool) -> Step:
         def run() -> object:
