@@ -79,6 +79,15 @@ def test_layer_k_uses_ratio_or_a_capped_k() -> None:
     assert layer_k(1000, 0.01, k=7) == 7 and layer_k(5, 0.01, k=7) == 5
 
 
+@pytest.mark.parametrize("selection", ["exact", "chunk"])
+def test_select_into_kept_room_for_the_magnitudes_chooses_the_same(selection: str) -> None:
+    tensor = torch.randn(40, 50)
+    room = torch.full((2000,), float("nan"))
+    chosen = select(tensor, 20, selection, out=room)
+    assert torch.equal(chosen, select(tensor, 20, selection))
+    assert torch.equal(room, tensor.reshape(-1).abs())  # |p| was written there
+
+
 @pytest.mark.parametrize("numel,k", [(1000, 10), (1000, 31), (1000, 32), (1000, 300), (9, 9),
                                      (33, 2), (7, 0), (300_000, 3000), (300_000, 2)])
 def test_index_codec_round_trips_in_its_declared_bytes(numel: int, k: int) -> None:

@@ -105,15 +105,22 @@ SELECTIONS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
 }
 
 
-def select(tensor: torch.Tensor, k: int, selection: str = "exact") -> torch.Tensor:
+def select(tensor: torch.Tensor, k: int, selection: str = "exact",
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """The leader's CLT-k index set of ``tensor`` (any shape; indices into its flat view).
+
+    Args:
+        out: 1-D room for ``|tensor|`` (its size, same dtype and device), kept by the
+            caller: a fresh tensor the size of a large layer costs its page faults on
+            every call on CPU. New if None.
 
     Raises:
         ValueError: unknown ``selection`` or ``k`` outside ``[0, numel]``.
     """
     if selection not in SELECTIONS:
         raise ValueError(f"selection={selection!r} must be one of {sorted(SELECTIONS)}")
-    return SELECTIONS[selection](tensor.reshape(-1).abs(), k)
+    flat = tensor.reshape(-1)
+    return SELECTIONS[selection](flat.abs() if out is None else torch.abs(flat, out=out), k)
 
 
 def layer_k(numel: int, ratio: float, k: int | None = None) -> int:

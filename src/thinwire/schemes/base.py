@@ -52,6 +52,16 @@ class Scheme(ABC):
         self.overhead_s = 0.0
         self.skipped = 0
         self._lock = threading.Lock()
+        self._scratch: torch.Tensor | None = None  # |p|, reused across launches
+
+    def _magnitudes(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Room for ``|p|`` of ``buffer`` (1-D): a scratch tensor kept between launches (a
+        fresh one of a large bucket costs its page faults on every launch on CPU)."""
+        scratch = self._scratch
+        if (scratch is None or scratch.numel() < buffer.numel() or scratch.dtype != buffer.dtype
+                or scratch.device != buffer.device):
+            scratch = self._scratch = torch.empty_like(buffer)
+        return scratch[: buffer.numel()]
 
     @abstractmethod
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
@@ -137,7 +147,6 @@ class CompressedScheme(Scheme):
         self.compressor = compressor
         self.memory = memory
         self.nonfinite = nonfinite
-        self._scratch: torch.Tensor | None = None  # |p|, reused across launches
         # stream="auto": per bucket (its sparse keys), rounds launched, timed trial rounds
         # (codec s, exchange s), and the agreed choice (True: pieces).
         self._rounds: dict[tuple[str, ...], int] = {}
@@ -164,14 +173,6 @@ class CompressedScheme(Scheme):
 
         both = collect(futures, [device for _, device in groups])
         return both.then(split)
-
-    def _magnitudes(self, buffer: torch.Tensor) -> torch.Tensor:
-        """Room for ``|p|`` of ``buffer``: a scratch tensor kept between launches."""
-        scratch = self._scratch
-        if (scratch is None or scratch.numel() < buffer.numel() or scratch.dtype != buffer.dtype
-                or scratch.device != buffer.device):
-            scratch = self._scratch = torch.empty_like(buffer)
-        return scratch[: buffer.numel()]
 
     def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
                     group: Group = None, *, last: bool = True) -> Future[Any]:

@@ -385,7 +385,7 @@ class _Plan:
     selection (a key alone per layer), each group's k, index wire and result.
 
     Args:
-        scheme: gives k and the selection rule.
+        scheme: gives k, the selection rule and room for ``|p|``.
         groups: the sparse keys, grouped (:meth:`_SelectedTopK._groups`).
         numels: entries of each sparse key.
         joined: per group, its tensors' ``p`` flat and back to back.
@@ -395,6 +395,7 @@ class _Plan:
                  numels: Mapping[str, int], joined: list[torch.Tensor]) -> None:
         self.groups, self.numels, self.joined = groups, numels, joined
         self.selection = scheme.config.selection
+        self.magnitudes = scheme._magnitudes  # room for |p|, kept by the scheme
         self.sizes = [sum(numels[key] for key in keys) for keys in groups]
         self.ks = [scheme.k(size) for size in self.sizes]
         self.nbytes = [index_nbytes(k, size) for k, size in zip(self.ks, self.sizes)]
@@ -404,7 +405,8 @@ class _Plan:
     def wire(self, leading: bool, device: torch.device) -> torch.Tensor:
         """The index sets the leader broadcasts (its own selection), or room for them."""
         if leading and self.groups:
-            return joined([encode_indices(select(p, k, self.selection), size)
+            return joined([encode_indices(select(p, k, self.selection, self.magnitudes(p)),
+                                          size)
                            for p, k, size in zip(self.joined, self.ks, self.sizes)])
         return torch.empty(sum(self.nbytes), dtype=torch.uint8, device=device)
 
@@ -480,7 +482,8 @@ class LocalTopK(_SelectedTopK):
         for keys in groups:  # one selection per layer, or per bucket
             if finite:
                 p = joined([compensated[key] for key in keys])
-                picked = select(p, self.k(p.numel()), self.config.selection)
+                picked = select(p, self.k(p.numel()), self.config.selection,
+                                self._magnitudes(p))
                 chosen.update(zip(keys, split_ascending(picked, [grads[key].numel()
                                                                  for key in keys])))
             else:  # contribute nothing, leave the memory as it was
