@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import textwrap
 import time
@@ -75,7 +76,10 @@ def interleaved(rows: dict[str, Step], repeats: int,
     """Median seconds of each row, the rows run in turn within every round.
 
     Interleaving spreads a change of machine load over all rows alike, so
-    ratios between rows stay meaningful on a shared machine.
+    ratios between rows stay meaningful on a shared machine. Each round runs
+    the rows in a new order (seeded, so runs repeat): in a fixed order each row
+    always finds the caches as the same predecessor left them, a bias that
+    reached 0.4x between a scheme and its floor at 1M entries.
 
     Args:
         prepare: per row, untimed work run before each timed call (a fresh gradient).
@@ -87,8 +91,12 @@ def interleaved(rows: dict[str, Step], repeats: int,
             prepare[name]()
         run()
     samples: dict[str, list[float]] = {name: [] for name in rows}
+    shuffle = random.Random(0).shuffle
     for _ in range(repeats):
-        for name, run in rows.items():
+        order = list(rows)
+        shuffle(order)
+        for name in order:
+            run = rows[name]
             if name in prepare:
                 prepare[name]()
             sync()
