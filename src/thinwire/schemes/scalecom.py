@@ -401,23 +401,27 @@ class _Plan:
         self.nbytes = [index_nbytes(k, size) for k, size in zip(self.ks, self.sizes)]
         self.total_k = sum(self.ks)
         self.chosen: dict[str, torch.Tensor] = {}  # key -> indices into its own tensor
+        self.own: list[torch.Tensor] | None = None  # the leader's selection, per group
 
     def wire(self, leading: bool, device: torch.device) -> torch.Tensor:
         """The index sets the leader broadcasts (its own selection), or room for them."""
         if leading and self.groups:
-            return joined([encode_indices(select(p, k, self.selection, self.magnitudes(p)),
-                                          size)
-                           for p, k, size in zip(self.joined, self.ks, self.sizes)])
+            self.own = [select(p, k, self.selection, self.magnitudes(p))
+                        for p, k in zip(self.joined, self.ks)]
+            return joined([encode_indices(chosen, size)
+                           for chosen, size in zip(self.own, self.sizes)])
         return torch.empty(sum(self.nbytes), dtype=torch.uint8, device=device)
 
     def decode(self, received: torch.Tensor) -> Iterator[tuple[list[str], torch.Tensor,
                                                                torch.Tensor]]:
         """Per group: its keys, its joined ``p`` and the leader's indices into it;
-        fills :attr:`chosen` with each key's share."""
+        fills :attr:`chosen` with each key's share. The leader keeps its own
+        selection rather than decode it (the code is lossless: the same indices)."""
         offset = 0
-        for keys, p, k, size, nbytes in zip(self.groups, self.joined, self.ks, self.sizes,
-                                            self.nbytes):
-            chosen = decode_indices(received[offset: offset + nbytes], k, size)
+        for group, (keys, p, k, size, nbytes) in enumerate(zip(
+                self.groups, self.joined, self.ks, self.sizes, self.nbytes)):
+            chosen = (decode_indices(received[offset: offset + nbytes], k, size)
+                      if self.own is None else self.own[group])
             offset += nbytes
             self.chosen.update(zip(keys, split_ascending(chosen, [self.numels[key]
                                                                    for key in keys])))
