@@ -27,7 +27,8 @@ from thinwire.autodiff import MODES, DistributedAutodiff
 from thinwire.comm import Meter
 from thinwire.compress import TensorInfo
 from thinwire.compress._select import GPU_DIRECT, largest_in_order
-from thinwire.compress.cltk import chunk_topk, encode_indices, exact_topk
+from thinwire.compress.cltk import chunk_topk, decode_indices, encode_indices, exact_topk
+from thinwire.compress.payload import SparseLayout
 from thinwire.launch import spawn
 from thinwire.pipeline.boundary import compact, expand
 
@@ -223,6 +224,27 @@ def test_cltk_selection_and_index_encoding_on_the_gpu(k: int) -> None:
         assert torch.equal(on_gpu.sort().values.cpu(), on_cpu.sort().values)
         assert torch.equal(encode_indices(on_gpu.sort().values, 100).cpu(),
                            encode_indices(on_cpu.sort().values, 100))
+
+
+@pytest.mark.parametrize("count", [0, 1, 3000, 10_000])
+def test_16_bit_index_code_across_blocks_on_the_gpu_is_the_cpus_bytes(count: int) -> None:
+    """Payloads and CLT-k index sets spanning several blocks of 65536 entries: the GPU
+    writes the CPU's bytes and reads them back."""
+    numel = 300_000
+    indices = torch.randperm(numel, generator=torch.Generator().manual_seed(count))[:count]
+    indices = indices.sort().values
+    values = torch.randn(count)
+    layout = SparseLayout(numel, 10_000, torch.float32, "delta16")
+    assert not layout.uses_bitmap
+    on_cpu = layout.encode(indices, values)
+    on_gpu = layout.encode(indices.to(GPU), values.to(GPU), ascending=True)
+    assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.cpu(), on_cpu)
+    got_indices, got_values = layout.decode(on_gpu)
+    assert torch.equal(got_indices.cpu(), indices) and torch.equal(got_values.cpu(), values)
+    if count:
+        wire = encode_indices(indices.to(GPU), numel)
+        assert torch.equal(wire.cpu(), encode_indices(indices, numel))
+        assert torch.equal(decode_indices(wire, count, numel).cpu(), indices)
 
 
 def _tied(case: str, numel: int) -> torch.Tensor:
