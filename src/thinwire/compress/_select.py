@@ -23,9 +23,8 @@ import torch
 SAMPLE = 4096  # entries sampled to place the lower bound
 MAX_FRACTION = 0.1  # above k / N this, torch.topk on everything is as cheap
 WORD = 8  # mask bytes read as one int64 word by sparse_nonzero
-# Up to this many entries a GPU selects by torch.topk and a sort of the positions (one H100:
-# 0.24 ms against the candidates' 0.34 ms at 1M entries, 0.30 against 0.48 at 4M; at 25M
-# the full topk costs more, 0.76 against 0.61).
+# Up to this many entries a GPU selects by torch.topk and a sort of the positions: on one
+# H100 that was the faster of the two at 1M and 4M entries, the candidates at 25M.
 GPU_DIRECT = 1 << 23
 
 
