@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import CpuWatch, cpu_model
+from thinwire import schemes
 from thinwire.compress import keep_count
 from thinwire.data.imagesets import FASHION_MNIST_DIR
 from thinwire.jobs.compare import compare
@@ -69,7 +71,7 @@ def measure(workload: str, workers: int, seed: int, schemes: list[str],
                              lr=recipe["lr"], momentum=recipe["momentum"], seed=seed,
                              workload=workload, optimizer=recipe["optimizer"], couple=couple,
                              until_target=True)
-        extra = list(SPARSE_OPTIONS) if set(names) & set(SPARSE) else []
+        extra = sparse_options(names)
         for result in compare(names, workers, options, 100e6, sparsity=0.99, life_span=1000,
                               extra=extra):
             densities = list(density_ratios(workload, result["density_per_layer"]).values())
@@ -91,6 +93,14 @@ def measure(workload: str, workers: int, seed: int, schemes: list[str],
                 "curve": [(step, acc) for step, _, acc in result["curve"]],
             })
     return rows
+
+
+def sparse_options(names: list[str]) -> list[str]:
+    """The :data:`SPARSE_OPTIONS` that one of ``names`` takes: ``compare`` refuses an
+    option none of its schemes has (clt-k alone has no ``capacity``)."""
+    keys = {field.name for name in names if name in SPARSE
+            for field in dataclasses.fields(schemes.config_class(name))}
+    return [option for option in SPARSE_OPTIONS if option.split("=")[0] in keys]
 
 
 def density_ratios(workload: str, density_per_layer: dict[str, float],
