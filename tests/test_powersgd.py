@@ -108,6 +108,23 @@ def test_finish_keeps_a_column_major_q_as_it_is_and_copies_a_row_major_one() -> 
         torch.testing.assert_close(approx, p_hat @ q_mean.T, rtol=1e-12, atol=1e-12)
 
 
+def test_warm_start_keeps_the_previous_column_only_where_q_is_exactly_zero() -> None:
+    """A zero column of the averaged Q would zero the next P's column: the previous one is
+    kept there. A column of tiny entries (whose 2-norm underflows to 0 in fp32) is not zero
+    and is kept as it came."""
+    codec = PowerSGD(3)
+    matrix = torch.randn(4, 5)
+    previous = codec.q("w", matrix).clone()
+    q_mean = torch.randn(5, 3)
+    q_mean[:, 1] = 0.0
+    q_mean[:, 2] = 1e-30
+    codec.finish("w", orthonormalize(torch.randn(4, 3)), q_mean)
+    kept = codec.q("w", matrix)
+    assert torch.equal(kept[:, 0], q_mean[:, 0])
+    assert torch.equal(kept[:, 1], previous[:, 1])
+    assert torch.equal(kept[:, 2], q_mean[:, 2])
+
+
 def test_without_warm_start_every_step_draws_a_fresh_shared_q() -> None:
     matrix = torch.randn(20, 30, dtype=torch.float64)
     codec, twin = PowerSGD(2, warm_start=False), PowerSGD(2, warm_start=False)

@@ -192,10 +192,10 @@ class PowerSGD:
             # A zero column (a zero mean gradient, or one of rank below r) would make the
             # next P's column zero too; keep the previous column there instead, chosen on
             # the device (no wait on a GPU). q_mean is identical on every rank, so is this.
+            # any(), not a norm: a column of tiny entries has a norm that underflows to 0.
             if previous is not None and previous.shape == kept.shape:
-                zero = torch.linalg.vector_norm(q_mean, dim=0) == 0
                 kept = q_mean.new_empty(q_mean.shape[::-1]).t()
-                torch.where(zero, previous.to(kept.dtype), q_mean, out=kept)
+                torch.where(q_mean.any(dim=0), q_mean, previous.to(kept.dtype), out=kept)
             self.qs[key] = kept
         else:
             self.qs.pop(key, None)
