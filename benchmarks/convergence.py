@@ -171,6 +171,25 @@ def summary(record: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def measured(record: dict[str, Any]) -> dict[tuple[Any, ...], str]:
+    """When each record's run was made: the latest run of its cell that ran its scheme.
+
+    A rerun of some schemes only (``--schemes clt-k``) leaves the other schemes' records of
+    the cell as they were. Runs saved before ``schemes`` was recorded name it in ``argv``.
+    """
+    latest: dict[tuple[Any, ...], str] = {}
+    for meta in record["meta"]:
+        if "cell" not in meta:
+            continue
+        argv = meta.get("argv", [])
+        ran = meta.get("schemes") or (argv[argv.index("--schemes") + 1].split(",")
+                                      if "--schemes" in argv[:-1] else SCHEMES)
+        for scheme in ran:
+            latest[(*meta["cell"], scheme)] = meta["when"]
+    return {_key(row): latest.get((row["workload"], row["workers"], row["seed"],
+                                   row["scheme"]), "?") for row in record["runs"]}
+
+
 def _order(scheme: str) -> int:
     return SCHEMES.index(scheme) if scheme in SCHEMES else len(SCHEMES)
 
@@ -179,9 +198,7 @@ def section(record: dict[str, Any], figures: Path, docs: Path) -> str:
     """The convergence section of docs/results.md (and its figure)."""
     rows = summary(record)
     meta = record["meta"][-1] if record["meta"] else {}
-    # Each cell's records come from its latest run: the oldest of those opens the span.
-    latest = {tuple(m["cell"]): m["when"] for m in record["meta"] if "cell" in m}
-    first = min(latest.values(), default="?")
+    first = min(measured(record).values(), default="?")  # the oldest record shown
     lines = ["## Convergence: steps to target and bytes per step", "",
              f"Source: `{DATA}` ({len(record['runs'])} runs; written by "
              "`python -m benchmarks.convergence`). Every scheme trains each workload with "
@@ -200,8 +217,8 @@ def section(record: dict[str, Any], figures: Path, docs: Path) -> str:
              "Sparse schemes ran with "
              f"{', '.join(SPARSE_OPTIONS)}; runs stop at the target, so bytes/step are those "
              "of the steps run. "
-             f"Runs: {first} to {meta.get('when', '?')} (a rerun of a cell replaces its "
-             f"records); the last at load average {meta.get('load', '?')} on "
+             f"Runs: {first} to {meta.get('when', '?')} (a rerun of a cell's schemes replaces "
+             f"their records); the last at load average {meta.get('load', '?')} on "
              f"{meta.get('cpu', '?')}.", "",
              "| workload (target, optimiser) | workers | scheme | momentum | seeds reached | "
              "median steps | x dense | bytes/step | x less than dense | density / target | "
@@ -292,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                         "load": load.split("load average:")[-1].strip(),
                         "others_share": watch.others_share(),
                         "argv": sys.argv[1:] if argv is None else argv,
-                        "cell": [workload, n, seed]}
+                        "cell": [workload, n, seed], "schemes": args.schemes.split(",")}
                 record = save(got, args.data, meta)
     for row in summary(record) if record else []:
         print(row)
