@@ -121,6 +121,31 @@ def test_couple_gives_clt_k_an_ef21_estimate_of_the_velocity() -> None:
     assert optim.couple(adam, scheme).reason == "already coupled"
 
 
+def test_couple_can_give_clt_k_its_own_error_feedback_instead() -> None:
+    scheme = schemes.build("clt-k")
+    own = scheme.memory  # type: ignore[attr-defined]
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
+    assert optim.couple(sgd, scheme, feedback="error").coupled
+    memory = scheme.memory  # type: ignore[attr-defined]
+    assert isinstance(memory, MomentumCorrection) and memory.inner is own
+
+
+@pytest.mark.parametrize(("name", "feedback", "message"), [
+    ("clt-k", "estimate", "must be one of"),
+    ("topk", "ef21", "is for clt-k"),
+    ("dense", "ef21", "is for clt-k"),
+])
+def test_couple_rejects_a_feedback_the_scheme_does_not_take(name: str, feedback: str,
+                                                             message: str) -> None:
+    scheme = schemes.build(name)
+    before = getattr(scheme, "memory", None)
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=message):
+        optim.couple(sgd, scheme, feedback=feedback)
+    assert getattr(scheme, "memory", None) is before  # nothing changed
+    assert sgd.param_groups[0]["momentum"] == 0.9
+
+
 def test_couple_refuses_a_clt_k_scheme_that_has_already_stepped() -> None:
     scheme = schemes.build("clt-k")
     scheme.reduce({"w": torch.randn(40, 25)})
@@ -137,10 +162,12 @@ def _clt_k_run(steps: range, optimizer: torch.optim.Optimizer, net: nn.Linear,
         optimizer.step()
 
 
-@pytest.mark.parametrize("exclude", [(), ("weight",)])
+@pytest.mark.parametrize(("exclude", "feedback"), [((), "auto"), (("weight",), "auto"),
+                                                   ((), "error")])
 def test_coupled_clt_k_sending_everything_is_sgd_momentum_up_to_rounding(
-        exclude: tuple[str, ...]) -> None:
-    """k = N (or the tensor sent dense): the EF21 estimate is the velocity, so SGD's steps."""
+        exclude: tuple[str, ...], feedback: str) -> None:
+    """k = N (or the tensor sent dense): the EF21 estimate is the velocity, and plain error
+    feedback keeps nothing back, so SGD's steps either way."""
     torch.manual_seed(0)
     reference, coupled = nn.Linear(25, 40).double(), nn.Linear(25, 40).double()
     coupled.load_state_dict(reference.state_dict())
@@ -150,7 +177,7 @@ def test_coupled_clt_k_sending_everything_is_sgd_momentum_up_to_rounding(
         plain.step()
     scheme = schemes.build("clt-k", ratio=1.0, exclude=exclude)
     optimizer = torch.optim.SGD([coupled.weight], lr=0.1, momentum=0.9)
-    optim.couple(optimizer, scheme)
+    optim.couple(optimizer, scheme, feedback=feedback)
     _clt_k_run(range(6), optimizer, coupled, scheme)
     torch.testing.assert_close(coupled.weight, reference.weight, rtol=1e-12, atol=1e-12)
 

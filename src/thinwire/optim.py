@@ -25,7 +25,8 @@ measured gain is in docs/convergence.md).
 CLT-k is coupled the same way, and its workers' velocity then goes into
 EF21 (:class:`~thinwire.feedback.Estimate`) instead of plain error feedback:
 every rank steps with a dense estimate of the mean velocity that each
-step's shared indices refresh (see :func:`_feedback` for why).
+step's shared indices refresh (see :func:`_feedback` for why);
+``couple(..., feedback="error")`` keeps CLT-k's own error feedback instead.
 
 Schemes without sparsification (dense, fp16, PowerSGD) and optimisers
 without momentum are left exactly as they were, so ``couple`` is safe to
@@ -84,19 +85,24 @@ def sparse_memory(scheme: Scheme) -> Memory | None:
     return None
 
 
-def _feedback(scheme: Scheme, memory: Memory) -> Memory:
+FEEDBACKS = ("auto", "ef21", "error")
+
+
+def _feedback(scheme: Scheme, memory: Memory, feedback: str) -> Memory:
     """The memory the velocity goes into: the scheme's own, or EF21 for CLT-k.
 
     CLT-k's shared index set refreshes one k-th of each layer per step; with
     plain error feedback the rest waits, and momentum correction alone did
     not help (3.7x -> 3.9x dense's steps). Stepping with a dense estimate of
     the mean velocity refreshed at those indices (:class:`Estimate`, EF21)
-    brought it to 2.9x (docs/convergence.md).
+    brought it to 2.9x, and was faster on six of seven workload cells, but
+    settled below the target on a small convnet where plain error feedback
+    reached it (docs/convergence.md): ``feedback="error"`` chooses that.
 
     Raises:
         ValueError: CLT-k's memory already holds state (couple before training).
     """
-    if not isinstance(scheme, CyclicLocalTopK):
+    if not isinstance(scheme, CyclicLocalTopK) or feedback == "error":
         return memory
     if memory.buffers:
         raise ValueError("clt-k has already run a step: call thinwire.optim.couple before "
@@ -111,12 +117,16 @@ def _scheme_of(target: Any) -> Scheme:
     return scheme
 
 
-def couple(optimizer: torch.optim.Optimizer, target: Any) -> Coupling:
+def couple(optimizer: torch.optim.Optimizer, target: Any, *,
+           feedback: str = "auto") -> Coupling:
     """Move ``optimizer``'s SGD momentum into ``target``'s error feedback, if both have one.
 
     Args:
         optimizer: the user's optimiser, built as usual.
         target: the scheme, or the state :func:`thinwire.ddp.register` returned.
+        feedback: what CLT-k's velocity goes into: ``"auto"`` or ``"ef21"``, EF21
+            (:class:`Estimate`); ``"error"``, CLT-k's own error feedback. The other
+            sparsifiers always use their own (``"auto"`` or ``"error"``).
 
     Returns:
         What was done. Side effects when coupled: every param group's
@@ -125,10 +135,15 @@ def couple(optimizer: torch.optim.Optimizer, target: Any) -> Coupling:
 
     Raises:
         ValueError: param groups with different momentum settings (one
-            velocity rule per scheme).
+            velocity rule per scheme), or a ``feedback`` the scheme does not take.
         TypeError: ``target`` is neither a scheme nor a hook state.
     """
     scheme = _scheme_of(target)
+    if feedback not in FEEDBACKS:
+        raise ValueError(f"feedback={feedback!r} must be one of {FEEDBACKS}")
+    if feedback == "ef21" and not isinstance(scheme, CyclicLocalTopK):
+        raise ValueError(f"feedback='ef21' is for clt-k, not {type(scheme).__name__}: the "
+                         "local sparsifiers were slower with it (docs/convergence.md)")
     groups = optimizer.param_groups
     settings = {_momentum(optimizer, group) for group in groups}
     momentum, dampening, nesterov = next(iter(settings)) if settings else (0.0, 0.0, False)
@@ -145,8 +160,8 @@ def couple(optimizer: torch.optim.Optimizer, target: Any) -> Coupling:
                          f"{sorted(settings)}; couple needs one setting for all groups")
     if memory is None:
         return Coupling(False, momentum, nesterov, "the scheme does not sparsify with feedback")
-    scheme.memory = MomentumCorrection(_feedback(scheme, memory), momentum,  # type: ignore[attr-defined]
-                                       dampening, nesterov)
+    inner = _feedback(scheme, memory, feedback)
+    scheme.memory = MomentumCorrection(inner, momentum, dampening, nesterov)  # type: ignore[attr-defined]
     for group in groups:
         if isinstance(optimizer, _ADAMS):
             group["betas"] = (0.0, group["betas"][1])
