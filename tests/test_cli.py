@@ -14,6 +14,7 @@ import torch
 from thinwire.cli import COMMANDS, build_parser, main
 from thinwire.cli import dad as dad_cli
 from thinwire.cli import pipeline as pipeline_cli
+from thinwire.cli.compare import run_options
 from thinwire.jobs import common, compare
 from thinwire.jobs.common import HelpFormatter
 from thinwire.jobs.compare import parse_bandwidth, scheme_config
@@ -336,3 +337,12 @@ def test_out_defaults_to_a_dated_folder_per_subcommand(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     folder = common.run_folder(None, "dad")
     assert folder.parent == Path("runs") and folder.name.endswith("-dad") and folder.is_dir()
+
+
+@pytest.mark.parametrize("command", ["compare", "train"])
+def test_feedback_reaches_the_run_options(command: str) -> None:
+    args = build_parser().parse_args([command, "--feedback", "error"])
+    assert run_options(args).feedback == "error"
+    assert run_options(build_parser().parse_args([command])).feedback == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--feedback", "ef21"])

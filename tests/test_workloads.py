@@ -68,6 +68,8 @@ def test_bad_workload_and_optimizer_names_raise_value_error() -> None:
         RunOptions(optimizer="lamb")
     with pytest.raises(ValueError, match="device='gpu' must name a torch device"):
         RunOptions(device="gpu")
+    with pytest.raises(ValueError, match="feedback='ef21' must be one of"):
+        RunOptions(feedback="ef21")  # clt-k's only: a run of several schemes says "auto"
 
 
 def test_a_workload_moved_to_a_device_builds_its_models_there() -> None:

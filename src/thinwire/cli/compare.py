@@ -16,7 +16,7 @@ import sys
 from thinwire import schemes
 from thinwire.jobs import common
 from thinwire.jobs.compare import compare, header, parse_bandwidth, plot, table_rows
-from thinwire.jobs.dataparallel import RunOptions
+from thinwire.jobs.dataparallel import RUN_FEEDBACKS, RunOptions
 from thinwire.jobs.workloads import OPTIMIZERS, RECIPES, WORKLOADS
 from thinwire.launch import add_timeout
 
@@ -46,6 +46,10 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-couple", dest="couple", action="store_false",
                         help="leave the momentum in the optimiser instead of moving it into "
                              "the sparse schemes' error feedback")
+    parser.add_argument("--feedback", default=RunOptions.feedback, choices=RUN_FEEDBACKS,
+                        help="what a coupled clt-k keeps the momentum in: auto (EF21, faster "
+                             "on most workloads) or error (its own error feedback; reached "
+                             "the target on a small convnet where EF21 did not)")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimiser steps per scheme (default: the workload's recipe)")
     parser.add_argument("--batch-size", type=int, default=None,
@@ -77,7 +81,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                                                   "batch_size")}
     resolved = {key: recipe[key] if value is None else value for key, value in chosen.items()}
     return RunOptions(hidden=args.hidden, seed=args.seed, workload=args.workload,
-                      couple=args.couple, **resolved)
+                      couple=args.couple, feedback=args.feedback, **resolved)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,6 +27,10 @@ from thinwire.launch import phase
 from thinwire.schemes import CompressedScheme
 from thinwire.schemes.scalecom import CyclicLocalTopK
 
+# What couple() may put behind a coupled clt-k for every scheme of a run: "ef21" is clt-k's
+# only, so a run of several schemes says "auto" for it.
+RUN_FEEDBACKS = ("auto", "error")
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -40,6 +44,7 @@ class RunOptions:
     workload: str = "digits-mlp"  # a name of thinwire.jobs.workloads.WORKLOADS
     optimizer: str = "sgd"  # "sgd", "nesterov" or "adamw" (beta1 = momentum)
     couple: bool = True  # move the optimiser's momentum into sparse schemes (thinwire.optim)
+    feedback: str = "auto"  # clt-k's coupled memory: "auto" (EF21) or "error" (its own)
     eval_rows: int | None = 2000  # test rows per evaluation point (None: all)
     until_target: bool = False  # stop at the first evaluation that reaches the target
     device: str = "cpu"  # where the model, its data and the scheme's state live
@@ -56,6 +61,8 @@ class RunOptions:
         if self.workload not in workloads.WORKLOADS:
             raise ValueError(f"workload={self.workload!r} must be one of "
                              f"{sorted(workloads.WORKLOADS)}")
+        if self.feedback not in RUN_FEEDBACKS:
+            raise ValueError(f"feedback={self.feedback!r} must be one of {RUN_FEEDBACKS}")
         if self.optimizer not in workloads.OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} must be one of "
                              f"{list(workloads.OPTIMIZERS)}")
@@ -170,7 +177,8 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         scheme.energy = {}  # diagnostic: how much of each rank's top-k the leader captures
     optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
                                     options.momentum)
-    coupled = optim.couple(optimizer, state).coupled if options.couple else False
+    coupled = (optim.couple(optimizer, state, feedback=options.feedback).coupled
+               if options.couple else False)
     stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)
     curve: list[tuple[int, float, float]] = []  # (step, cumulative bytes, test accuracy)
     losses = []
