@@ -14,7 +14,10 @@ sweep over candidates and seeds fits a busy machine. Candidates:
   6.25 %, 1.6 %, then 1 % over the first ``--warmup`` steps; its bytes count);
 * ``ef21``: momentum correction in front of EF21 (:class:`thinwire.feedback.Estimate`):
   the optimiser steps with a dense estimate of the mean velocity that the
-  sent entries refresh (what ``couple`` installs for clt-k).
+  sent entries refresh (what ``couple`` installs for clt-k);
+* ``virtual``: coupled, and each worker takes its gradient at ``x - lr * e``, its
+  weights with its pending error applied (:class:`thinwire.optim.virtual.VirtualIterate`,
+  what ``couple`` installs for SGD through a DDP hook).
 
 topk and dct-dp are the registered schemes' sparsifiers at their defaults:
 ``--scopes bucket`` (the default) selects once over all the sparsified tensors
@@ -102,7 +105,11 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
         for r in range(workers):
             batch = shards[r].rows(next(streams[r]))
             model.zero_grad()
+            kept = _move_to_virtual(params, memories[r], lr) if variant == "virtual" else {}
             work.loss(model(batch.inputs, **batch.side), batch.targets).backward()
+            with torch.no_grad():
+                for key, x in kept.items():
+                    params[key].copy_(x)
             grads.append({k: p.grad.detach().clone() for k, p in params.items()})  # type: ignore[union-attr]
         dense_bytes += 4 * sum(info.numel for info in infos)
         if scheme == "dense":
@@ -145,6 +152,17 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
         if _evaluate(work, model, step, eval_every, reached):
             break
     return reached, dense_bytes / sent_bytes
+
+
+def _move_to_virtual(params: dict[str, torch.nn.Parameter], memory: Memory,
+                     lr: float) -> dict[str, torch.Tensor]:
+    """Move ``params`` to ``x - lr * e`` (``memory``'s pending error); the old ``x`` by key."""
+    kept = {}
+    with torch.no_grad():
+        for key, error in memory.buffers.items():
+            kept[key] = params[key].detach().clone()
+            params[key].sub_(error.view(params[key].shape), alpha=lr)
+    return kept
 
 
 class LocalAdam:
@@ -257,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated (default: sgd,nesterov,adamw on digits-mlp, "
                              "else the workload's recipe)")
     parser.add_argument("--schemes", default="dense,topk,dct-dp,clt-k")
-    parser.add_argument("--variants", default="plain,coupled,masked,warmup,ef21")
+    parser.add_argument("--variants", default="plain,coupled,masked,warmup,ef21,virtual")
     parser.add_argument("--selection", default="exact",
                         help="clt-k's leader selection (default: exact)")
     parser.add_argument("--min-numels", default=str(MIN_NUMEL),
@@ -296,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
             recipe(args.workload, name)
     except (KeyError, ValueError) as error:
         parser.error(f"--optimizers {args.optimizers!r}: {error}")
+    if "virtual" in args.variants.split(",") and "adamw" in args.optimizers.split(","):
+        parser.error("--variants virtual is for SGD (thinwire.optim.couple installs it there "
+                     "only): drop adamw from --optimizers")
     if "adam-local" in args.variants.split(",") and args.optimizers != "adamw":
         parser.error(f"--variants adam-local needs --optimizers adamw, not {args.optimizers!r}")
     own = workloads.load(args.workload).target  # the workload's own, always recorded

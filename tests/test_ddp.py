@@ -50,7 +50,8 @@ def _train(net: nn.Module, rank: int, steps: range, optimizer: torch.optim.Optim
 
 def _ddp_run(rank: int, world_size: int, scheme: str | None, config: dict[str, Any],
              bucket_cap_mb: float, poison: tuple[int, int] | None = None,
-             couple: bool = False, feedback: str = "auto") -> dict[str, Any]:
+             couple: bool = False, feedback: str = "auto",
+             virtual: bool = True) -> dict[str, Any]:
     model = _model()
     net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     state = None
@@ -58,7 +59,7 @@ def _ddp_run(rank: int, world_size: int, scheme: str | None, config: dict[str, A
         state = ddp.register(net, build(scheme, **config), meter=Meter(rank, world_size))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     if couple:
-        optim.couple(optimizer, state, feedback=feedback)
+        optim.couple(optimizer, state, feedback=feedback, virtual=virtual)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train(net, rank, range(STEPS), optimizer, poison)
@@ -283,14 +284,18 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "topk-all-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 1.0}, 0.001,
                                      couple=True),
         "topk-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 0.1}, 0.001, couple=True),
+        "topk-sparse-coupled": _ddp_run(rank, world_size, "topk",
+                                        {"ratio": 0.1, "min_numel": 0}, 0.001, couple=True),
+        "topk-sparse-at-x": _ddp_run(rank, world_size, "topk", {"ratio": 0.1, "min_numel": 0},
+                                     0.001, couple=True, virtual=False),
         "clt-k-all-coupled": _ddp_run(rank, world_size, "clt-k", {"ratio": 1.0}, 0.001,
                                       couple=True),
         "clt-k-coupled": _ddp_run(rank, world_size, "clt-k", {"ratio": 0.1}, 0.001,
                                   couple=True),
-        "clt-k-all-error": _ddp_run(rank, world_size, "clt-k", {"ratio": 1.0}, 0.001,
-                                    couple=True, feedback="error"),
-        "clt-k-error": _ddp_run(rank, world_size, "clt-k", {"ratio": 0.1}, 0.001,
-                                couple=True, feedback="error"),
+        "clt-k-all-ef21": _ddp_run(rank, world_size, "clt-k", {"ratio": 1.0}, 0.001,
+                                   couple=True, feedback="ef21"),
+        "clt-k-ef21": _ddp_run(rank, world_size, "clt-k", {"ratio": 0.1}, 0.001,
+                               couple=True, feedback="ef21"),
         "dct-small-buckets": _ddp_run(rank, world_size, "dct-dp", DCT, 0.001),
         "dct-one-bucket": _ddp_run(rank, world_size, "dct-dp", DCT, 25.0),
         "manual": _manual_run(rank, world_size, DCT),
@@ -350,26 +355,29 @@ def test_coupled_topk_sending_everything_is_sgd_momentum_up_to_rounding(
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("feedback", ["coupled", "ef21"])
 def test_coupled_clt_k_sending_everything_is_sgd_momentum_up_to_rounding(
-        runs: list[dict[str, Any]]) -> None:
-    """k = N: the EF21 estimate every rank steps with is the mean velocity, so SGD's."""
-    for a, b in zip(runs[0]["plain"]["params"], runs[0]["clt-k-all-coupled"]["params"]):
+        runs: list[dict[str, Any]], feedback: str) -> None:
+    """k = N: plain error feedback keeps nothing back, and the EF21 estimate every rank
+    steps with is the mean velocity, so SGD's either way; at k < N the replicas agree
+    (the default moves each rank's weights to its own x - lr e for the gradient and back)."""
+    for a, b in zip(runs[0]["plain"]["params"], runs[0][f"clt-k-all-{feedback}"]["params"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(runs[0]["clt-k-coupled"]["params"], runs[1]["clt-k-coupled"]["params"]):
-        assert torch.equal(a, b)  # replicas agree on the estimate they step with
-    assert not [w for w in runs[0]["clt-k-coupled"]["warnings"] if "couple" in w]
-
-
-def test_clt_k_coupled_into_its_own_error_feedback_trains_through_ddp(
-        runs: list[dict[str, Any]]) -> None:
-    """``couple(..., feedback="error")``: k = N is SGD with momentum; at k < N the replicas
-    agree and the run is not the EF21 one."""
-    for a, b in zip(runs[0]["plain"]["params"], runs[0]["clt-k-all-error"]["params"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(runs[0]["clt-k-error"]["params"], runs[1]["clt-k-error"]["params"]):
+    for a, b in zip(runs[0][f"clt-k-{feedback}"]["params"],
+                    runs[1][f"clt-k-{feedback}"]["params"]):
         assert torch.equal(a, b)
-    assert not all(torch.equal(a, b) for a, b in zip(runs[0]["clt-k-error"]["params"],
+    assert not [w for w in runs[0][f"clt-k-{feedback}"]["warnings"] if "couple" in w]
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0]["clt-k-ef21"]["params"],
                                                      runs[0]["clt-k-coupled"]["params"]))
+
+
+def test_gradients_at_the_virtual_iterate_change_training_and_keep_replicas_identical(
+        runs: list[dict[str, Any]]) -> None:
+    for label in ("topk-sparse-coupled", "topk-sparse-at-x"):
+        for a, b in zip(runs[0][label]["params"], runs[1][label]["params"]):
+            assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0]["topk-sparse-coupled"]["params"],
+                                                     runs[0]["topk-sparse-at-x"]["params"]))
 
 
 def test_forgetting_to_couple_warns_once_and_coupling_silences_it(

@@ -28,6 +28,7 @@ class HookState:
     group: Group = None
     fields: dict[str, Any] = field(default_factory=dict)  # what every rank must share
     agreed: bool = False  # peers compared (at register, else at the hook's first call)
+    module: torch.nn.Module | None = None  # the model whose parameters ``names`` names
 
 
 def agree(state: HookState, device: torch.device | None) -> None:
@@ -101,4 +102,5 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
     named = list(module.named_parameters())
     parameters = {name: f"{tuple(p.shape)} {p.dtype}" for name, p in named if p.requires_grad}
     return HookState(scheme, {id(p): name for name, p in named}, group,
-                     {**fingerprint(scheme), "parameters": parameters, "thinwire": __version__})
+                     {**fingerprint(scheme), "parameters": parameters, "thinwire": __version__},
+                     module=module)

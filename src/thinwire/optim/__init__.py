@@ -59,6 +59,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from thinwire.compress import Sparsifier
 from thinwire.feedback import Estimate, Memory, MomentumCorrection
+from thinwire.optim.virtual import VirtualIterate
 from thinwire.schemes.base import CompressedScheme, Scheme
 from thinwire.schemes.scalecom import CyclicLocalTopK, LocalTopK
 
@@ -71,6 +72,7 @@ class Coupling:
     momentum: float  # the optimiser's momentum before coupling
     nesterov: bool  # the optimiser's Nesterov flag before coupling
     reason: str  # why it did or did not couple, in a sentence
+    virtual: VirtualIterate | None = None  # gradients at x - lr e (its remove() undoes it)
 
 
 def sparse_memory(scheme: Scheme) -> Memory | None:
@@ -118,15 +120,21 @@ def _scheme_of(target: Any) -> Scheme:
 
 
 def couple(optimizer: torch.optim.Optimizer, target: Any, *,
-           feedback: str = "auto") -> Coupling:
+           feedback: str = "auto", virtual: bool = True) -> Coupling:
     """Move ``optimizer``'s SGD momentum into ``target``'s error feedback, if both have one.
 
     Args:
         optimizer: the user's optimiser, built as usual.
         target: the scheme, or the state :func:`thinwire.ddp.register` returned.
-        feedback: what CLT-k's velocity goes into: ``"auto"`` or ``"ef21"``, EF21
-            (:class:`Estimate`); ``"error"``, CLT-k's own error feedback. The other
-            sparsifiers always use their own (``"auto"`` or ``"error"``).
+        feedback: what CLT-k's velocity goes into: ``"ef21"``, EF21 (:class:`Estimate`);
+            ``"error"``, CLT-k's own error feedback; ``"auto"``, its own where the
+            virtual iterate below is installed, else EF21 (what measured fastest in
+            each case, docs/convergence.md). The other sparsifiers always use their
+            own (``"auto"`` or ``"error"``).
+        virtual: with SGD through a DDP hook's state (:func:`thinwire.ddp.register`),
+            and plain error feedback: each worker computes its gradient at
+            ``x - lr * e``, its weights with its pending error applied
+            (:class:`VirtualIterate`).
 
     Returns:
         What was done. Side effects when coupled: every param group's
@@ -160,14 +168,19 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
                          f"{sorted(settings)}; couple needs one setting for all groups")
     if memory is None:
         return Coupling(False, momentum, nesterov, "the scheme does not sparsify with feedback")
-    inner = _feedback(scheme, memory, feedback)
+    module = getattr(target, "module", None)
+    # x - lr e is where SGD's weights go once e is sent; Adam scales each entry's step.
+    ahead = virtual and module is not None and isinstance(optimizer, torch.optim.SGD)
+    inner = _feedback(scheme, memory, "error" if feedback == "auto" and ahead else feedback)
     scheme.memory = MomentumCorrection(inner, momentum, dampening, nesterov)  # type: ignore[attr-defined]
     for group in groups:
         if isinstance(optimizer, _ADAMS):
             group["betas"] = (0.0, group["betas"][1])
         else:
             group.update(momentum=0.0, dampening=0.0, nesterov=False)
-    return Coupling(True, momentum, nesterov, "momentum moved into the scheme's memory")
+    moved = (VirtualIterate(optimizer, module, target.names, scheme.memory)  # type: ignore[arg-type, attr-defined]
+             if ahead and not isinstance(inner, Estimate) else None)
+    return Coupling(True, momentum, nesterov, "momentum moved into the scheme's memory", moved)
 
 
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)

@@ -1,0 +1,100 @@
+"""Gradients at the virtual iterate: each worker looks past the error it still holds.
+
+Error feedback keeps what a worker has not sent yet; applied later, it
+lags the weights behind those of dense training. Convergence proofs of
+error feedback follow a *virtual* sequence instead of the weights (the
+ScaleCom appendix, App. D.1, Eq. A17): ``x~ = x - lr * mean_i(e_i)``, the
+weights as they will be once every pending entry has been sent, which
+moves as plain SGD's weights do, but with gradients taken at ``x``. Here
+each worker takes its gradient at its own estimate of that point,
+``x - lr * e_i`` (the mean is not known locally; the workers' errors are
+alike where their gradients are). That choice is ours, not a paper's:
+before a training forward the parameters are moved there, and before the
+optimiser's step they are put back bit for bit, so the step applies to
+``x`` and replicas stay identical.
+
+Measured (docs/convergence.md) with SGD momentum 0.9 coupled into topk
+and dct-dp at 99 % sparsity, this brought steps to target from 1.3-1.7x
+dense's to about dense's. It costs one copy of the sparsified parameters
+and two passes over them per step, and needs no communication.
+
+Floor: with :mod:`thinwire.optim`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from thinwire.feedback import Memory
+
+
+class VirtualIterate:
+    """Move ``module``'s parameters to ``x - lr * e`` before each training forward.
+
+    The parameters stay there through the backward pass (the scheme's hook
+    reads gradients taken there) and are restored, bit for bit, before
+    ``optimizer`` steps. Only a forward with gradients enabled on a module
+    in training mode moves them, and only once until the next step (several
+    forwards of gradient accumulation share one point); evaluation under
+    ``torch.no_grad`` or ``eval()`` sees ``x``. Between a training forward
+    and the step the parameters hold ``x - lr * e``: a checkpoint taken
+    there saves that point.
+
+    Args:
+        optimizer: the user's SGD optimiser (the ``lr`` of each parameter's group is
+            read at each forward, so schedulers act).
+        module: the model whose forward computes the gradients (DDP's ``module``).
+        names: ``id(parameter) -> name``, the keys of ``memory``'s buffers.
+        memory: the scheme's error feedback; its ``buffers`` (name -> the worker's
+            pending error ``e``) are read at each forward, never written.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
+                 names: Mapping[int, str], memory: Memory) -> None:
+        self.optimizer = optimizer
+        self.names = dict(names)
+        self.memory = memory
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its x), moved
+        self._spare: dict[str, torch.Tensor] = {}  # name -> a buffer for x, reused
+        self.moved = False
+        self.handles = [module.register_forward_pre_hook(self._move),
+                        optimizer.register_step_pre_hook(self._restore)]
+
+    def _move(self, module: torch.nn.Module, args: Any) -> None:
+        if self.moved or not module.training or not torch.is_grad_enabled():
+            return
+        errors = self.memory.buffers  # read now: loading a state replaces the dict
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                for parameter in group["params"]:
+                    name = self.names.get(id(parameter), "")
+                    error = errors.get(name)
+                    if error is None:  # sent dense, or no step yet: nothing pending
+                        continue
+                    kept = self._spare.get(name)
+                    if kept is None or kept.shape != parameter.shape:
+                        kept = self._spare[name] = torch.empty_like(parameter)
+                    self.kept.append((parameter, kept.copy_(parameter)))
+                    parameter.sub_(error.view(parameter.shape).to(parameter.dtype),
+                                   alpha=group["lr"])
+        self.moved = True
+
+    def _restore(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        """Put the parameters back at ``x`` (a no-op when they are there)."""
+        with torch.no_grad():
+            for parameter, kept in self.kept:
+                parameter.copy_(kept)
+        self.kept = []
+        self.moved = False
+
+    def remove(self) -> None:
+        """Restore the parameters and take both hooks off."""
+        self.restore()
+        for handle in self.handles:
+            handle.remove()
