@@ -47,9 +47,9 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
                         help="leave the momentum in the optimiser instead of moving it into "
                              "the sparse schemes' error feedback")
     parser.add_argument("--feedback", default=RunOptions.feedback, choices=RUN_FEEDBACKS,
-                        help="what a coupled clt-k keeps the momentum in: auto (EF21, faster "
-                             "on most workloads) or error (its own error feedback; reached "
-                             "the target on a small convnet where EF21 did not)")
+                        help="what a coupled clt-k keeps the momentum in: auto (its own "
+                             "error feedback under SGD, where gradients are taken at the "
+                             "virtual iterate; EF21 under Adam) or error (its own always)")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimiser steps per scheme (default: the workload's recipe)")
     parser.add_argument("--batch-size", type=int, default=None,

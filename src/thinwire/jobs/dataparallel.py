@@ -44,7 +44,7 @@ class RunOptions:
     workload: str = "digits-mlp"  # a name of thinwire.jobs.workloads.WORKLOADS
     optimizer: str = "sgd"  # "sgd", "nesterov" or "adamw" (beta1 = momentum)
     couple: bool = True  # move the optimiser's momentum into sparse schemes (thinwire.optim)
-    feedback: str = "auto"  # clt-k's coupled memory: "auto" (EF21) or "error" (its own)
+    feedback: str = "auto"  # clt-k's coupled memory (thinwire.optim.couple's feedback)
     eval_rows: int | None = 2000  # test rows per evaluation point (None: all)
     until_target: bool = False  # stop at the first evaluation that reaches the target
     device: str = "cpu"  # where the model, its data and the scheme's state live

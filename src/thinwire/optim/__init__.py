@@ -22,11 +22,17 @@ averaged first moment rather than from the gradient -- smaller, as the
 momentum averages noise out -- which is the price of moving beta1 (the
 measured gain is in docs/convergence.md).
 
-CLT-k is coupled the same way, and its workers' velocity then goes into
-EF21 (:class:`~thinwire.feedback.Estimate`) instead of plain error feedback:
+With SGD through a DDP hook's state, each worker also takes its gradients
+at ``x - lr * e``, its weights with its pending error applied
+(:class:`~thinwire.optim.virtual.VirtualIterate`, ``virtual=True``): that
+brought topk, dct-dp and clt-k to dense's steps on the SGD workloads of
+docs/convergence.md.
+
+CLT-k is coupled the same way; where the virtual iterate is not installed
+(Adam, a bare scheme) its workers' velocity goes into EF21
+(:class:`~thinwire.feedback.Estimate`) instead of plain error feedback:
 every rank steps with a dense estimate of the mean velocity that each
-step's shared indices refresh (see :func:`_feedback` for why);
-``couple(..., feedback="error")`` keeps CLT-k's own error feedback instead.
+step's shared indices refresh (see :func:`_feedback` for why).
 
 Schemes without sparsification (dense, fp16, PowerSGD) and optimisers
 without momentum are left exactly as they were, so ``couple`` is safe to
@@ -97,9 +103,10 @@ def _feedback(scheme: Scheme, memory: Memory, feedback: str) -> Memory:
     plain error feedback the rest waits, and momentum correction alone did
     not help (3.7x -> 3.9x dense's steps). Stepping with a dense estimate of
     the mean velocity refreshed at those indices (:class:`Estimate`, EF21)
-    brought it to 2.9x, and was faster on six of seven workload cells, but
-    settled below the target on a small convnet where plain error feedback
-    reached it (docs/convergence.md): ``feedback="error"`` chooses that.
+    brought it to 2.9x. With gradients at the virtual iterate, plain error
+    feedback was faster than EF21 on every workload measured (1.0-1.2x), so
+    :func:`couple` asks for EF21 only where that is not installed
+    (docs/convergence.md).
 
     Raises:
         ValueError: CLT-k's memory already holds state (couple before training).
