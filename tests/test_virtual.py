@@ -101,4 +101,5 @@ def test_couple_installs_it_for_sgd_into_plain_error_feedback_through_a_hook_sta
 def test_couple_on_a_bare_scheme_has_no_model_to_move() -> None:
     scheme = schemes.build("topk")
     sgd = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
-    assert optim.couple(sgd, scheme).virtual is None
+    coupling = optim.couple(sgd, scheme)
+    assert coupling.virtual is None and "thinwire.ddp.register" in coupling.reason

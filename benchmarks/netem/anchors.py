@@ -44,6 +44,7 @@ class Installed:
     overhead_s: Callable[[], float]  # compression seconds measured so far (0 if unknown)
     details: Callable[[], dict[str, Any]] = dict  # scheme-specific counters for the results
     scheme: Any = None  # the thinwire scheme behind the hook (None for PyTorch's anchors)
+    hook: Any = None  # its thinwire.ddp hook state, what thinwire.optim.couple takes
 
 
 def powersgd_bytes(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float,

@@ -99,7 +99,7 @@ def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int) ->
         return ANCHORS[entry["name"]](model, meter, rank)
     net = DistributedDataParallel(model)
     scheme = schemes.build(entry["name"], **entry["config"])
-    ddp.register(net, scheme, meter=meter)
+    hook = ddp.register(net, scheme, meter=meter)
 
     def details() -> dict[str, Any]:
         # Threshold recomputations (DCT-DP's selections) per tensor, where the codec counts them.
@@ -111,7 +111,7 @@ def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int) ->
                 **({"streaming": {keys[0]: choice for keys, choice in streaming.items()}}
                    if streaming else {})}
 
-    return Installed(net, lambda: None, lambda: scheme.overhead_s, details, scheme)
+    return Installed(net, lambda: None, lambda: scheme.overhead_s, details, scheme, hook)
 
 
 def window_traffic(meter: Meter, first_step: int) -> dict[str, float]:
@@ -172,8 +172,8 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     installed = install(entry, model, meter, options["rank"])
     optimizer = workloads.optimizer(options.get("optimizer", "sgd"), installed.net.parameters(),
                                     options["lr"], options["momentum"])
-    if installed.scheme is not None:  # as the README's quick start: momentum into the workers
-        optim.couple(optimizer, installed.scheme)
+    if installed.hook is not None:  # as the README's quick start: momentum into the workers
+        optim.couple(optimizer, installed.hook)
     wire = WireMeter(options["interface"], options.get("bridge_namespace"), rank)
     warmup, target = options["warmup"], options["target"]
     step_s: list[float] = []

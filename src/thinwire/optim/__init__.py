@@ -187,7 +187,12 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
             group.update(momentum=0.0, dampening=0.0, nesterov=False)
     moved = (VirtualIterate(optimizer, module, target.names, scheme.memory)  # type: ignore[arg-type, attr-defined]
              if ahead and not isinstance(inner, Estimate) else None)
-    return Coupling(True, momentum, nesterov, "momentum moved into the scheme's memory", moved)
+    reason = "momentum moved into the scheme's memory"
+    if (virtual and module is None and isinstance(optimizer, torch.optim.SGD)
+            and not isinstance(inner, Estimate)):
+        reason += ("; gradients stay at x: pass the state thinwire.ddp.register returned "
+                   "for gradients at x - lr e")
+    return Coupling(True, momentum, nesterov, reason, moved)
 
 
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
