@@ -177,7 +177,8 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
         return Coupling(False, momentum, nesterov, "the scheme does not sparsify with feedback")
     module = getattr(target, "module", None)
     # x - lr e is where SGD's weights go once e is sent; Adam scales each entry's step.
-    ahead = virtual and module is not None and isinstance(optimizer, torch.optim.SGD)
+    wanted = virtual and isinstance(optimizer, torch.optim.SGD)
+    ahead = wanted and module is not None
     inner = _feedback(scheme, memory, "error" if feedback == "auto" and ahead else feedback)
     scheme.memory = MomentumCorrection(inner, momentum, dampening, nesterov)  # type: ignore[attr-defined]
     for group in groups:
@@ -185,11 +186,11 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
             group["betas"] = (0.0, group["betas"][1])
         else:
             group.update(momentum=0.0, dampening=0.0, nesterov=False)
+    pending = wanted and not isinstance(inner, Estimate)  # EF21 steps with all it has
     moved = (VirtualIterate(optimizer, module, target.names, scheme.memory)  # type: ignore[arg-type, attr-defined]
-             if ahead and not isinstance(inner, Estimate) else None)
+             if pending and ahead else None)
     reason = "momentum moved into the scheme's memory"
-    if (virtual and module is None and isinstance(optimizer, torch.optim.SGD)
-            and not isinstance(inner, Estimate)):
+    if pending and not ahead:
         reason += ("; gradients stay at x: pass the state thinwire.ddp.register returned "
                    "for gradients at x - lr e")
     return Coupling(True, momentum, nesterov, reason, moved)
