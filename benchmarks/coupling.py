@@ -17,7 +17,13 @@ sweep over candidates and seeds fits a busy machine. Candidates:
   sent entries refresh (what ``couple`` installs for clt-k);
 * ``virtual``: coupled, and each worker takes its gradient at ``x - lr * e``, its
   weights with its pending error applied (:class:`thinwire.optim.virtual.VirtualIterate`,
-  what ``couple`` installs for SGD through a DDP hook).
+  what ``couple`` installs for SGD through a DDP hook);
+* ``adam-virtual`` (AdamW): coupled, with the burst-aware Adam step
+  (:class:`thinwire.optim.adam.AgedAdam`) and each worker's gradient at
+  ``x - lr e / (sqrt(s_hat) + eps)`` (:func:`thinwire.optim.adam.look_ahead`),
+  what ``couple`` installs for Adam/AdamW through a DDP hook;
+* ``adam-local`` (AdamW): each worker runs both of Adam's moments on its own
+  gradient and sends the normalised direction.
 
 topk and dct-dp are the registered schemes' sparsifiers at their defaults:
 ``--scopes bucket`` (the default) selects once over all the sparsified tensors
@@ -55,6 +61,7 @@ from thinwire.compress.sparse import MIN_NUMEL, SCOPES
 from thinwire.data.digits import batches
 from thinwire.feedback import Estimate, LowPass, Memory, MomentumCorrection, Residual
 from thinwire.jobs import workloads
+from thinwire.optim.adam import AgedAdam, look_ahead
 from thinwire.schemes.base import CompressedScheme
 
 RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
@@ -88,14 +95,18 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
                               for _ in range(workers)]
     if coupled:
         adam = optimizer_name == "adamw"
+        beta2 = optimizer.param_groups[0]["betas"][1] if variant == "adam-virtual" else None
         memories = [MomentumCorrection(m, momentum, 1 - momentum if adam else 0.0,
-                                       optimizer_name == "nesterov") for m in memories]
+                                       optimizer_name == "nesterov", beta2) for m in memories]
         for group in optimizer.param_groups:
             if adam:
                 group["betas"] = (0.0, group["betas"][1])
             else:
                 group.update(momentum=0.0, nesterov=False)
     local = [LocalAdam(optimizer) for _ in range(workers)] if variant == "adam-local" else []
+    if variant == "adam-virtual":  # one step for all ranks: worker 0's memory keeps it
+        AgedAdam(optimizer, {id(p): key for key, p in params.items()},
+                 memories[0])  # type: ignore[arg-type]
     compressors = [_compressor(scheme, min_numel, scope) for _ in range(workers)]
     infos = [TensorInfo.of(key, param.reshape(-1)) for key, param in params.items()]
     sparse = [info for info in infos if not compressors[0].is_dense(info)]
@@ -105,7 +116,8 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
         for r in range(workers):
             batch = shards[r].rows(next(streams[r]))
             model.zero_grad()
-            kept = _move_to_virtual(params, memories[r], lr) if variant == "virtual" else {}
+            kept = (_move_to_virtual(params, memories[r], lr, optimizer)
+                    if variant in ("virtual", "adam-virtual") else {})
             work.loss(model(batch.inputs, **batch.side), batch.targets).backward()
             with torch.no_grad():
                 for key, x in kept.items():
@@ -155,13 +167,19 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
 
 
 def _move_to_virtual(params: dict[str, torch.nn.Parameter], memory: Memory,
-                     lr: float) -> dict[str, torch.Tensor]:
-    """Move ``params`` to ``x - lr * e`` (``memory``'s pending error); the old ``x`` by key."""
+                     lr: float, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Move ``params`` to ``x - lr * e`` (``memory``'s pending error; under Adam, scaled as
+    :func:`look_ahead` does); the old ``x`` by key."""
+    move = (look_ahead(memory) if isinstance(memory, MomentumCorrection) and memory.beta2
+            is not None else None)
     kept = {}
     with torch.no_grad():
         for key, error in memory.buffers.items():
+            step = error if move is None else move(key, error, optimizer.param_groups[0])
+            if step is None:
+                continue
             kept[key] = params[key].detach().clone()
-            params[key].sub_(error.view(params[key].shape), alpha=lr)
+            params[key].sub_(step.view(params[key].shape), alpha=lr)
     return kept
 
 
@@ -315,10 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as error:
         parser.error(f"--optimizers {args.optimizers!r}: {error}")
     if "virtual" in args.variants.split(",") and "adamw" in args.optimizers.split(","):
-        parser.error("--variants virtual is for SGD (thinwire.optim.couple installs it there "
-                     "only): drop adamw from --optimizers")
-    if "adam-local" in args.variants.split(",") and args.optimizers != "adamw":
-        parser.error(f"--variants adam-local needs --optimizers adamw, not {args.optimizers!r}")
+        parser.error("--variants virtual is for SGD (under AdamW: adam-virtual): drop adamw "
+                     "from --optimizers")
+    for variant in ("adam-local", "adam-virtual"):
+        if variant in args.variants.split(",") and args.optimizers != "adamw":
+            parser.error(f"--variants {variant} needs --optimizers adamw, not "
+                         f"{args.optimizers!r}")
     own = workloads.load(args.workload).target  # the workload's own, always recorded
     torch.set_num_threads(1)
     runs: list[dict[str, Any]] = []

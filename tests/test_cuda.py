@@ -318,3 +318,27 @@ def test_autodiff_engine_across_two_gloo_sites_on_the_gpu_matches_the_cpu() -> N
                 torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
         for a, b in zip(sites[0][mode]["cuda"], sites[1][mode]["cuda"]):
             assert torch.equal(a, b), f"{mode}: sites disagree"
+
+
+def test_burst_aware_adam_and_its_look_ahead_on_the_gpu_match_the_cpu() -> None:
+    from thinwire.feedback import MomentumCorrection, Residual
+    from thinwire.optim.adam import AgedAdam, look_ahead
+
+    torch.manual_seed(0)
+    grads = [torch.randn(64) * (torch.rand(64) < 0.2) for _ in range(6)]
+    error = torch.randn(64) * 1e-2
+    out = {}
+    for device in ("cpu", GPU):
+        weights = nn.Parameter(torch.ones(64, device=device))
+        memory = MomentumCorrection(Residual(), 0.9, 0.1, beta2=0.999)
+        adam = torch.optim.AdamW([weights], lr=0.01)
+        AgedAdam(adam, {id(weights): "w"}, memory)
+        for grad in grads:
+            memory.compensate("w", grad.to(device))
+            weights.grad = grad.to(device)
+            adam.step()
+        move = look_ahead(memory)("w", error.to(device), adam.param_groups[0])
+        assert move is not None and move.device == weights.device
+        out[str(device)] = (weights.detach().cpu(), move.cpu())
+    for cpu, gpu in zip(out["cpu"], out[str(GPU)]):
+        torch.testing.assert_close(gpu, cpu, rtol=1e-6, atol=1e-7)

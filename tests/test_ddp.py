@@ -51,13 +51,15 @@ def _train(net: nn.Module, rank: int, steps: range, optimizer: torch.optim.Optim
 def _ddp_run(rank: int, world_size: int, scheme: str | None, config: dict[str, Any],
              bucket_cap_mb: float, poison: tuple[int, int] | None = None,
              couple: bool = False, feedback: str = "auto",
-             virtual: bool = True) -> dict[str, Any]:
+             virtual: bool = True, adamw: bool = False) -> dict[str, Any]:
     model = _model()
     net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     state = None
     if scheme is not None:
         state = ddp.register(net, build(scheme, **config), meter=Meter(rank, world_size))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.AdamW(net.parameters(), lr=0.01) if adamw
+        else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     if couple:
         optim.couple(optimizer, state, feedback=feedback, virtual=virtual)
     with warnings.catch_warnings(record=True) as caught:
@@ -288,6 +290,10 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
                                         {"ratio": 0.1, "min_numel": 0}, 0.001, couple=True),
         "topk-sparse-at-x": _ddp_run(rank, world_size, "topk", {"ratio": 0.1, "min_numel": 0},
                                      0.001, couple=True, virtual=False),
+        "topk-adamw-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 0.1, "min_numel": 0},
+                                       0.001, couple=True, adamw=True),
+        "topk-adamw-at-x": _ddp_run(rank, world_size, "topk", {"ratio": 0.1, "min_numel": 0},
+                                    0.001, couple=True, virtual=False, adamw=True),
         "clt-k-all-coupled": _ddp_run(rank, world_size, "clt-k", {"ratio": 1.0}, 0.001,
                                       couple=True),
         "clt-k-coupled": _ddp_run(rank, world_size, "clt-k", {"ratio": 0.1, "min_numel": 0},
@@ -371,13 +377,21 @@ def test_coupled_clt_k_sending_everything_is_sgd_momentum_up_to_rounding(
                                                      runs[0]["clt-k-coupled"]["params"]))
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_gradients_at_the_virtual_iterate_change_training_and_keep_replicas_identical(
-        runs: list[dict[str, Any]]) -> None:
-    for label in ("topk-sparse-coupled", "topk-sparse-at-x"):
+        runs: list[dict[str, Any]], optimizer: str) -> None:
+    ahead, at_x = (("topk-sparse-coupled", "topk-sparse-at-x") if optimizer == "sgd"
+                   else ("topk-adamw-coupled", "topk-adamw-at-x"))
+    for label in (ahead, at_x):
         for a, b in zip(runs[0][label]["params"], runs[1][label]["params"]):
             assert torch.equal(a, b)
-    assert not all(torch.equal(a, b) for a, b in zip(runs[0]["topk-sparse-coupled"]["params"],
-                                                     runs[0]["topk-sparse-at-x"]["params"]))
+        assert all(torch.isfinite(p).all() for p in runs[0][label]["params"])
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0][ahead]["params"],
+                                                     runs[0][at_x]["params"]))
+    if optimizer == "adamw":  # the burst-aware step's state travels in the scheme's
+        arrivals = runs[0][ahead]["scheme"]["memory"]["arrivals"]
+        assert arrivals and all(set(v) == {"age", "square", "weight"} for v in arrivals.values())
+        assert not runs[0][at_x]["scheme"]["memory"]["arrivals"]
 
 
 def test_forgetting_to_couple_warns_once_and_coupling_silences_it(

@@ -83,19 +83,23 @@ def _hook_state(name: str, **config: object) -> ddp.HookState:
     ("topk", "auto", "sgd", True, True),
     ("dct-dp", "auto", "sgd", True, True),
     ("topk", "auto", "sgd", False, False),
-    ("topk", "auto", "adamw", True, False),  # Adam's step is not lr * e
+    ("topk", "auto", "adamw", True, True),  # with Adam's own scale (thinwire.optim.adam)
+    ("topk", "auto", "adam-amsgrad", True, False),  # a step AgedAdam does not reproduce
     ("clt-k", "error", "sgd", True, True),
     ("clt-k", "ef21", "sgd", True, False),  # EF21 steps with its estimate: nothing pends
 ])
-def test_couple_installs_it_for_sgd_into_plain_error_feedback_through_a_hook_state(
+def test_couple_installs_it_into_plain_error_feedback_through_a_hook_state(
         name: str, feedback: str, optimizer: str, virtual: bool, installed: bool) -> None:
     state = _hook_state(name)
     assert state.module is not None
     params = list(state.module.parameters())
     built = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if optimizer == "sgd"
-             else torch.optim.AdamW(params, lr=1e-3))
+             else torch.optim.AdamW(params, lr=1e-3, amsgrad=optimizer == "adam-amsgrad"))
     coupling = optim.couple(built, state, feedback=feedback, virtual=virtual)
     assert coupling.coupled and (coupling.virtual is not None) is installed
+    assert (coupling.adam is not None) is (installed and optimizer == "adamw")
+    if optimizer == "adam-amsgrad":
+        assert "amsgrad" in coupling.reason
 
 
 def test_couple_on_a_bare_scheme_has_no_model_to_move() -> None:

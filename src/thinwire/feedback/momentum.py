@@ -32,28 +32,41 @@ class MomentumCorrection(Memory):
     memory's, so ``v + e_old == sent + e_new`` holds exactly as for plain
     error feedback.
 
+    With ``beta2`` the worker also keeps Adam's second moment of its own
+    gradient, ``s <- beta2 s + (1 - beta2) g^2`` (:meth:`second_moment`,
+    bias-corrected); nothing sends it: :mod:`thinwire.optim.adam` scales the
+    worker's look-ahead by it. ``arrivals`` keeps that module's per-entry step
+    state (the same on every rank), so one ``state_dict`` holds all of Adam's.
+
     Args:
         inner: the memory that keeps what was not sent (Residual, LowPass).
         momentum: mu, in [0, 1).
         dampening: as ``torch.optim.SGD``: ``u <- mu u + (1 - dampening) g``.
         nesterov: send ``g + mu u`` instead of ``u``.
+        beta2: keep the local second moment with this decay, in [0, 1); None: not kept.
 
     Raises:
-        ValueError: ``momentum`` outside [0, 1) or ``dampening`` outside [0, 1].
+        ValueError: ``momentum`` or ``beta2`` outside [0, 1), ``dampening`` outside [0, 1].
     """
 
     def __init__(self, inner: Memory, momentum: float, dampening: float = 0.0,
-                 nesterov: bool = False) -> None:
+                 nesterov: bool = False, beta2: float | None = None) -> None:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum!r} must lie in [0, 1)")
         if not 0.0 <= dampening <= 1.0:
             raise ValueError(f"dampening={dampening!r} must lie in [0, 1]")
+        if beta2 is not None and not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"beta2={beta2!r} must lie in [0, 1)")
         # No Memory.__init__: the error buffers are the inner memory's (see `buffers`).
         self.inner = inner
         self.momentum = momentum
         self.dampening = dampening
         self.nesterov = nesterov
         self.velocity: dict[str, torch.Tensor] = {}
+        self.beta2 = beta2
+        self.squares: dict[str, torch.Tensor] = {}  # key -> s, when beta2 is set
+        self.counts: dict[str, int] = {}  # key -> gradients s has seen
+        self.arrivals: dict[str, dict[str, torch.Tensor]] = {}  # thinwire.optim.adam's
         self._advanced: set[str] = set()  # keys advance_ moved on this round, not yet used
 
     @property
@@ -77,9 +90,11 @@ class MomentumCorrection(Memory):
             self._advanced.discard(key)
         elif velocity is None:
             velocity = self.velocity[key] = grad.clone()
+            self._square(key, grad)
         else:
             velocity.mul_(self.momentum).add_(grad.view(velocity.shape),
                                               alpha=1.0 - self.dampening)
+            self._square(key, grad)
         return grad.add(velocity.view(grad.shape), alpha=self.momentum) if self.nesterov \
             else velocity.view(grad.shape)
 
@@ -101,6 +116,30 @@ class MomentumCorrection(Memory):
             torch._foreach_mul_(velocities, self.momentum)
             torch._foreach_add_(velocities, [grads[key].view(self.velocity[key].shape)
                                              for key in keys], alpha=1.0 - self.dampening)
+            for key in keys:
+                self._square(key, grads[key])
+
+    def _square(self, key: str, grad: torch.Tensor, start: int = 0) -> None:
+        """Move ``key``'s second moment on with ``grad`` (its part from ``start``), if kept."""
+        if self.beta2 is None:
+            return
+        whole = self.velocity[key]
+        square = self.squares.get(key)
+        if square is None or square.numel() != whole.numel():
+            square = self.squares[key] = torch.zeros_like(whole)
+            self.counts[key] = 0
+        part = square.view(-1)[start: start + grad.numel()]
+        part.mul_(self.beta2).addcmul_(grad.reshape(-1), grad.reshape(-1), value=1.0 - self.beta2)
+        if start == 0:  # once per round, however the key is split
+            self.counts[key] += 1
+
+    def second_moment(self, key: str) -> torch.Tensor | None:
+        """``key``'s bias-corrected local second moment ``s / (1 - beta2^t)``, or None
+        before its first gradient (or without ``beta2``)."""
+        square = self.squares.get(key)
+        if square is None or self.beta2 is None or not self.counts.get(key):
+            return None
+        return square / (1.0 - self.beta2 ** self.counts[key])
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """Advance ``key``'s velocity with ``grad``; velocity + error as a new tensor."""
@@ -141,6 +180,7 @@ class MomentumCorrection(Memory):
         """
         part = self.velocity[key].view(-1)[start: start + grad.numel()]
         part.mul_(self.momentum).add_(grad, alpha=1.0 - self.dampening)
+        self._square(key, grad, start)
         sent = grad.add(part, alpha=self.momentum) if self.nesterov else part
         return self.inner.absorb_part_(key, sent, start)
 
@@ -163,9 +203,17 @@ class MomentumCorrection(Memory):
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(),
-                "velocity": {k: v.clone() for k, v in self.velocity.items()}}
+                "velocity": {k: v.clone() for k, v in self.velocity.items()},
+                "squares": {k: v.clone() for k, v in self.squares.items()},
+                "counts": dict(self.counts),
+                "arrivals": {k: {n: t.clone() for n, t in v.items()}
+                             for k, v in self.arrivals.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         self.velocity = {k: v.clone() for k, v in state["velocity"].items()}
+        self.squares = {k: v.clone() for k, v in state.get("squares", {}).items()}
+        self.counts = dict(state.get("counts", {}))
+        self.arrivals = {k: {n: t.clone() for n, t in v.items()}
+                         for k, v in state.get("arrivals", {}).items()}
         self._advanced = set()

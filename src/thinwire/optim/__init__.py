@@ -16,17 +16,18 @@ Afterwards the optimiser runs with momentum 0 and the scheme's memory keeps
 each worker's velocity (it travels in the scheme's ``state_dict``).
 ``Adam``/``AdamW`` are coupled the same way with their first moment: the
 workers keep ``m <- beta1 m + (1 - beta1) g`` (started at the first ``g``,
-which plays the role of Adam's bias correction) and the optimiser runs with
-``betas = (0, beta2)``. Its second moment is then estimated from the
-averaged first moment rather than from the gradient -- smaller, as the
-momentum averages noise out -- which is the price of moving beta1 (the
-measured gain is in docs/convergence.md).
+which plays the role of Adam's bias correction) and the optimiser's
+``betas`` become ``(0, beta2)``.
 
-With SGD through a DDP hook's state, each worker also takes its gradients
-at ``x - lr * e``, its weights with its pending error applied
-(:class:`~thinwire.optim.virtual.VirtualIterate`, ``virtual=True``): that
-brought topk, dct-dp and clt-k to dense's steps on the SGD workloads of
-docs/convergence.md.
+Through a DDP hook's state, each worker also takes its gradients at
+``x - lr * e``, its weights with its pending error applied
+(:class:`~thinwire.optim.virtual.VirtualIterate`, ``virtual=True``). Under
+Adam/AdamW the move is Adam's, ``lr e / (sqrt(s_hat) + eps)`` with the
+worker's own second moment, and Adam's step for the scheme's parameters is
+taken by :class:`~thinwire.optim.adam.AgedAdam`, whose second moment counts
+a burst that waited ``a`` steps as ``a`` steps of its mean. Together they
+brought topk, dct-dp and clt-k to about dense's steps on every workload of
+docs/convergence.md (SGD on three, AdamW on the transformer).
 
 CLT-k is coupled the same way; where the virtual iterate is not installed
 (Adam, a bare scheme) its workers' velocity goes into EF21
@@ -65,6 +66,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from thinwire.compress import Sparsifier
 from thinwire.feedback import Estimate, Memory, MomentumCorrection
+from thinwire.optim.adam import AgedAdam, look_ahead, refuses
 from thinwire.optim.virtual import VirtualIterate
 from thinwire.schemes.base import CompressedScheme, Scheme
 from thinwire.schemes.scalecom import CyclicLocalTopK, LocalTopK
@@ -79,6 +81,7 @@ class Coupling:
     nesterov: bool  # the optimiser's Nesterov flag before coupling
     reason: str  # why it did or did not couple, in a sentence
     virtual: VirtualIterate | None = None  # gradients at x - lr e (its remove() undoes it)
+    adam: AgedAdam | None = None  # Adam's step for the scheme's parameters (remove() too)
 
 
 def sparse_memory(scheme: Scheme) -> Memory | None:
@@ -138,15 +141,17 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
             virtual iterate below is installed, else EF21 (what measured fastest in
             each case, docs/convergence.md). The other sparsifiers always use their
             own (``"auto"`` or ``"error"``).
-        virtual: with SGD through a DDP hook's state (:func:`thinwire.ddp.register`),
-            and plain error feedback: each worker computes its gradient at
-            ``x - lr * e``, its weights with its pending error applied
-            (:class:`VirtualIterate`).
+        virtual: through a DDP hook's state (:func:`thinwire.ddp.register`) and
+            plain error feedback: each worker computes its gradient at ``x - lr * e``,
+            its weights with its pending error applied (:class:`VirtualIterate`);
+            under Adam/AdamW scaled as Adam's step, which :class:`AgedAdam` then
+            takes for the scheme's parameters (not for ``amsgrad``, ``maximize`` or
+            Adam's L2 ``weight_decay``: :func:`thinwire.optim.adam.refuses`).
 
     Returns:
         What was done. Side effects when coupled: every param group's
-        ``momentum``, ``dampening`` and ``nesterov`` are set to 0/False and the
-        scheme's memory is wrapped in :class:`MomentumCorrection`.
+        ``momentum``, ``dampening`` and ``nesterov`` (Adam: ``betas[0]``) are set
+        to 0/False and the scheme's memory is wrapped in :class:`MomentumCorrection`.
 
     Raises:
         ValueError: param groups with different momentum settings (one
@@ -176,24 +181,33 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
     if memory is None:
         return Coupling(False, momentum, nesterov, "the scheme does not sparsify with feedback")
     module = getattr(target, "module", None)
-    # x - lr e is where SGD's weights go once e is sent; Adam scales each entry's step.
-    wanted = virtual and isinstance(optimizer, torch.optim.SGD)
+    adam = isinstance(optimizer, _ADAMS)
+    refusal = refuses(optimizer) if adam else ""
+    wanted = virtual and not refusal
     ahead = wanted and module is not None
     inner = _feedback(scheme, memory, "error" if feedback == "auto" and ahead else feedback)
-    scheme.memory = MomentumCorrection(inner, momentum, dampening, nesterov)  # type: ignore[attr-defined]
+    pending = wanted and not isinstance(inner, Estimate)  # EF21 steps with all it has
+    beta2 = float(groups[0]["betas"][1]) if adam and pending and ahead else None
+    coupled = MomentumCorrection(inner, momentum, dampening, nesterov, beta2)
+    scheme.memory = coupled  # type: ignore[attr-defined]
     for group in groups:
-        if isinstance(optimizer, _ADAMS):
+        if adam:
             group["betas"] = (0.0, group["betas"][1])
         else:
             group.update(momentum=0.0, dampening=0.0, nesterov=False)
-    pending = wanted and not isinstance(inner, Estimate)  # EF21 steps with all it has
-    moved = (VirtualIterate(optimizer, module, target.names, scheme.memory)  # type: ignore[arg-type, attr-defined]
-             if pending and ahead else None)
     reason = "momentum moved into the scheme's memory"
-    if pending and not ahead:
-        reason += ("; gradients stay at x: pass the state thinwire.ddp.register returned "
-                   "for gradients at x - lr e")
-    return Coupling(True, momentum, nesterov, reason, moved)
+    if not (pending and ahead):
+        if refusal:
+            reason += f"; gradients stay at x and the optimiser steps as Adam: {refusal}"
+        elif pending:
+            reason += ("; gradients stay at x: pass the state thinwire.ddp.register returned "
+                       "for gradients at x - lr e")
+        return Coupling(True, momentum, nesterov, reason)
+    names = target.names
+    moved = VirtualIterate(optimizer, module, names, coupled,  # type: ignore[arg-type]
+                           look_ahead(coupled) if adam else None)
+    stepped = AgedAdam(optimizer, names, coupled) if adam else None  # after moved: steps from x
+    return Coupling(True, momentum, nesterov, reason, moved, stepped)
 
 
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)

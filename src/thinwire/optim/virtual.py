@@ -23,12 +23,15 @@ Floor: with :mod:`thinwire.optim`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from thinwire.feedback import Memory
+
+# (name, pending error, its param group) -> the move per unit lr, or None for no move
+Move = Callable[[str, torch.Tensor, dict[str, Any]], "torch.Tensor | None"]
 
 
 class VirtualIterate:
@@ -50,13 +53,16 @@ class VirtualIterate:
         names: ``id(parameter) -> name``, the keys of ``memory``'s buffers.
         memory: the scheme's error feedback; its ``buffers`` (name -> the worker's
             pending error ``e``) are read at each forward, never written.
+        move: where ``e`` takes the weights per unit lr under another optimiser than
+            SGD (Adam: :func:`thinwire.optim.adam.look_ahead`); default ``e`` itself.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
-                 names: Mapping[int, str], memory: Memory) -> None:
+                 names: Mapping[int, str], memory: Memory, move: Move | None = None) -> None:
         self.optimizer = optimizer
         self.names = dict(names)
         self.memory = memory
+        self.move = move
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its x), moved
         self._spare: dict[str, torch.Tensor] = {}  # name -> a buffer for x, reused
         self.moved = False
@@ -72,6 +78,8 @@ class VirtualIterate:
                 for parameter in group["params"]:
                     name = self.names.get(id(parameter), "")
                     error = errors.get(name)
+                    if error is not None and self.move is not None:
+                        error = self.move(name, error, group)
                     if error is None:  # sent dense, or no step yet: nothing pending
                         continue
                     kept = self._spare.get(name)
