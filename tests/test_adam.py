@@ -3,6 +3,8 @@ against torch's AdamW and by hand, its state resumed exactly, and the look-ahead
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -21,21 +23,34 @@ def _memory() -> MomentumCorrection:
     return MomentumCorrection(Residual(), 0.9, 0.1, beta2=0.999)
 
 
-def test_an_entry_arriving_every_step_moves_as_adamw_without_first_moment() -> None:
+def test_entries_arriving_every_step_move_as_adamw_without_first_moment() -> None:
+    # two groups (one without weight decay), tensors of several shapes, and a step on
+    # which one tensor has no gradient (the group's flat state is rebuilt around it)
     torch.manual_seed(0)
-    ours, theirs = _param([0.5, -1.0, 2.0]), _param([0.5, -1.0, 2.0])
-    settings = {"lr": 0.01, "betas": (0.0, 0.99), "eps": 1e-8, "weight_decay": 0.1}
-    mine = torch.optim.AdamW([ours], **settings)
-    AgedAdam(mine, {id(ours): "w"}, _memory())
-    reference = torch.optim.AdamW([theirs], **settings)
-    for _ in range(20):
-        grad = torch.randn(3, dtype=torch.float64)
-        ours.grad, theirs.grad = grad.clone(), grad.clone()
+    shapes = [(3,), (2, 4), (5,)]
+    ours = [nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+
+    def groups(params: list[nn.Parameter]) -> list[dict[str, Any]]:
+        return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:]}]
+
+    settings = {"lr": 0.01, "betas": (0.0, 0.99), "eps": 1e-8, "weight_decay": 0.0}
+    mine = torch.optim.AdamW(groups(ours), **settings)
+    AgedAdam(mine, {id(p): f"p{i}" for i, p in enumerate(ours)}, _memory())
+    reference = torch.optim.AdamW(groups(theirs), **settings)
+    for step in range(20):
+        for a, b in zip(ours, theirs):
+            if step == 7 and a is ours[1]:
+                a.grad = b.grad = None
+                continue
+            grad = torch.randn(a.shape, dtype=torch.float64)
+            a.grad, b.grad = grad.clone(), grad.clone()
         mine.step()
         reference.step()
     # sqrt(v / c) against torch's sqrt(v) / sqrt(c): equal up to rounding
-    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-13, atol=1e-15)
-    assert torch.equal(ours.grad, grad)  # given back after the step
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-13, atol=1e-15)
+        assert a.grad is not None and torch.equal(a.grad, b.grad)  # given back
 
 
 def test_a_burst_of_a_steps_moves_the_entry_a_learning_rates() -> None:

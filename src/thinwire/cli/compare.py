@@ -48,8 +48,9 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
                              "the sparse schemes' error feedback")
     parser.add_argument("--feedback", default=RunOptions.feedback, choices=RUN_FEEDBACKS,
                         help="what a coupled clt-k keeps the momentum in: auto (its own "
-                             "error feedback under SGD, where gradients are taken at the "
-                             "virtual iterate; EF21 under Adam) or error (its own always)")
+                             "error feedback, as gradients are taken at the virtual iterate; "
+                             "EF21 where they cannot be: Adam with amsgrad) or error (its own "
+                             "always)")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimiser steps per scheme (default: the workload's recipe)")
     parser.add_argument("--batch-size", type=int, default=None,

@@ -33,6 +33,7 @@ Floor: with :mod:`thinwire.optim`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,46 +78,77 @@ class AgedAdam:
         self.names = dict(names)
         self.memory = memory
         self.stashed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its grad)
+        # group index -> (its names, the arrivals dict seen, flat age/square/weight)
+        self._flats: dict[int, tuple[tuple[str, ...], Any, list[torch.Tensor]]] = {}
         self.handles = [optimizer.register_step_pre_hook(self._step),
                         optimizer.register_step_post_hook(self._give_back)]
 
     def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                for parameter in group["params"]:
-                    if parameter.grad is None or id(parameter) not in self.names:
-                        continue
-                    self._move(self.names[id(parameter)], parameter, parameter.grad, group)
+            for index, group in enumerate(optimizer.param_groups):
+                mine = [p for p in group["params"]
+                        if p.grad is not None and id(p) in self.names]
+                if not mine:
+                    continue
+                self._move(index, mine, group)
+                for parameter in mine:
                     self.stashed.append((parameter, parameter.grad))
                     parameter.grad = None
 
-    def _move(self, name: str, parameter: torch.Tensor, grad: torch.Tensor,
-              group: dict[str, Any]) -> None:
-        state = self.memory.arrivals.get(name)
-        if state is None or state[STATE_KEYS[0]].shape != parameter.shape:
-            # at least float32: a half-precision age stops counting at 2048
-            dtype = torch.promote_types(parameter.dtype, torch.float32)
-            state = self.memory.arrivals[name] = {
-                key: torch.zeros_like(parameter, dtype=dtype) for key in STATE_KEYS}
-        age, square, weight = (state[key] for key in STATE_KEYS)
-        beta2 = float(group["betas"][1])
+    def _flat(self, index: int, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Group ``index``'s state as flat (age, square, weight), one entry per element of
+        ``parameters`` in order; ``memory.arrivals`` holds views of them by name.
+
+        Kept across steps while the same parameters step and ``memory.arrivals`` is the
+        same dict (a ``load_state_dict`` replaces it: the flats are then rebuilt from it).
+        """
+        names = tuple(self.names[id(p)] for p in parameters)
+        kept = self._flats.get(index)
+        if kept is not None and kept[0] == names and kept[1] is self.memory.arrivals:
+            return kept[2]
+        # at least float32: a half-precision age stops counting at 2048
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in parameters],
+                                 torch.float32)
+        total = sum(p.numel() for p in parameters)
+        flats = [torch.zeros(total, dtype=dtype, device=parameters[0].device)
+                 for _ in STATE_KEYS]
+        start = 0
+        for name, parameter in zip(names, parameters):
+            stop = start + parameter.numel()
+            old = self.memory.arrivals.get(name, {})
+            views = {key: flat[start:stop].view(parameter.shape)
+                     for key, flat in zip(STATE_KEYS, flats)}
+            for key, view in views.items():
+                if key in old and old[key].numel() == view.numel():
+                    view.copy_(old[key].view(view.shape))
+            self.memory.arrivals[name] = views
+            start = stop
+        self._flats[index] = (names, self.memory.arrivals, flats)
+        return flats
+
+    def _move(self, index: int, parameters: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """Adam's step for ``parameters`` (one group), on flat buffers: a few kernels per
+        group rather than per tensor."""
+        age, square, weight = self._flat(index, parameters)
+        grad = torch.cat([p.grad.reshape(-1).to(age.dtype)  # type: ignore[union-attr]
+                          for p in parameters])
         age.add_(1)
         arrived = grad != 0
         # beta2^a where an entry arrived (its a steps), 1 (no change) where it did not
-        decay = torch.where(arrived, torch.pow(beta2, age), torch.ones_like(age))
+        decay = torch.where(arrived, torch.pow(float(group["betas"][1]), age),
+                            torch.ones_like(age))
         mean = grad / age
         weight.mul_(decay).add_(1 - decay)
         square.mul_(decay).addcmul_(mean * mean, 1 - decay)
         age.masked_fill_(arrived, 0)
         lr = float(group["lr"])
         if group["weight_decay"]:
-            parameter.mul_(1 - lr * float(group["weight_decay"]))
+            torch._foreach_mul_(parameters, 1 - lr * float(group["weight_decay"]))
         denominator = (square / weight).sqrt_().add_(float(group["eps"]))
         denominator.masked_fill_(~arrived, 1.0)  # grad is 0 there (0/0 where none ever came)
-        if parameter.dtype == denominator.dtype:
-            parameter.addcdiv_(grad, denominator, value=-lr)
-        else:
-            parameter.sub_((grad / denominator).to(parameter.dtype), alpha=lr)
+        steps = grad.div_(denominator).split([p.numel() for p in parameters])
+        torch._foreach_add_(parameters, [step.view(p.shape).to(p.dtype)
+                                         for step, p in zip(steps, parameters)], alpha=-lr)
 
     def _give_back(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for parameter, grad in self.stashed:
