@@ -30,7 +30,7 @@ brought topk, dct-dp and clt-k to about dense's steps on every workload of
 docs/convergence.md (SGD on three, AdamW on the transformer).
 
 CLT-k is coupled the same way; where the virtual iterate is not installed
-(Adam, a bare scheme) its workers' velocity goes into EF21
+(a bare scheme, Adam with ``amsgrad``) its workers' velocity goes into EF21
 (:class:`~thinwire.feedback.Estimate`) instead of plain error feedback:
 every rank steps with a dense estimate of the mean velocity that each
 step's shared indices refresh (see :func:`_feedback` for why).
