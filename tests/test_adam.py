@@ -79,6 +79,22 @@ def test_a_burst_of_a_steps_moves_the_entry_a_learning_rates() -> None:
                                rtol=1e-3, atol=0)
 
 
+def test_a_burst_is_credited_with_at_most_the_horizons_steps() -> None:
+    # one entry waits 6 steps and arrives with 6.0; with a horizon of 3 it counts as 3
+    # steps of 2.0, so it moves 6 / 2 = 3 learning rates, not 6
+    weights = _param([0.0])
+    adam = torch.optim.AdamW([weights], lr=0.1, betas=(0.0, 0.999), eps=1e-300,
+                             weight_decay=0.0)
+    AgedAdam(adam, {id(weights): "w"}, _memory(), horizon=3)
+    for step in range(6):
+        weights.grad = torch.tensor([6.0 if step == 5 else 0.0], dtype=torch.float64)
+        adam.step()
+    torch.testing.assert_close(weights.detach(), torch.tensor([-0.3], dtype=torch.float64),
+                               rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="horizon=0"):
+        AgedAdam(adam, {}, _memory(), horizon=0)
+
+
 def test_its_state_rides_in_the_memorys_state_dict_and_resumes_exactly() -> None:
     torch.manual_seed(1)
     grads = [torch.randn(4) * (torch.rand(4) < 0.4) for _ in range(12)]
@@ -179,6 +195,7 @@ def test_couple_installs_both_for_adamw_through_a_hook_state() -> None:
     coupling = optim.couple(adam, state)
     memory = state.scheme.memory  # type: ignore[attr-defined]
     assert coupling.virtual is not None and coupling.adam is not None
+    assert coupling.adam.horizon == 100  # 1 / density at topk's default 1 %
     assert isinstance(memory, MomentumCorrection) and memory.beta2 == 0.98
     assert adam.param_groups[0]["betas"] == (0.0, 0.98)
     bare = optim.couple(torch.optim.AdamW([nn.Parameter(torch.ones(2))]),

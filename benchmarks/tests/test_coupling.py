@@ -83,3 +83,27 @@ def test_local_adam_refuses_other_optimisers() -> None:
         coupling.LocalAdam(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
     with pytest.raises(SystemExit):
         coupling.main(["--variants", "adam-local", "--optimizers", "sgd"])
+
+
+def test_adam_virtual_runs_the_librarys_step_and_is_refused_under_sgd() -> None:
+    with pytest.raises(SystemExit):
+        coupling.main(["--variants", "adam-virtual", "--optimizers", "sgd"])
+    reached, ratio = coupling.simulate("topk", "adam-virtual", "adamw", seed=0, workers=2,
+                                       steps=20, warmup=0, eval_every=10, min_numel=0)
+    assert ratio > 40  # every tensor 99 % sparse
+    assert set(reached) == {0.92}
+
+
+def test_the_virtual_move_under_adam_is_scaled_by_the_workers_second_moment() -> None:
+    from thinwire.feedback import MomentumCorrection, Residual
+
+    param = torch.nn.Parameter(torch.zeros(4))
+    memory = MomentumCorrection(Residual(), 0.9, 0.1, beta2=0.999)
+    memory.compensate("w", torch.tensor([2.0, 0.0, 0.0, 0.0]))
+    memory.inner.buffers["w"] = torch.ones(4)
+    adam = torch.optim.AdamW([param], lr=0.1, eps=1e-8)
+    kept = coupling._move_to_virtual({"w": param}, memory, 0.1, adam)
+    assert torch.equal(kept["w"], torch.zeros(4))
+    # s_hat = g^2 after one step: entry 0 moves lr e / 2, the rest lr e / eps (no moment yet)
+    torch.testing.assert_close(param.detach()[0], torch.tensor(-0.05))
+    assert bool((param.detach()[1:] < -1e6).all())

@@ -206,11 +206,21 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
     names = target.names
     moved = VirtualIterate(optimizer, module, names, coupled,  # type: ignore[arg-type]
                            look_ahead(coupled) if adam else None)
-    stepped = AgedAdam(optimizer, names, coupled) if adam else None  # after moved: steps from x
+    stepped = (AgedAdam(optimizer, names, coupled, _mean_wait(scheme))  # after moved: from x
+               if adam else None)
     return Coupling(True, momentum, nesterov, reason, moved, stepped)
 
 
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _mean_wait(scheme: Scheme) -> int:
+    """Steps an entry waits on average at the scheme's density, ``1 / density``."""
+    if isinstance(scheme, CompressedScheme) and isinstance(scheme.compressor, Sparsifier):
+        density = scheme.compressor.density
+    else:  # CLT-k and local top-k keep a ratio of each layer
+        density = float(getattr(scheme, "ratio", 0.01))
+    return max(1, round(1 / density))
 
 
 def _momentum(optimizer: torch.optim.Optimizer,

@@ -14,7 +14,8 @@ or local to one worker, remove that:
   (1 - beta2^a) (s / a)^2``), and the entry moves by ``lr s / (sqrt(v_hat) +
   eps)`` as Adam's update does (Kingma & Ba, Alg. 1, with ``m`` the workers'
   first moment). The age ``a`` counts the steps since the entry last arrived
-  non-zero; every rank sees the same averages, so replicas stay identical.
+  non-zero, up to a horizon (the scheme's mean wait, ``1 / density`` steps);
+  every rank sees the same averages, so replicas stay identical.
   No paper gives this rule: it is ours, chosen because it is Adam's own
   average once each burst is spread over the steps it stands for, and
   because it costs no byte on the wire.
@@ -64,16 +65,24 @@ class AgedAdam:
             ``amsgrad`` or ``maximize``.
         names: ``id(parameter) -> name`` of the parameters to step.
         memory: the coupled scheme's memory, which keeps the state.
+        horizon: the most steps a burst is credited with (``a`` above is
+            ``min(age, horizon)``); :func:`thinwire.optim.couple` passes the scheme's
+            mean wait, ``1 / density``. An entry that waited longer is more likely a
+            one-off gradient (an embedding row a batch rarely hits) than a steady one,
+            and crediting all its steps moved such rows by hundreds of learning rates.
 
     Raises:
         ValueError: an optimiser or group setting this step does not reproduce.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str],
-                 memory: MomentumCorrection) -> None:
+                 memory: MomentumCorrection, horizon: int = 100) -> None:
         refusal = refuses(optimizer)
         if refusal:
             raise ValueError(refusal)
+        if horizon < 1:
+            raise ValueError(f"horizon={horizon!r} must be >= 1 (steps)")
+        self.horizon = horizon
         self.optimizer = optimizer
         self.names = dict(names)
         self.memory = memory
@@ -134,10 +143,11 @@ class AgedAdam:
                           for p in parameters])
         age.add_(1)
         arrived = grad != 0
+        credited = age.clamp(max=self.horizon)
         # beta2^a where an entry arrived (its a steps), 1 (no change) where it did not
-        decay = torch.where(arrived, torch.pow(float(group["betas"][1]), age),
+        decay = torch.where(arrived, torch.pow(float(group["betas"][1]), credited),
                             torch.ones_like(age))
-        mean = grad / age
+        mean = grad / credited
         weight.mul_(decay).add_(1 - decay)
         square.mul_(decay).addcmul_(mean * mean, 1 - decay)
         age.masked_fill_(arrived, 0)
