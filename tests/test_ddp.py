@@ -136,24 +136,37 @@ def _reference_run(rank: int, world_size: int, scheme_name: str,
 
 
 def _resume_run(rank: int, world_size: int, split: int,
-                config: dict[str, Any] | None = None) -> list[torch.Tensor]:
-    """Train STEPS steps, checkpointing and rebuilding everything after ``split``."""
-    config = config or {"sparsity": 0.8, "life_span": 4}
+                config: dict[str, Any] | None = None,
+                adamw: bool = False) -> list[torch.Tensor]:
+    """Train STEPS steps, checkpointing and rebuilding everything after ``split``.
+
+    ``adamw``: topk under a coupled AdamW (the burst-aware Adam step and its look-ahead),
+    else dct-dp under uncoupled SGD with momentum.
+    """
+    name = "topk" if adamw else "dct-dp"
+    config = config or ({"ratio": 0.1, "min_numel": 0} if adamw
+                        else {"sparsity": 0.8, "life_span": 4})
+
+    def build_all(model: nn.Module) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+        net = DistributedDataParallel(model, bucket_cap_mb=0.001)
+        state = ddp.register(net, build(name, **config))
+        optimizer: torch.optim.Optimizer = (
+            torch.optim.AdamW(net.parameters(), lr=0.01) if adamw
+            else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+        if adamw:
+            optim.couple(optimizer, state)
+        return net, state, optimizer
+
     model = _model()
-    net = DistributedDataParallel(model, bucket_cap_mb=0.001)
-    state = ddp.register(net, build("dct-dp", **config))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net, state, optimizer = build_all(model)
     _train(net, rank, range(split), optimizer)
     if split < STEPS:
         checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": optimizer.state_dict(),
                                     "scheme": state.scheme.state_dict()})
         model = _model()
         model.load_state_dict(checkpoint["model"])
-        net = DistributedDataParallel(model, bucket_cap_mb=0.001)
-        scheme = build("dct-dp", **config)
-        scheme.load_state_dict(checkpoint["scheme"])
-        ddp.register(net, scheme)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        net, state, optimizer = build_all(model)  # coupled before the state loads
+        state.scheme.load_state_dict(checkpoint["scheme"])
         optimizer.load_state_dict(checkpoint["opt"])
         _train(net, rank, range(split, STEPS), optimizer)
     return [p.detach().clone() for p in model.parameters()]
@@ -313,6 +326,8 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "drain-resumed": _resume_run(rank, world_size, 3, DRAIN),
         "layer-drain-straight": _resume_run(rank, world_size, STEPS, {**DRAIN, "scope": "layer"}),
         "layer-drain-resumed": _resume_run(rank, world_size, 3, {**DRAIN, "scope": "layer"}),
+        "adamw-straight": _resume_run(rank, world_size, STEPS, adamw=True),
+        "adamw-resumed": _resume_run(rank, world_size, 3, adamw=True),
         **{f"flat-{name}": _ddp_run(rank, world_size, scheme, config, 0.001)
            for name, (scheme, config) in FLAT.items()},
         **{f"reference-{name}": _reference_run(rank, world_size, scheme, config)
@@ -422,7 +437,7 @@ def test_dct_hook_equals_reduce_without_ddp_for_any_bucketing(runs: list[dict[st
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["", "drain-", "layer-drain-"])
+@pytest.mark.parametrize("name", ["", "drain-", "layer-drain-", "adamw-"])
 def test_checkpoint_resume_is_bit_identical_to_an_uninterrupted_run(
         runs: list[dict[str, Any]], name: str) -> None:
     """Bucket scope too: the resumed run's first step, in DDP's first-step buckets,
