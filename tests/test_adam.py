@@ -143,6 +143,9 @@ def test_settings_it_does_not_reproduce_are_refused_by_name(build, word) -> None
     assert word in refuses(optimizer)
     with pytest.raises(ValueError, match=word):
         AgedAdam(optimizer, {}, _memory())
+    decoupled = torch.optim.Adam([nn.Parameter(torch.ones(2))], weight_decay=0.01,
+                                 decoupled_weight_decay=True)
+    assert refuses(decoupled) == ""  # Adam with decoupled decay is AdamW
 
 
 def test_the_local_second_moment_is_adams_of_the_workers_own_gradient() -> None:

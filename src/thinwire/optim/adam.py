@@ -173,7 +173,7 @@ class AgedAdam:
 
 def refuses(optimizer: torch.optim.Optimizer) -> str:
     """Why :class:`AgedAdam` cannot take ``optimizer``'s step, or ``""`` when it can."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam with decoupled decay
         return f"{type(optimizer).__name__} is not Adam or AdamW"
     if len({float(group["betas"][1]) for group in optimizer.param_groups}) > 1:
         return "param groups with different betas[1] (one local second moment per worker)"
@@ -181,7 +181,7 @@ def refuses(optimizer: torch.optim.Optimizer) -> str:
         for flag in ("amsgrad", "maximize", "differentiable"):
             if group.get(flag):
                 return f"{flag}=True is not reproduced by the burst-aware Adam step"
-        if group["weight_decay"] and not isinstance(optimizer, torch.optim.AdamW):
+        if group["weight_decay"] and not group.get("decoupled_weight_decay"):
             return ("Adam's L2 weight_decay adds to every gradient entry; use AdamW "
                     "(decoupled) for the burst-aware Adam step")
     return ""
