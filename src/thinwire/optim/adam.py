@@ -35,6 +35,7 @@ Floor: with :mod:`thinwire.optim`.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -141,21 +142,25 @@ class AgedAdam:
         age, square, weight = self._flat(index, parameters)
         grad = torch.cat([p.grad.reshape(-1).to(age.dtype)  # type: ignore[union-attr]
                           for p in parameters])
+        # Masks as 0/1 floats: multiplying by them is much cheaper on CPU than
+        # masked_fill or where with a bool mask, and exact.
+        waited = grad.eq(0).to(age.dtype)  # 1 where nothing arrived
         age.add_(1)
-        arrived = grad != 0
         credited = age.clamp(max=self.horizon)
-        # beta2^a where an entry arrived (its a steps), 1 (no change) where it did not
-        decay = torch.where(arrived, torch.pow(float(group["betas"][1]), credited),
-                            torch.ones_like(age))
         mean = grad / credited
-        weight.mul_(decay).add_(1 - decay)
-        square.mul_(decay).addcmul_(mean * mean, 1 - decay)
-        age.masked_fill_(arrived, 0)
+        # beta2^a where an entry arrived (its a steps), beta2^0 = 1 (no change) elsewhere
+        decay = credited.mul_(1 - waited).mul_(math.log(float(group["betas"][1]))).exp_()
+        gain = 1 - decay
+        weight.mul_(decay).add_(gain)
+        square.mul_(decay).addcmul_(mean.mul_(mean), gain)
+        age.mul_(waited)
         lr = float(group["lr"])
         if group["weight_decay"]:
             torch._foreach_mul_(parameters, 1 - lr * float(group["weight_decay"]))
-        denominator = (square / weight).sqrt_().add_(float(group["eps"]))
-        denominator.masked_fill_(~arrived, 1.0)  # grad is 0 there (0/0 where none ever came)
+        # grad is 0 where nothing arrived: there the denominator only has to be positive
+        # (weight is 0 where nothing ever arrived, so clamp it away from 0 / 0)
+        denominator = (square / weight.clamp_min(torch.finfo(weight.dtype).tiny)).sqrt_()
+        denominator.add_(float(group["eps"])).add_(waited)
         steps = grad.div_(denominator).split([p.numel() for p in parameters])
         torch._foreach_add_(parameters, [step.view(p.shape).to(p.dtype)
                                          for step, p in zip(steps, parameters)], alpha=-lr)
