@@ -43,6 +43,23 @@ def test_the_gradient_is_taken_at_x_minus_lr_e_and_x_comes_back_bit_for_bit() ->
         assert torch.equal(p.detach(), torch.add(x[name], p.grad, alpha=-0.1))
 
 
+def test_each_parameter_has_its_own_storage_back_for_the_step() -> None:
+    net, sgd, memory, _ = _setup()
+    before = {name: p.data_ptr() for name, p in net.named_parameters()}
+    view = net.weight.detach()  # shares x's storage, as an optimiser's flat bucket would
+    x = view.clone()
+    for _ in range(3):
+        net(torch.randn(4, 5)).sum().backward()
+        assert net.weight.data_ptr() != before["weight"]  # moved, in the spare storage
+        assert net.bias.data_ptr() == before["bias"]  # nothing pending: not moved
+        assert torch.equal(view, x)  # x itself is never written while moved
+        sgd.step()
+        sgd.zero_grad()
+        assert {name: p.data_ptr() for name, p in net.named_parameters()} == before
+        assert torch.equal(view, net.weight.detach())  # the step wrote into x's storage
+        x = view.clone()
+
+
 def test_evaluation_and_accumulation_do_not_move_the_weights_again() -> None:
     net, sgd, memory, ahead = _setup()
     x = net.weight.detach().clone()

@@ -15,8 +15,10 @@ optimiser's step they are put back bit for bit, so the step applies to
 
 Measured (docs/convergence.md) with SGD momentum 0.9 coupled into topk
 and dct-dp at 99 % sparsity, this brought steps to target from 1.3-1.7x
-dense's to about dense's. It costs one copy of the sparsified parameters
-and two passes over them per step, and needs no communication.
+dense's to about dense's. It needs no communication and costs one pass over
+the sparsified parameters per step: the moved point is written into a spare
+buffer whose storage the parameter takes until the step (``param.data``),
+and gives back then, so ``x`` is never copied.
 
 Floor: with :mod:`thinwire.optim`.
 """
@@ -43,8 +45,10 @@ class VirtualIterate:
     in training mode moves them, and only once until the next step (several
     forwards of gradient accumulation share one point); evaluation under
     ``torch.no_grad`` or ``eval()`` sees ``x``. Between a training forward
-    and the step the parameters hold ``x - lr * e``: a checkpoint taken
-    there saves that point.
+    and the step the parameters hold ``x - lr * e``, in a spare storage of
+    their own (``data_ptr`` differs): a checkpoint taken there saves that
+    point, and code that keeps a view of a parameter's storage sees ``x``.
+    From the step on each parameter has its own storage back.
 
     Args:
         optimizer: the user's SGD optimiser (the ``lr`` of each parameter's group is
@@ -63,8 +67,8 @@ class VirtualIterate:
         self.names = dict(names)
         self.memory = memory
         self.move = move
-        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its x), moved
-        self._spare: dict[str, torch.Tensor] = {}  # name -> a buffer for x, reused
+        self.kept: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, parameter, x)
+        self._spare: dict[str, torch.Tensor] = {}  # name -> a buffer for the moved point
         self.moved = False
         self.handles = [module.register_forward_pre_hook(self._move),
                         optimizer.register_step_pre_hook(self._restore)]
@@ -82,12 +86,16 @@ class VirtualIterate:
                         error = self.move(name, error, group)
                     if error is None:  # sent dense, or no step yet: nothing pending
                         continue
-                    kept = self._spare.get(name)
-                    if kept is None or kept.shape != parameter.shape:
-                        kept = self._spare[name] = torch.empty_like(parameter)
-                    self.kept.append((parameter, kept.copy_(parameter)))
-                    parameter.sub_(error.view(parameter.shape).to(parameter.dtype),
-                                   alpha=group["lr"])
+                    spare = self._spare.pop(name, None)
+                    if (spare is None or spare.shape != parameter.shape
+                            or spare.dtype != parameter.dtype
+                            or spare.device != parameter.device):
+                        spare = torch.empty_like(parameter)
+                    # The same kernel as parameter.sub_(...): the same bits, in one pass.
+                    torch.sub(parameter, error.view(parameter.shape).to(parameter.dtype),
+                              alpha=group["lr"], out=spare)
+                    self.kept.append((name, parameter, parameter.data))
+                    parameter.data = spare
         self.moved = True
 
     def _restore(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -95,9 +103,9 @@ class VirtualIterate:
 
     def restore(self) -> None:
         """Put the parameters back at ``x`` (a no-op when they are there)."""
-        with torch.no_grad():
-            for parameter, kept in self.kept:
-                parameter.copy_(kept)
+        for name, parameter, x in self.kept:  # x's own storage back: nothing copied
+            self._spare[name] = parameter.data
+            parameter.data = x
         self.kept = []
         self.moved = False
 
