@@ -129,7 +129,13 @@ def test_small_tensors_sparsity_zero_and_empty_tensors() -> None:
                        LaplaceThreshold(0.9, min_numel=0)):
         payload = compressor.compress(empty, info_of(empty))  # header only
         assert payload.nbytes == 4 and decode(payload, info_of(empty)).numel() == 0
-    assert TopK(0.5).compress(empty, info_of(empty)).nbytes == 0  # below min_numel: dense
+    assert TopK(0.5, min_numel=1).compress(empty, info_of(empty)).nbytes == 0  # dense
+    # By default every tensor is sparse and keeps at least one entry; the Laplace fit,
+    # which passes nothing on a few entries, sends tensors under 1024 entries dense.
+    one = TopK(0.01).compress(small, info_of(small))
+    assert isinstance(one, SparsePayload) and one.count == 1
+    assert one.indices.tolist() == [int(small.abs().argmax())]
+    assert isinstance(LaplaceThreshold(0.99).compress(small, info_of(small)), DensePayload)
 
 
 def test_laplace_records_achieved_density() -> None:

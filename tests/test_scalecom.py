@@ -214,13 +214,17 @@ def test_warmup_exclusions_and_small_tensors_travel_dense() -> None:
 
 
 @pytest.mark.parametrize("name", ["clt-k", "local-topk"])
-def test_by_default_tensors_under_min_numel_travel_dense_as_in_topk(name: str) -> None:
-    scheme = schemes.build(name)
-    grads = {"w": torch.randn(MIN_NUMEL + 100, dtype=torch.float64),
-             "b": torch.randn(MIN_NUMEL - 1, dtype=torch.float64)}
-    got = scheme.reduce(grads)
+def test_by_default_every_tensor_is_sparse_and_min_numel_sends_small_ones_dense(
+        name: str) -> None:
+    assert MIN_NUMEL == 0
+    grads = {"w": torch.randn(1100, dtype=torch.float64),
+             "b": torch.randn(30, dtype=torch.float64)}
+    got = schemes.build(name).reduce(grads)  # one selection over both: 1 % of 1130
+    assert sum(int(got[key].count_nonzero()) for key in grads) == int(np.ceil(0.01 * 1130))
+    assert int(got["b"].count_nonzero()) < 30
+    got = schemes.build(name, min_numel=1024).reduce(grads)
     assert torch.equal(got["b"], grads["b"])
-    assert int(got["w"].count_nonzero()) == int(np.ceil(0.01 * (MIN_NUMEL + 100)))
+    assert int(got["w"].count_nonzero()) == int(np.ceil(0.01 * 1100))
 
 
 def test_nonfinite_gradients_are_skipped_without_touching_memory() -> None:

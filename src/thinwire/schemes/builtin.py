@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from thinwire.compress import FP16, DCTThreshold, Dense, LaplaceThreshold, TopK
 from thinwire.compress.pieces import PIECE_ENTRIES, STREAM_RULES
-from thinwire.compress.sparse import CAPACITY, MIN_NUMEL
+from thinwire.compress.sparse import CAPACITY, LAPLACE_MIN_NUMEL, MIN_NUMEL
 from thinwire.feedback import Residual
 from thinwire.schemes.base import CompressedScheme, Scheme
 from thinwire.schemes.registry import (
@@ -29,7 +29,7 @@ class DenseConfig:
 @dataclass(frozen=True)
 class TopKConfig:
     ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
-    min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
+    min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     error_feedback: bool = True  # keep what was not sent for the next step
@@ -47,7 +47,7 @@ class DCTConfig:
     life_span: int = 1000  # L, steps between threshold refreshes, >= 1
     refresh_above: float | None = None  # recompute a stale tau passing > this x target; None: never
     gain: float | None = 0.05  # in (0, 1]: tau *= exp(gain (sent / k - 1)) per step; None: off
-    min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
+    min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     drain_every: int | None = None  # stochastic drain period of the error buffer
@@ -82,7 +82,7 @@ class DCTConfig:
 @dataclass(frozen=True)
 class LaplaceConfig:
     sparsity: float = 0.99  # target fraction of entries dropped, in [0, 1)
-    min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (1024)
+    min_numel: int = LAPLACE_MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
