@@ -15,9 +15,12 @@ momentum correction, :class:`MomentumCorrection`), which brings them to
 Afterwards the optimiser runs with momentum 0 and the scheme's memory keeps
 each worker's velocity (it travels in the scheme's ``state_dict``).
 ``Adam``/``AdamW`` are coupled the same way with their first moment: the
-workers keep ``m <- beta1 m + (1 - beta1) g`` (started at the first ``g``,
-which plays the role of Adam's bias correction) and the optimiser's
-``betas`` become ``(0, beta2)``.
+workers keep ``m <- beta1 m + beta1 g`` (started at the first ``g``), which
+settles at ``beta1 / (1 - beta1)`` times Adam's own first moment, and the
+optimiser's ``betas`` become ``(0, beta2)``. The burst-aware step does not
+see that scale; the look-ahead does, and with Adam's own scale it needed
+1.25-2.25x dense's steps on the transformer against 1.00-1.25x
+(docs/convergence.md, "The first moment's scale").
 
 Through a DDP hook's state, each worker also takes its gradients at
 ``x - lr * e``, its weights with its pending error applied
@@ -43,8 +46,13 @@ cycles it (``OneCycleLR``, ``CyclicLR``) would set the optimiser's momentum
 back and apply it twice, so the next step raises ``RuntimeError`` (build
 those with ``cycle_momentum=False``). Optimisers other than SGD, Adam and
 AdamW are left as they are.
-SGD's ``weight_decay`` stays in the optimiser and so acts without momentum
-once coupled (1 / (1 - mu) weaker than in plain SGD with momentum).
+SGD's ``weight_decay`` stays in the optimiser, where it no longer passes
+through the momentum, whose steady-state gain ``(1 - dampening) / (1 - mu)``
+(10 at 0.9) it had there; ``couple`` multiplies each group's
+``weight_decay`` by that gain, so the decay per step is plain SGD's once its
+velocity has settled (our choice: DGC adds the decay to each worker's
+gradient before its momentum, which costs a pass over the weights and delays
+the decay of unsent entries with the error memory).
 
 Forgetting it: training is still correct, only slower. The first
 ``step()`` of a momentum optimiser over parameters whose DDP hook runs an
@@ -151,7 +159,9 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
     Returns:
         What was done. Side effects when coupled: every param group's
         ``momentum``, ``dampening`` and ``nesterov`` (Adam: ``betas[0]``) are set
-        to 0/False and the scheme's memory is wrapped in :class:`MomentumCorrection`.
+        to 0/False, SGD's ``weight_decay`` is multiplied by the momentum's gain
+        ``(1 - dampening) / (1 - momentum)``, and the scheme's memory is wrapped in
+        :class:`MomentumCorrection`.
 
     Raises:
         ValueError: param groups with different momentum settings (one
@@ -190,11 +200,13 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
     beta2 = float(groups[0]["betas"][1]) if adam and pending and ahead else None
     coupled = MomentumCorrection(inner, momentum, dampening, nesterov, beta2)
     scheme.memory = coupled  # type: ignore[attr-defined]
+    gain = (1.0 - dampening) / (1.0 - momentum)  # SGD momentum's, in the steady state
     for group in groups:
         if adam:
             group["betas"] = (0.0, group["betas"][1])
-        else:
-            group.update(momentum=0.0, dampening=0.0, nesterov=False)
+        else:  # the decay no longer goes through the momentum: it gets the gain here
+            group.update(momentum=0.0, dampening=0.0, nesterov=False,
+                         weight_decay=group["weight_decay"] * gain)
     reason = "momentum moved into the scheme's memory"
     if not (pending and ahead):
         if refusal:
@@ -225,7 +237,9 @@ def _mean_wait(scheme: Scheme) -> int:
 
 def _momentum(optimizer: torch.optim.Optimizer,
               group: dict[str, Any]) -> tuple[float, float, bool]:
-    """(momentum, dampening, nesterov) of a param group; Adam's beta1 is an EMA momentum."""
+    """(momentum, dampening, nesterov) of a param group. Adam's beta1 becomes momentum
+    beta1 with dampening 1 - beta1 (``m <- b1 m + b1 g``, 9x Adam's first moment at 0.9:
+    measured faster through the look-ahead than Adam's own scale, docs/convergence.md)."""
     if isinstance(optimizer, _ADAMS):
         beta1 = float(group["betas"][0])
         return beta1, 1.0 - beta1, False
