@@ -55,6 +55,21 @@ def test_recipe_fills_what_the_command_line_leaves_unset() -> None:
         ["--optimizer", "nesterov", "--lr", "0.1", "--momentum", "0.5", "--no-couple"]))
     assert (options.workload, options.optimizer, options.lr, options.momentum,
             options.couple) == ("digits-mlp", "nesterov", 0.1, 0.5, False)
+    assert options.weight_decay is None  # torch's own default, whichever optimiser
+
+
+def test_weight_decay_is_the_users_or_torchs_default() -> None:
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    assert workloads.optimizer("adamw", params, 1e-3, 0.9).defaults["weight_decay"] == 0.01
+    assert workloads.optimizer("sgd", params, 0.1, 0.9).defaults["weight_decay"] == 0.0
+    assert workloads.optimizer("nesterov", params, 0.1, 0.9,
+                               5e-4).defaults["weight_decay"] == 5e-4
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    options = compare.run_options(parser.parse_args(["--weight-decay", "1e-4"]))
+    assert options.weight_decay == 1e-4
+    with pytest.raises(ValueError, match="weight_decay=-0.1 must be None or >= 0"):
+        RunOptions(weight_decay=-0.1)
 
 
 def test_bad_workload_and_optimizer_names_raise_value_error() -> None:

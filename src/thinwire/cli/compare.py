@@ -43,6 +43,9 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
                         help="the user's optimiser (default: the workload's recipe)")
     parser.add_argument("--momentum", type=float, default=None,
                         help="SGD momentum, or AdamW's beta1 (default: the workload's recipe)")
+    parser.add_argument("--weight-decay", type=float, default=None,
+                        help="SGD's weight decay, or AdamW's decoupled one (default: torch's: "
+                             "0 for SGD, 0.01 for AdamW)")
     parser.add_argument("--no-couple", dest="couple", action="store_false",
                         help="leave the momentum in the optimiser instead of moving it into "
                              "the sparse schemes' error feedback")
@@ -82,7 +85,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                                                   "batch_size")}
     resolved = {key: recipe[key] if value is None else value for key, value in chosen.items()}
     return RunOptions(hidden=args.hidden, seed=args.seed, workload=args.workload,
-                      couple=args.couple, feedback=args.feedback, **resolved)
+                      couple=args.couple, feedback=args.feedback,
+                      weight_decay=args.weight_decay, **resolved)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     common.write_results(
         out, "compare", args, results,
         f"# thinwire compare\n\n{options.workload}, {options.optimizer} (lr {options.lr}, "
-        f"momentum {options.momentum}, coupled {options.couple}), target test accuracy "
+        f"momentum {options.momentum}, weight decay "
+        f"{'default' if options.weight_decay is None else options.weight_decay}, "
+        f"coupled {options.couple}), target test accuracy "
         f"{results[0]['target']}; {args.workers} workers, {options.steps} steps, "
         f"sparsity {args.sparsity}, life-span {args.life_span}; a step's compute "
         f"{results[0]['compute_ms_per_step']:.2f} ms (one probe for every scheme).\n\n"

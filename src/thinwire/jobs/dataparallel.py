@@ -38,6 +38,7 @@ class RunOptions:
     batch_size: int = 32  # samples per worker per step
     lr: float = 0.05  # SGD learning rate
     momentum: float = 0.9  # SGD momentum
+    weight_decay: float | None = None  # the optimiser's; None: torch's default (SGD 0, AdamW 0.01)
     hidden: int = 256  # width of the MLP's two hidden layers
     seed: int = 0  # model initialisation, data order and split
     eval_every: int = 25  # steps between test-accuracy points of the curves
@@ -58,6 +59,8 @@ class RunOptions:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum={self.momentum!r} must be in [0, 1)")
+        if self.weight_decay is not None and not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be None or >= 0")
         if self.workload not in workloads.WORKLOADS:
             raise ValueError(f"workload={self.workload!r} must be one of "
                              f"{sorted(workloads.WORKLOADS)}")
@@ -176,7 +179,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     if isinstance(scheme, CyclicLocalTopK):
         scheme.energy = {}  # diagnostic: how much of each rank's top-k the leader captures
     optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
-                                    options.momentum)
+                                    options.momentum, options.weight_decay)
     coupled = (optim.couple(optimizer, state, feedback=options.feedback).coupled
                if options.couple else False)
     stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)

@@ -192,14 +192,21 @@ def load(name: str, seed: int = 0, hidden: int = 256) -> Workload:
 OPTIMIZERS = ("sgd", "nesterov", "adamw")
 
 
-def optimizer(name: str, params: Any, lr: float, momentum: float) -> torch.optim.Optimizer:
+def optimizer(name: str, params: Any, lr: float, momentum: float,
+              weight_decay: float | None = None) -> torch.optim.Optimizer:
     """``torch.optim.SGD`` (``"sgd"``, ``"nesterov"``) or ``AdamW`` (beta1 = ``momentum``).
+
+    Args:
+        weight_decay: SGD's L2 decay or AdamW's decoupled one; None: torch's default
+            (0 for SGD, 0.01 for AdamW).
 
     Raises:
         ValueError: unknown ``name``.
     """
     if name in ("sgd", "nesterov"):
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nesterov")
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nesterov",
+                               weight_decay=0.0 if weight_decay is None else weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=(momentum, 0.999))
+        return torch.optim.AdamW(params, lr=lr, betas=(momentum, 0.999),
+                                 weight_decay=0.01 if weight_decay is None else weight_decay)
     raise ValueError(f"optimizer={name!r} must be one of {list(OPTIMIZERS)}")
