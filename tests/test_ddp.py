@@ -51,9 +51,11 @@ def _train(net: nn.Module, rank: int, steps: range, optimizer: torch.optim.Optim
 def _ddp_run(rank: int, world_size: int, scheme: str | None, config: dict[str, Any],
              bucket_cap_mb: float, poison: tuple[int, int] | None = None,
              couple: bool = False, feedback: str = "auto",
-             virtual: bool = True, adamw: bool = False) -> dict[str, Any]:
+             virtual: bool = True, adamw: bool = False,
+             bucket_view: bool = False) -> dict[str, Any]:
     model = _model()
-    net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
+                                  gradient_as_bucket_view=bucket_view)
     state = None
     if scheme is not None:
         state = ddp.register(net, build(scheme, **config), meter=Meter(rank, world_size))
@@ -298,9 +300,13 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "dense-coupled": _ddp_run(rank, world_size, "dense", {}, 0.001, couple=True),
         "topk-all-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 1.0}, 0.001,
                                      couple=True),
-        "topk-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 0.1}, 0.001, couple=True),
+        "topk-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 0.1, "min_numel": 100},
+                                 0.001, couple=True),  # biases and the last layer dense
         "topk-sparse-coupled": _ddp_run(rank, world_size, "topk",
                                         {"ratio": 0.1, "min_numel": 0}, 0.001, couple=True),
+        "topk-sparse-coupled-view": _ddp_run(rank, world_size, "topk",
+                                             {"ratio": 0.1, "min_numel": 0}, 0.001,
+                                             couple=True, bucket_view=True),
         "topk-sparse-at-x": _ddp_run(rank, world_size, "topk", {"ratio": 0.1, "min_numel": 0},
                                      0.001, couple=True, virtual=False),
         "topk-adamw-coupled": _ddp_run(rank, world_size, "topk", {"ratio": 0.1, "min_numel": 0},
@@ -407,6 +413,15 @@ def test_gradients_at_the_virtual_iterate_change_training_and_keep_replicas_iden
         arrivals = runs[0][ahead]["scheme"]["memory"]["arrivals"]
         assert arrivals and all(set(v) == {"age", "square", "weight"} for v in arrivals.values())
         assert not runs[0][at_x]["scheme"]["memory"]["arrivals"]
+
+
+def test_the_virtual_iterate_trains_alike_when_gradients_are_views_of_the_buckets(
+        runs: list[dict[str, Any]]) -> None:
+    """DDP's gradient_as_bucket_view: the parameters swap storages, the gradients stay."""
+    for rank in range(2):
+        for a, b in zip(runs[rank]["topk-sparse-coupled"]["params"],
+                        runs[rank]["topk-sparse-coupled-view"]["params"]):
+            assert torch.equal(a, b)
 
 
 def test_forgetting_to_couple_warns_once_and_coupling_silences_it(
