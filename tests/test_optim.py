@@ -54,8 +54,9 @@ def test_coupled_weight_decay_keeps_the_momentums_gain(dampening: float, nestero
                             nesterov=nesterov, weight_decay=5e-4)
     coupled = torch.optim.SGD([weights[1]], lr=0.1, momentum=0.9, dampening=dampening,
                               nesterov=nesterov, weight_decay=5e-4)
-    assert optim.couple(coupled, schemes.build("topk")).coupled
+    coupling = optim.couple(coupled, schemes.build("topk"))
     gain = (1 - dampening) / 0.1
+    assert coupling.coupled and f"gain {gain:g}" in coupling.reason
     assert coupled.param_groups[0]["weight_decay"] == pytest.approx(5e-4 * gain)
     rates = []
     for _ in range(300):

@@ -208,6 +208,8 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
             group.update(momentum=0.0, dampening=0.0, nesterov=False,
                          weight_decay=group["weight_decay"] * gain)
     reason = "momentum moved into the scheme's memory"
+    if not adam and any(group["weight_decay"] for group in groups):
+        reason += f"; weight_decay multiplied by the momentum's gain {gain:g}"
     if not (pending and ahead):
         if refusal:
             reason += f"; gradients stay at x and the optimiser steps as Adam: {refusal}"
