@@ -528,7 +528,8 @@ class LaplaceThreshold(Sparsifier):
 
     def __init__(self, sparsity: float, **kwargs: Any) -> None:
         check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
-        super().__init__(**{"min_numel": LAPLACE_MIN_NUMEL, **kwargs})
+        kwargs.setdefault("min_numel", LAPLACE_MIN_NUMEL)
+        super().__init__(**kwargs)
         self.sparsity = sparsity
 
     @property
