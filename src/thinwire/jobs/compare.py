@@ -9,7 +9,6 @@ every scheme. The flags that drive it are in :mod:`thinwire.cli.compare`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -17,9 +16,8 @@ from typing import Any
 
 import torch
 
-from thinwire import schemes
-from thinwire.jobs import common
-from thinwire.jobs.dataparallel import RunOptions, run_scheme, shared_compute_seconds
+from thinwire.jobs import common, local_run
+from thinwire.jobs.dataparallel import RunOptions, shared_compute_seconds
 from thinwire.launch import DEFAULT_TIMEOUT_S, spawn
 from thinwire.progress import StepBar
 
@@ -43,7 +41,10 @@ def parse_options(options: list[str], names: list[str]) -> dict[str, Any]:
         ValueError: a text without ``=``, or a key no scheme in ``names`` has (the
             message lists the valid keys).
     """
-    return common.parse_options(options, {name: schemes.config_class(name) for name in names})
+    configs: dict[str, type] = {}
+    for name in names:  # a local-update run takes its local options and its scheme's
+        configs.update(local_run.config_classes(name))
+    return common.parse_options(options, configs)
 
 
 def scheme_config(name: str, sparsity: float | None, life_span: int | None,
@@ -54,7 +55,7 @@ def scheme_config(name: str, sparsity: float | None, life_span: int | None,
     that keep a ratio; ``--option KEY=VALUE`` applies to every scheme with KEY
     (a key no scheme has is rejected by :func:`parse_options`).
     """
-    fields = {f.name for f in dataclasses.fields(schemes.config_class(name))}
+    fields = local_run.fields(name)
     config: dict[str, Any] = {}
     if sparsity is not None and "sparsity" in fields:
         config["sparsity"] = sparsity
@@ -73,8 +74,8 @@ def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
     bar = StepBar(len(runs) * options.steps, show=rank == 0)
     results = []
     for name, config in runs:
-        result = run_scheme(name, config, options, compute_s=compute_s,
-                            progress=functools.partial(bar.update, description=name))
+        result = local_run.run(name, config, options, compute_s=compute_s,
+                               progress=functools.partial(bar.update, description=name))
         if rank != 0:  # the other ranks only report their weights, to check replicas
             result = {"weights": result["weights"]}
         results.append(result)
@@ -107,7 +108,7 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
     parse_options(extra or [], names)  # validate before spawning anything
     runs = [(name, scheme_config(name, sparsity, life_span, extra or [])) for name in names]
     for name, config in runs:
-        schemes.build(name, **config)
+        local_run.validate(name, config)
     per_rank = spawn(_worker, workers, runs, options, timeout_s=timeout_s)
     results: list[dict[str, Any]] = per_rank[0]
     for index, result in enumerate(results):
