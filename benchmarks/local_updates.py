@@ -1,0 +1,157 @@
+"""Local updates (DiLoCo family) against per-step compression: steps, bytes and modelled time.
+
+For each workload, 4 workers, one seed: per-step ``dense`` and ``dct-dp``
+through the DDP hook; ``diloco`` (dense pseudo-gradients) at several H; then
+at the H where dense DiLoCo reaches the target soonest at 10 Mbit/s,
+``diloco+int8``, ``diloco+int4``, ``diloco+topk+int2`` (SparseLoCo's top-k
++ 2-bit), ``diloco+topk``, ``diloco+dct-dp`` and ``diloco+dct-dp`` without
+its density control (``gain=None``: one threshold per life span, as DCT's
+Algorithm 1). Every table carries the lone worker (dense, one process) and
+the compute-only bound (dense's steps at 4 workers x a step's compute).
+
+Modelled time to target at a link rate B: steps x (compute + overhead) +
+8 x (bytes on the wire until the target) / B, the wire bytes being the larger
+ring direction (all-reduce 2(n-1)/n of a payload, all-gather (n-1) payloads).
+Exchanges block (delay 0), as in DiLoCo. Results go to
+``docs/data/local-updates-<workload>.json``.
+
+Usage::
+
+    python -m benchmarks.local_updates --workloads digits-mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from thinwire.jobs.compare import compare
+from thinwire.jobs.dataparallel import RunOptions
+from thinwire.jobs.workloads import RECIPES
+
+WORKERS = 4
+H_VALUES = (10, 25, 50, 100)
+RATES = {"10mbit": 10e6, "100mbit": 100e6}
+COMPRESSED = ("diloco+int8", "diloco+int4", "diloco+topk+int2", "diloco+topk",
+              "diloco+dct-dp")
+SPARSITY = 0.99  # sparsifiers keep 1 % of every tensor (min_numel 0), in a room of exactly k
+SPARSE = ("min_numel=0", "capacity=1.0")
+
+
+def options_for(workload: str, steps: int, eval_every: int) -> RunOptions:
+    recipe = RECIPES[workload]
+    return RunOptions(workload=workload, optimizer=recipe["optimizer"],
+                      momentum=recipe["momentum"], lr=recipe["lr"],
+                      batch_size=recipe["batch_size"], steps=steps, eval_every=eval_every,
+                      until_target=True)
+
+
+def summarise(result: dict[str, Any], label: str) -> dict[str, Any]:
+    """The row of one run: steps and wire bytes to target, modelled times."""
+    steps = result["steps_to_target"]
+    handed = result["bytes_sent_per_step"]
+    wire = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
+    at_target = next((b for s, b, _ in result["curve"] if s == steps), None)
+    per_step = (result["compute_ms_per_step"] + result["overhead_ms_per_step"]) / 1000.0
+    row: dict[str, Any] = {
+        "label": label, "scheme": result["scheme"], "config": result["config"],
+        "steps_to_target": steps, "steps_run": result["steps"],
+        "test_accuracy": result["test_accuracy"], "target": result["target"],
+        "handed_bytes_per_step": handed, "wire_bytes_per_step": wire,
+        "compute_ms_per_step": result["compute_ms_per_step"],
+        "overhead_ms_per_step": result["overhead_ms_per_step"],
+        "syncs": result.get("local", {}).get("syncs"),
+        "replicas_identical": result.get("replicas_identical"),
+        "curve": result["curve"],
+    }
+    for name, rate in RATES.items():
+        if steps is None or at_target is None:
+            row[f"modelled_s_to_target_{name}"] = None
+            continue
+        wire_bytes = at_target * (wire / handed if handed else 0.0)
+        row[f"modelled_s_to_target_{name}"] = steps * per_step + 8.0 * wire_bytes / rate
+    return row
+
+
+def run(names: list[str], options: RunOptions, extra: list[str],
+        workers: int = WORKERS) -> list[dict[str, Any]]:
+    return compare(names, workers, options, RATES["10mbit"], sparsity=SPARSITY, extra=extra,
+                   timeout_s=600)
+
+
+def density_over_syncs(result: dict[str, Any], ratio: float) -> dict[str, Any]:
+    """Achieved density / target per sync (summed over layers by entries), from the trace."""
+    per_call: dict[int, list[float]] = {}
+    for points in result["threshold_trace"].values():
+        for call, _, density in points:
+            per_call.setdefault(call, []).append(density)
+    calls = sorted(per_call)
+    ratios = [sum(per_call[c]) / len(per_call[c]) / ratio for c in calls]
+    return {"calls": calls, "density_over_target": ratios}
+
+
+def measure(workload: str, steps: int, eval_every: int) -> dict[str, Any]:
+    started = time.time()
+    options = options_for(workload, steps, eval_every)
+    rows: list[dict[str, Any]] = []
+    lone = run(["dense"], options, [], workers=1)[0]
+    rows.append(summarise(lone, "lone worker (dense, 1 process)"))
+    per_step = run(["dense", "dct-dp"], options, list(SPARSE))
+    rows += [summarise(r, f"{r['scheme']} per step") for r in per_step]
+    dense = per_step[0]
+    diloco = {h: run(["diloco"], options, [f"every={h}"])[0] for h in H_VALUES}
+    rows += [summarise(r, f"diloco H={h}") for h, r in diloco.items()]
+    reached = {h: summarise(r, "")["modelled_s_to_target_10mbit"] for h, r in diloco.items()}
+    best = min((h for h in reached if reached[h] is not None), key=lambda h: reached[h],
+               default=max(H_VALUES))
+    compressed = run(list(COMPRESSED), options, [f"every={best}", *SPARSE])
+    rows += [summarise(r, f"{r['scheme']} H={best}") for r in compressed]
+    reuse = run(["diloco+dct-dp"], options, [f"every={best}", *SPARSE, "gain=None"])[0]
+    rows.append(summarise(reuse, f"diloco+dct-dp gain=None H={best}"))
+    bound_steps = dense["steps_to_target"]
+    bound = None if bound_steps is None else bound_steps * dense["compute_ms_per_step"] / 1000
+    return {
+        "workload": workload, "workers": WORKERS, "seed": 0, "best_dense_h": best,
+        "steps_budget": steps, "eval_every": eval_every,
+        "compute_only_bound_s": bound,
+        "rows": rows,
+        "dct_threshold_reuse": {
+            "gain 0.05 (default)": density_over_syncs(compressed[-1], 0.01),
+            "gain None (one threshold per life span)": density_over_syncs(reuse, 0.01),
+        },
+        "seconds": time.time() - started,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default="digits-mlp",
+                        help="comma-separated workload names")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="step budget (default: twice the workload's recipe)")
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("docs/data"))
+    args = parser.parse_args()
+    for workload in args.workloads.split(","):
+        steps = args.steps or 2 * RECIPES[workload]["steps"]
+        record = measure(workload, steps, args.eval_every)
+        record["machine"] = {"load_average": os.getloadavg(), "cpus": os.cpu_count(),
+                             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                      capture_output=True,
+                                                      text=True).stdout.strip()}
+        path = args.out / f"local-updates-{workload}.json"
+        path.write_text(json.dumps(record, indent=1, default=str))
+        print(f"wrote {path}")
+        for row in record["rows"]:
+            print(f"{row['label']:40s} steps {row['steps_to_target']!s:>6} "
+                  f"10mbit {row['modelled_s_to_target_10mbit']!s:>22} "
+                  f"100mbit {row['modelled_s_to_target_100mbit']!s:>22}")
+
+
+if __name__ == "__main__":
+    main()
