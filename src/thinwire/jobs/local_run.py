@@ -7,6 +7,9 @@ scheme's own are both set by ``--option KEY=VALUE``. Accuracy is measured on
 the global weights (what every worker shares after a sync), so steps to
 target fall on sync points; the result's keys are :func:`run_scheme`'s, so a
 compare table holds both families alike.
+
+A sync's exchange is launched at the step that lands it (delay 0) or ``delay``
+steps before: the meter charges its bytes to the launching step.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,6 +35,7 @@ from thinwire.jobs import workloads
 from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
+    recipe,
     run_scheme,
     step_seconds,
     threshold_trace,
@@ -190,9 +195,9 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
             break
         if step % options.eval_every == 0 or step == options.steps:
             handed = meter.bytes_per_step().get("total", 0.0) * meter.step
-            accuracy = work.accuracy(_global_copy(model, updates), options.eval_rows)
-            curve.append((step, handed, accuracy))
-            if steps_to_target is None and accuracy >= work.target:
+            score = work.score(_global_copy(model, updates), options.eval_rows)
+            curve.append((step, handed, score))
+            if steps_to_target is None and work.reached(score):
                 steps_to_target = step
             if options.until_target and _anyone(steps_to_target is not None, group, device):
                 break
@@ -210,14 +215,21 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
         "device": str(device),
         "coupled": False,
         "target": work.target,
+        "metric": work.metric,
+        "lower_is_better": work.lower_is_better,
+        "recipe": recipe(options),
         "steps_to_target": steps_to_target,
         "config": {**asdict(local_options),
                    **asdict(schemes.config_class(inner_scheme(name))(**scheme_config))},
         "local": {**asdict(local_options), "syncs": syncs},
         "test_accuracy": work.accuracy(final),
+        "test_score": work.score(final),
         "final_loss": statistics.fmean(tail),
         **meter.summary(),
         "traffic_per_collective": traffic_per_collective(meter),
+        # collectives of a step that launches an exchange: each a latency on the link
+        "collectives_per_step": max(Counter(r.step for r in meter.records).values(),
+                                    default=0),
         "overhead_ms_per_step": 1000.0 * scheme.overhead_s / max(1, meter.step),
         "compute_ms_per_step": 1000.0 * compute_s,
         "wall_s": wall_s,
