@@ -4,16 +4,19 @@ For each workload, 4 workers, one seed: per-step ``dense`` and ``dct-dp``
 through the DDP hook; ``diloco`` (dense pseudo-gradients) at several H; then
 at the H where dense DiLoCo reaches the target soonest at 10 Mbit/s,
 ``diloco+int8``, ``diloco+int4``, ``diloco+topk+int2`` (SparseLoCo's top-k
-+ 2-bit), ``diloco+topk``, ``diloco+dct-dp`` and ``diloco+dct-dp`` without
-its density control (``gain=None``: one threshold per life span, as DCT's
-Algorithm 1). Every table carries the lone worker (dense, one process) and
-the compute-only bound (dense's steps at 4 workers x a step's compute).
++ 2-bit), ``diloco+topk`` and ``diloco+dct-dp``, and at half that H
+``diloco+int4`` and ``diloco+topk+int2``. Every table carries the lone
+worker (dense, one process) and the compute-only bound (dense's steps at 4
+workers x a step's compute). Separately, DCT's reused threshold on
+pseudo-gradients: ``diloco+dct-dp`` at H = 10 with one threshold for the
+whole run (``gain=None``, as DCT's Algorithm 1) and room for 4 k entries, so
+its sent count against exact top-k's k shows over- and under-sending.
 
 Modelled time to target at a link rate B: steps x (compute + overhead) +
 8 x (bytes on the wire until the target) / B, the wire bytes being the larger
-ring direction (all-reduce 2(n-1)/n of a payload, all-gather (n-1) payloads).
-Exchanges block (delay 0), as in DiLoCo. Results go to
-``docs/data/local-updates-<workload>.json``.
+ring direction (all-reduce 2(n-1)/n of a payload, all-gather (n-1) payloads),
+one compute probe for every row of a workload. Exchanges block (delay 0), as
+in DiLoCo. Results go to ``docs/data/local-updates-<workload>.json``.
 
 Usage::
 
@@ -23,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -30,9 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from thinwire.compress import keep_count
 from thinwire.jobs.compare import compare
 from thinwire.jobs.dataparallel import RunOptions
-from thinwire.jobs.workloads import RECIPES
+from thinwire.jobs.workloads import RECIPES, load
 
 WORKERS = 4
 H_VALUES = (10, 25, 50, 100)
@@ -51,19 +56,21 @@ def options_for(workload: str, steps: int, eval_every: int) -> RunOptions:
                       until_target=True)
 
 
-def summarise(result: dict[str, Any], label: str) -> dict[str, Any]:
-    """The row of one run: steps and wire bytes to target, modelled times."""
+def summarise(result: dict[str, Any], label: str, compute_ms: float) -> dict[str, Any]:
+    """The row of one run: steps and wire bytes to target, modelled times (a step's
+    compute is ``compute_ms``, one probe for the workload's every row)."""
     steps = result["steps_to_target"]
     handed = result["bytes_sent_per_step"]
     wire = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
     at_target = next((b for s, b, _ in result["curve"] if s == steps), None)
-    per_step = (result["compute_ms_per_step"] + result["overhead_ms_per_step"]) / 1000.0
+    per_step = (compute_ms + result["overhead_ms_per_step"]) / 1000.0
     row: dict[str, Any] = {
         "label": label, "scheme": result["scheme"], "config": result["config"],
         "steps_to_target": steps, "steps_run": result["steps"],
         "test_accuracy": result["test_accuracy"], "target": result["target"],
         "handed_bytes_per_step": handed, "wire_bytes_per_step": wire,
-        "compute_ms_per_step": result["compute_ms_per_step"],
+        "compute_ms_per_step": compute_ms,
+        "wall_s": result["wall_s"],
         "overhead_ms_per_step": result["overhead_ms_per_step"],
         "syncs": result.get("local", {}).get("syncs"),
         "replicas_identical": result.get("replicas_identical"),
@@ -84,46 +91,64 @@ def run(names: list[str], options: RunOptions, extra: list[str],
                    timeout_s=600)
 
 
-def density_over_syncs(result: dict[str, Any], ratio: float) -> dict[str, Any]:
-    """Achieved density / target per sync (summed over layers by entries), from the trace."""
-    per_call: dict[int, list[float]] = {}
-    for points in result["threshold_trace"].values():
+def density_over_syncs(result: dict[str, Any], numels: dict[str, int]) -> dict[str, Any]:
+    """Entries a reused threshold sent per sync against exact top-k's k, over every layer.
+
+    Read from the threshold trace (each layer's density per call, a call per
+    sync); exact top-k sends ``keep_count(numel, 1 - SPARSITY)`` of each layer.
+    """
+    sent: dict[int, float] = {}
+    for key, points in result["threshold_trace"].items():
         for call, _, density in points:
-            per_call.setdefault(call, []).append(density)
-    calls = sorted(per_call)
-    ratios = [sum(per_call[c]) / len(per_call[c]) / ratio for c in calls]
-    return {"calls": calls, "density_over_target": ratios}
+            sent[call] = sent.get(call, 0.0) + density * numels[key]
+    exact = sum(keep_count(n, 1.0 - SPARSITY) for n in numels.values())
+    calls = sorted(sent)
+    return {"syncs": calls, "sent_over_topk": [sent[c] / exact for c in calls]}
 
 
 def measure(workload: str, steps: int, eval_every: int) -> dict[str, Any]:
     started = time.time()
     options = options_for(workload, steps, eval_every)
     rows: list[dict[str, Any]] = []
-    lone = run(["dense"], options, [], workers=1)[0]
-    rows.append(summarise(lone, "lone worker (dense, 1 process)"))
     per_step = run(["dense", "dct-dp"], options, list(SPARSE))
-    rows += [summarise(r, f"{r['scheme']} per step") for r in per_step]
     dense = per_step[0]
+    compute_ms = dense["compute_ms_per_step"]  # one probe for every row of the workload
+    lone = run(["dense"], options, [], workers=1)[0]
+    rows.append(summarise(lone, "lone worker (dense, 1 process)", compute_ms))
+    rows += [summarise(r, f"{r['scheme']} per step", compute_ms) for r in per_step]
     diloco = {h: run(["diloco"], options, [f"every={h}"])[0] for h in H_VALUES}
-    rows += [summarise(r, f"diloco H={h}") for h, r in diloco.items()]
-    reached = {h: summarise(r, "")["modelled_s_to_target_10mbit"] for h, r in diloco.items()}
+    rows += [summarise(r, f"diloco H={h}", compute_ms) for h, r in diloco.items()]
+    reached = {h: summarise(r, "", compute_ms)["modelled_s_to_target_10mbit"]
+               for h, r in diloco.items()}
     best = min((h for h in reached if reached[h] is not None), key=lambda h: reached[h],
                default=max(H_VALUES))
     compressed = run(list(COMPRESSED), options, [f"every={best}", *SPARSE])
-    rows += [summarise(r, f"{r['scheme']} H={best}") for r in compressed]
-    reuse = run(["diloco+dct-dp"], options, [f"every={best}", *SPARSE, "gain=None"])[0]
-    rows.append(summarise(reuse, f"diloco+dct-dp gain=None H={best}"))
+    rows += [summarise(r, f"{r['scheme']} H={best}", compute_ms) for r in compressed]
+    shorter = max(h for h in (best // 2, 10) if h > 0)
+    if shorter < best:  # a compressed sync costs less: more of them may pay
+        rows += [summarise(r, f"{r['scheme']} H={shorter}", compute_ms) for r in
+                 run(["diloco+int4", "diloco+topk+int2"], options, [f"every={shorter}",
+                                                                    *SPARSE])]
+    # DCT's reused threshold on pseudo-gradients: one selection per life span (gain None),
+    # a payload room of 4 k so over-sending shows, many syncs (H = 10, no early stop)
+    reuse_options = dataclasses.replace(options, until_target=False,
+                                        steps=min(steps, 40 * 10))
+    reuse = run(["diloco+dct-dp"], reuse_options, ["every=10", "min_numel=0", "capacity=4.0",
+                                                   "gain=None"])[0]
+    model = load(workload, seed=0).model(0)
+    numels = {name: p.numel() for name, p in model.named_parameters()}
     bound_steps = dense["steps_to_target"]
-    bound = None if bound_steps is None else bound_steps * dense["compute_ms_per_step"] / 1000
     return {
         "workload": workload, "workers": WORKERS, "seed": 0, "best_dense_h": best,
-        "steps_budget": steps, "eval_every": eval_every,
-        "compute_only_bound_s": bound,
+        "steps_budget": steps, "eval_every": eval_every, "compute_ms_per_step": compute_ms,
+        "metric": dense["metric"], "target": dense["target"],
+        "compute_only_bound_s": (None if bound_steps is None
+                                 else bound_steps * compute_ms / 1000.0),
         "rows": rows,
         "dct_threshold_reuse": {
-            "gain 0.05 (default)": density_over_syncs(compressed[-1], 0.01),
-            "gain None (one threshold per life span)": density_over_syncs(reuse, 0.01),
-        },
+            "setting": "diloco+dct-dp, H=10, sparsity 0.99, life_span 1000 (one threshold "
+                       "for the run), gain None, capacity 4 k",
+            **density_over_syncs(reuse, numels)},
         "seconds": time.time() - started,
     }
 
@@ -133,12 +158,12 @@ def main() -> None:
     parser.add_argument("--workloads", default="digits-mlp",
                         help="comma-separated workload names")
     parser.add_argument("--steps", type=int, default=None,
-                        help="step budget (default: twice the workload's recipe)")
+                        help="step budget (default: 1.5 x the workload's recipe)")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("docs/data"))
     args = parser.parse_args()
     for workload in args.workloads.split(","):
-        steps = args.steps or 2 * RECIPES[workload]["steps"]
+        steps = args.steps or 3 * RECIPES[workload]["steps"] // 2
         record = measure(workload, steps, args.eval_every)
         record["machine"] = {"load_average": os.getloadavg(), "cpus": os.cpu_count(),
                              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],

@@ -167,7 +167,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     stream = batches(shard, options.batch_size, seed=options.seed * 1000 + rank)
     curve: list[tuple[int, float, float]] = []
     losses: list[float] = []
-    syncs = 0
+    syncs, moved, score = 0, False, math.nan
     steps_to_target = None
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
@@ -188,14 +188,18 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
         else:
             scaler.step(inner)
             scaler.update()
-        syncs += len(updates.step())
+        landed = updates.step()
+        syncs += len(landed)
+        moved = moved or bool(landed)
         meter.next_step()
         losses.append(float(loss.detach()))
         if not math.isfinite(losses[-1]):
             break
         if step % options.eval_every == 0 or step == options.steps:
             handed = meter.bytes_per_step().get("total", 0.0) * meter.step
-            score = work.score(_global_copy(model, updates), options.eval_rows)
+            if moved or not curve:  # the global weights change only when a sync lands
+                score = work.score(_global_copy(model, updates), options.eval_rows)
+                moved = False
             curve.append((step, handed, score))
             if steps_to_target is None and work.reached(score):
                 steps_to_target = step
