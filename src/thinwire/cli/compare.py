@@ -90,7 +90,8 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
-                        help="comma-separated scheme names, from thinwire schemes")
+                        help="comma-separated scheme names, from thinwire schemes; diloco and "
+                             "diloco+SCHEME run local updates (docs/local-updates.md)")
     parser.add_argument("--workers", type=int, default=4, help="local worker processes")
     add_recipe_options(parser)
     add_scheme_options(parser)
