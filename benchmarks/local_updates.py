@@ -106,37 +106,54 @@ def density_over_syncs(result: dict[str, Any], numels: dict[str, int]) -> dict[s
     return {"syncs": calls, "sent_over_topk": [sent[c] / exact for c in calls]}
 
 
-def measure(workload: str, steps: int, eval_every: int) -> dict[str, Any]:
+def measure(workload: str, steps: int, eval_every: int, h_values: tuple[int, ...] = H_VALUES,
+            compressed_names: tuple[str, ...] = COMPRESSED, lone_worker: bool = True,
+            extras: bool = True) -> dict[str, Any]:
+    """Every row of one workload (see the module docstring).
+
+    Args:
+        h_values: the H of the dense ``diloco`` runs.
+        compressed_names: the schemes run at the best H.
+        lone_worker: run the lone worker's row.
+        extras: run the half-H rows and the threshold-reuse measurement.
+    """
     started = time.time()
     options = options_for(workload, steps, eval_every)
     rows: list[dict[str, Any]] = []
     per_step = run(["dense", "dct-dp"], options, list(SPARSE))
     dense = per_step[0]
     compute_ms = dense["compute_ms_per_step"]  # one probe for every row of the workload
-    lone = run(["dense"], options, [], workers=1)[0]
-    rows.append(summarise(lone, "lone worker (dense, 1 process)", compute_ms))
+    if lone_worker:
+        lone = run(["dense"], options, [], workers=1)[0]
+        rows.append(summarise(lone, "lone worker (dense, 1 process)", compute_ms))
     rows += [summarise(r, f"{r['scheme']} per step", compute_ms) for r in per_step]
-    diloco = {h: run(["diloco"], options, [f"every={h}"])[0] for h in H_VALUES}
+    diloco = {h: run(["diloco"], options, [f"every={h}"])[0] for h in h_values}
     rows += [summarise(r, f"diloco H={h}", compute_ms) for h, r in diloco.items()]
     reached = {h: summarise(r, "", compute_ms)["modelled_s_to_target_10mbit"]
                for h, r in diloco.items()}
     best = min((h for h in reached if reached[h] is not None), key=lambda h: reached[h],
-               default=max(H_VALUES))
-    compressed = run(list(COMPRESSED), options, [f"every={best}", *SPARSE])
+               default=max(h_values))
+    compressed = run(list(compressed_names), options, [f"every={best}", *SPARSE])
     rows += [summarise(r, f"{r['scheme']} H={best}", compute_ms) for r in compressed]
     shorter = max(h for h in (best // 2, 10) if h > 0)
-    if shorter < best:  # a compressed sync costs less: more of them may pay
+    record: dict[str, Any] = {}
+    if extras and shorter < best:  # a compressed sync costs less: more of them may pay
         rows += [summarise(r, f"{r['scheme']} H={shorter}", compute_ms) for r in
                  run(["diloco+int4", "diloco+topk+int2"], options, [f"every={shorter}",
                                                                     *SPARSE])]
-    # DCT's reused threshold on pseudo-gradients: one selection per life span (gain None),
-    # a payload room of 4 k so over-sending shows, many syncs (H = 10, no early stop)
-    reuse_options = dataclasses.replace(options, until_target=False,
-                                        steps=min(steps, 40 * 10))
-    reuse = run(["diloco+dct-dp"], reuse_options, ["every=10", "min_numel=0", "capacity=4.0",
-                                                   "gain=None"])[0]
-    model = load(workload, seed=0).model(0)
-    numels = {name: p.numel() for name, p in model.named_parameters()}
+    if extras:
+        # DCT's reused threshold on pseudo-gradients: one selection per life span (gain
+        # None), a payload room of 4 k so over-sending shows, many syncs (H 10, no early stop)
+        reuse_options = dataclasses.replace(options, until_target=False,
+                                            steps=min(steps, 40 * 10))
+        reuse = run(["diloco+dct-dp"], reuse_options, ["every=10", "min_numel=0",
+                                                       "capacity=4.0", "gain=None"])[0]
+        model = load(workload, seed=0).model(0)
+        numels = {name: p.numel() for name, p in model.named_parameters()}
+        record["dct_threshold_reuse"] = {
+            "setting": "diloco+dct-dp, H=10, sparsity 0.99, life_span 1000 (one threshold "
+                       "for the run), gain None, capacity 4 k",
+            **density_over_syncs(reuse, numels)}
     bound_steps = dense["steps_to_target"]
     return {
         "workload": workload, "workers": WORKERS, "seed": 0, "best_dense_h": best,
@@ -144,11 +161,7 @@ def measure(workload: str, steps: int, eval_every: int) -> dict[str, Any]:
         "metric": dense["metric"], "target": dense["target"],
         "compute_only_bound_s": (None if bound_steps is None
                                  else bound_steps * compute_ms / 1000.0),
-        "rows": rows,
-        "dct_threshold_reuse": {
-            "setting": "diloco+dct-dp, H=10, sparsity 0.99, life_span 1000 (one threshold "
-                       "for the run), gain None, capacity 4 k",
-            **density_over_syncs(reuse, numels)},
+        "rows": rows, **record,
         "seconds": time.time() - started,
     }
 
@@ -160,11 +173,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="step budget (default: 1.5 x the workload's recipe)")
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--h-values", default=",".join(map(str, H_VALUES)),
+                        help="comma-separated H of the dense diloco runs")
+    parser.add_argument("--compressed", default=",".join(COMPRESSED),
+                        help="comma-separated schemes run at the best H")
+    parser.add_argument("--no-lone", dest="lone", action="store_false",
+                        help="skip the lone worker's row")
+    parser.add_argument("--no-extras", dest="extras", action="store_false",
+                        help="skip the half-H rows and the threshold-reuse measurement")
     parser.add_argument("--out", type=Path, default=Path("docs/data"))
     args = parser.parse_args()
     for workload in args.workloads.split(","):
         steps = args.steps or 3 * RECIPES[workload]["steps"] // 2
-        record = measure(workload, steps, args.eval_every)
+        record = measure(workload, steps, args.eval_every,
+                         tuple(int(h) for h in args.h_values.split(",")),
+                         tuple(args.compressed.split(",")), args.lone, args.extras)
         record["machine"] = {"load_average": os.getloadavg(), "cpus": os.cpu_count(),
                              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                       capture_output=True,
