@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.compress import keep_count
+from thinwire.jobs import local_run
 from thinwire.jobs.compare import compare
 from thinwire.jobs.dataparallel import RunOptions
 from thinwire.jobs.workloads import RECIPES, load
@@ -87,6 +88,9 @@ def summarise(result: dict[str, Any], label: str, compute_ms: float) -> dict[str
 
 def run(names: list[str], options: RunOptions, extra: list[str],
         workers: int = WORKERS) -> list[dict[str, Any]]:
+    """``compare`` on ``names``, with the options of ``extra`` that one of them takes."""
+    known = set().union(*(local_run.fields(name) for name in names))
+    extra = [text for text in extra if text.split("=", 1)[0] in known]
     return compare(names, workers, options, RATES["10mbit"], sparsity=SPARSITY, extra=extra,
                    timeout_s=600)
 
