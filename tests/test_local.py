@@ -104,6 +104,14 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
             _inner_step(model, updates.inner, rank, step)
             updates.step()
         out[f"resumed {stop}"] = _weights(model)
+    # Every registered scheme averages pseudo-gradients
+    for name in schemes.names():
+        model = _model(torch.float32)
+        updates = LocalUpdates(model, _sgd(model), schemes.build(name), every=2)
+        for step in range(4):
+            _inner_step(model, updates.inner, rank, step)
+            updates.step()
+        out[f"every scheme {name}"] = _weights(model)
     # Peers that differ are refused on every rank
     for label, options, name in (("every", {"every": 4 + rank}, "dense"),
                                  ("fragments", {"every": 4, "fragments": 1 + rank}, "dense"),
@@ -197,6 +205,16 @@ def test_the_exchange_of_two_workers_equals_a_single_process_reference(
                 assert torch.equal(got, want)
     for key, value in runs[0][f"globals {name}"].items():
         assert torch.equal(value, runs[1][f"globals {name}"][key])
+
+
+@pytest.mark.parametrize("name", schemes.names())
+def test_every_scheme_averages_pseudo_gradients_into_identical_replicas(
+        name: str, runs: list[dict[str, Any]]) -> None:
+    start = _weights(_model(torch.float32))
+    for got, other in zip(runs[0][f"every scheme {name}"], runs[1][f"every scheme {name}"]):
+        assert torch.equal(got, other) and bool(torch.isfinite(got).all())
+    assert any(not torch.equal(got, initial)
+               for got, initial in zip(runs[0][f"every scheme {name}"], start))
 
 
 def test_fragments_land_at_staggered_steps(runs: list[dict[str, Any]]) -> None:
