@@ -110,6 +110,23 @@ def density_over_syncs(result: dict[str, Any], numels: dict[str, int]) -> dict[s
     return {"syncs": calls, "sent_over_topk": [sent[c] / exact for c in calls]}
 
 
+def threshold_reuse(workload: str, options: RunOptions) -> dict[str, Any]:
+    """DCT's reused threshold on pseudo-gradients: ``diloco+dct-dp`` at H = 10 for 40 syncs
+    (no early stop), one selection for the run (life span 1000), with a payload room of
+    4 k so over-sending shows; without the density control (``gain=None``, Algorithm 1)
+    and with its default (0.05 a call, here a sync)."""
+    reuse_options = dataclasses.replace(options, until_target=False,
+                                        steps=min(options.steps, 40 * 10))
+    numels = {name: p.numel() for name, p in load(workload, seed=0).model(0).named_parameters()}
+    out: dict[str, Any] = {"setting": "diloco+dct-dp, H=10, sparsity 0.99, life_span 1000 "
+                                      "(one threshold for the run), capacity 4 k"}
+    for gain in ("None", "0.05"):
+        reuse = run(["diloco+dct-dp"], reuse_options, ["every=10", "min_numel=0",
+                                                       "capacity=4.0", f"gain={gain}"])[0]
+        out[f"gain {gain}"] = density_over_syncs(reuse, numels)
+    return out
+
+
 def measure(workload: str, steps: int, eval_every: int, h_values: tuple[int, ...] = H_VALUES,
             compressed_names: tuple[str, ...] = COMPRESSED, lone_worker: bool = True,
             extras: bool = True) -> dict[str, Any]:
@@ -146,18 +163,7 @@ def measure(workload: str, steps: int, eval_every: int, h_values: tuple[int, ...
                  run(["diloco+int4", "diloco+topk+int2"], options, [f"every={shorter}",
                                                                     *SPARSE])]
     if extras:
-        # DCT's reused threshold on pseudo-gradients: one selection per life span (gain
-        # None), a payload room of 4 k so over-sending shows, many syncs (H 10, no early stop)
-        reuse_options = dataclasses.replace(options, until_target=False,
-                                            steps=min(steps, 40 * 10))
-        reuse = run(["diloco+dct-dp"], reuse_options, ["every=10", "min_numel=0",
-                                                       "capacity=4.0", "gain=None"])[0]
-        model = load(workload, seed=0).model(0)
-        numels = {name: p.numel() for name, p in model.named_parameters()}
-        record["dct_threshold_reuse"] = {
-            "setting": "diloco+dct-dp, H=10, sparsity 0.99, life_span 1000 (one threshold "
-                       "for the run), gain None, capacity 4 k",
-            **density_over_syncs(reuse, numels)}
+        record["dct_threshold_reuse"] = threshold_reuse(workload, options)
     bound_steps = dense["steps_to_target"]
     return {
         "workload": workload, "workers": WORKERS, "seed": 0, "best_dense_h": best,
@@ -183,12 +189,20 @@ def main() -> None:
                         help="comma-separated schemes run at the best H")
     parser.add_argument("--no-lone", dest="lone", action="store_false",
                         help="skip the lone worker's row")
+    parser.add_argument("--reuse-only", action="store_true",
+                        help="only the threshold-reuse measurement")
     parser.add_argument("--no-extras", dest="extras", action="store_false",
                         help="skip the half-H rows and the threshold-reuse measurement")
     parser.add_argument("--out", type=Path, default=Path("docs/data"))
     args = parser.parse_args()
     for workload in args.workloads.split(","):
         steps = args.steps or 3 * RECIPES[workload]["steps"] // 2
+        if args.reuse_only:
+            reuse = threshold_reuse(workload, options_for(workload, steps, args.eval_every))
+            path = args.out / f"local-updates-reuse-{workload}.json"
+            path.write_text(json.dumps({"workload": workload, **reuse}, indent=1))
+            print(f"wrote {path}")
+            continue
         record = measure(workload, steps, args.eval_every,
                          tuple(int(h) for h in args.h_values.split(",")),
                          tuple(args.compressed.split(",")), args.lone, args.extras)
