@@ -1,4 +1,7 @@
-"""List the schemes and pipeline boundaries, and what each option means: default, range."""
+"""List the schemes and pipeline boundaries, and what each option means: default, range.
+
+``thinwire schemes NAME`` shows one scheme or boundary.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from thinwire.pipeline import boundary_config_class, boundary_kinds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser
+    parser.add_argument("name", nargs="?", default=None,
+                        help="show only this scheme or pipeline boundary (default: all)")
 
 
 def describe(name: str, config: type) -> str:
@@ -30,7 +34,8 @@ def describe(name: str, config: type) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    del args
+    if args.name is not None:
+        return _show_one(args.name)
     print("Schemes. Set an option with --option KEY=VALUE (thinwire compare, train), "
           "--dp-option (pipeline) or --push-option (async).\n")
     print("\n\n".join(describe(name, schemes.config_class(name)) for name in schemes.names()))
@@ -38,3 +43,23 @@ def run(args: argparse.Namespace) -> int:
           "--boundary-option KEY=VALUE.\n")
     print("\n\n".join(describe(kind, boundary_config_class(kind)) for kind in boundary_kinds()))
     return 0
+
+
+def _show_one(name: str) -> int:
+    """Print one scheme's or boundary's options.
+
+    Raises:
+        ValueError: ``name`` is neither (the message lists both kinds of name).
+    """
+    if name in schemes.names():
+        print("Scheme. Set an option with --option KEY=VALUE (thinwire compare, train), "
+              "--dp-option (pipeline) or --push-option (async).\n")
+        print(describe(name, schemes.config_class(name)))
+        return 0
+    if name in boundary_kinds():
+        print("Pipeline boundary (thinwire pipeline --boundary KIND). Set an option with "
+              "--boundary-option KEY=VALUE.\n")
+        print(describe(name, boundary_config_class(name)))
+        return 0
+    raise ValueError(f"{name!r} is no scheme ({', '.join(schemes.names())}) and no pipeline "
+                     f"boundary ({', '.join(boundary_kinds())})")
