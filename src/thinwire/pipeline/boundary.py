@@ -484,7 +484,8 @@ class Expand(Receiver):
         width: d of the activation that was compacted.
         sparsity: must match the sender's (0 means the activation crossed dense).
         dtype: the activation's dtype before it crossed (values may be fp16).
-        name, meter: as for :class:`Compact`.
+        name: as for :class:`Compact`.
+        meter: as for :class:`Compact`.
     """
 
     def __init__(self, width: int, sparsity: float, dtype: torch.dtype = torch.float32,

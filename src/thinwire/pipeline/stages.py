@@ -41,11 +41,12 @@ SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 class MeteredStage(PipelineStage):
     """A ``PipelineStage`` that records every tensor it hands to torch.distributed.
 
+    The other arguments are ``PipelineStage``'s.
+
     Args:
         meter: records ``X_act`` for forward sends and ``X_grad`` for backward sends.
         names: the split names, one per boundary; boundary ``i`` lies between
             stages ``i`` and ``i + 1`` and is the meter's layer.
-        (others): as for ``PipelineStage``.
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
