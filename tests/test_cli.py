@@ -486,3 +486,18 @@ def test_feedback_reaches_the_run_options(command: str) -> None:
     assert run_options(build_parser().parse_args([command])).feedback == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--feedback", "ef21"])
+
+
+def test_schemes_markdown_prints_the_guides_option_tables(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from thinwire import schemes as registry
+
+    assert main(["schemes", "topk", "--markdown"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[:2] == ["| `topk` option | default | meaning |", "| --- | --- | --- |"]
+    fields = dataclasses.fields(registry.config_class("topk"))
+    assert [line.split(" | ")[:2] for line in lines[2:]] == [
+        [f"| `{f.name}`", f"`{f.default!r}`"] for f in fields]
+    assert main(["schemes", "--markdown"]) == 0
+    printed = capsys.readouterr().out
+    assert "| `dct-mp` option |" in printed and "| `powersgd` option |" in printed
