@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench bench-run bench-check clean
+.PHONY: demo test lint docs docs-tables bench bench-run bench-check clean
 
 # Installation prints pip's own progress (a few minutes on a fresh machine).
 $(STAMP): pyproject.toml
@@ -36,6 +36,15 @@ lint: $(STAMP)
 # offline, and any warning (a broken link, a page left out of the nav) fails the build.
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
+
+# The guide's option tables, from the configs' own fields and comments (after an option
+# changes; tests/test_docs.py fails until they are regenerated). The dAD engine's and the
+# update rules' tables are kept by hand.
+OPTIONS := docs/snippets/options
+docs-tables: $(STAMP)
+	$(BIN)/thinwire schemes --markdown > $(OPTIONS)/schemes.md
+	for name in dense fp16 topk dct-dp laplace dct-mp sketch xgrad-topk; do \
+	  $(BIN)/thinwire schemes $$name --markdown > $(OPTIONS)/$$name.md; done
 
 # `make bench` regenerates docs/results.md from the newest results/ files; `make bench-run`
 # measures first. The shaped-link benchmark needs root (network namespaces, tc).

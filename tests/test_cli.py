@@ -498,6 +498,9 @@ def test_schemes_markdown_prints_the_guides_option_tables(
     fields = dataclasses.fields(registry.config_class("topk"))
     assert [line.split(" | ")[:2] for line in lines[2:]] == [
         [f"| `{f.name}`", f"`{f.default!r}`"] for f in fields]
-    assert main(["schemes", "--markdown"]) == 0
+    assert main(["schemes", "--markdown"]) == 0  # every scheme's: the guide's schemes.md
     printed = capsys.readouterr().out
-    assert "| `dct-mp` option |" in printed and "| `powersgd` option |" in printed
+    assert all(f"| `{name}` option |" in printed for name in registry.names())
+    assert "| `dct-mp` option |" not in printed
+    assert main(["schemes", "dct-mp", "--markdown"]) == 0
+    assert "| `dct-mp` option |" in capsys.readouterr().out

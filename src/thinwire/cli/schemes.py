@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", default=None,
                         help="show only this scheme or pipeline boundary (default: all)")
     parser.add_argument("--markdown", action="store_true",
-                        help="print each one's options as a Markdown table (option, default, "
-                             "meaning), as the user guide shows them")
+                        help="print options as Markdown tables (option, default, meaning), "
+                             "as the user guide shows them: NAME's, or every scheme's")
 
 
 def describe(name: str, config: type) -> str:
@@ -63,7 +63,7 @@ def config_of(name: str) -> type:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        chosen = [args.name] if args.name is not None else [*schemes.names(), *boundary_kinds()]
+        chosen = [args.name] if args.name is not None else schemes.names()
         print("\n\n".join(markdown(name, config_of(name)) for name in chosen))
         return 0
     if args.name is not None:
