@@ -504,3 +504,13 @@ def test_schemes_markdown_prints_the_guides_option_tables(
     assert "| `dct-mp` option |" not in printed
     assert main(["schemes", "dct-mp", "--markdown"]) == 0
     assert "| `dct-mp` option |" in capsys.readouterr().out
+
+
+def test_async_steps_stop_the_run(tmp_path: Path) -> None:
+    code = main(["async", "--rule", "sequential", "--epochs", "5", "--steps", "3",
+                 "--model", "linear", "--train-limit", "64", "--batch-size", "16",
+                 "--no-progress", "--out", str(tmp_path / "run"),
+                 "--json", str(tmp_path / "copy.json")])
+    assert code == 0
+    summary = json.loads((tmp_path / "copy.json").read_text())["runs"][0]
+    assert summary["updates"] == 3  # not 5 epochs x 4 batches
