@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from thinwire import schemes
 from thinwire.comm import Meter
 from thinwire.data.digits import batches
 from thinwire.jobs import workloads
+from thinwire.jobs.board import MeterBoard
 from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
@@ -167,6 +169,9 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     stream = batches(shard, options.batch_size, seed=options.seed * 1000 + rank)
     curve: list[tuple[int, float, float]] = []
     losses: list[float] = []
+    board = (MeterBoard(Path(options.tensorboard) / name,
+                        sum(p.numel() * p.element_size() for p in model.parameters()))
+             if options.tensorboard is not None and rank == 0 else None)
     syncs, moved, score = 0, False, math.nan
     steps_to_target = None
     start = time.perf_counter()
@@ -193,6 +198,8 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
         moved = moved or bool(landed)
         meter.next_step()
         losses.append(float(loss.detach()))
+        if board is not None:
+            board.step(meter, losses[-1])
         if not math.isfinite(losses[-1]):
             break
         if step % options.eval_every == 0 or step == options.steps:
@@ -201,6 +208,8 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
                 score = work.score(_global_copy(model, updates), options.eval_rows)
                 moved = False
             curve.append((step, handed, score))
+            if board is not None:
+                board.accuracy(step, score)
             if steps_to_target is None and work.reached(score):
                 steps_to_target = step
             if options.until_target and _anyone(steps_to_target is not None, group, device):
@@ -209,6 +218,8 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
             progress(1)
     updates.finish()
     wall_s = time.perf_counter() - start
+    if board is not None:
+        board.close()
     final = _global_copy(model, updates)
     tail = losses[-options.eval_every:]
     trace = threshold_trace(scheme)
