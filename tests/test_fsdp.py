@@ -18,7 +18,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 from thinwire import fsdp, optim
+from thinwire.cli import main
 from thinwire.comm.fingerprint import PeerMismatchError
+from thinwire.jobs.compare import compare
+from thinwire.jobs.dataparallel import RunOptions
 from thinwire.launch import spawn
 from thinwire.schemes import build
 
@@ -245,3 +248,40 @@ def test_mismatched_schemes_are_refused_on_every_rank(runs: list[dict[str, Any]]
     messages = [rank[case] for rank in runs]
     assert all("'scheme' is" in message for message in messages), messages
     assert len(set(messages)) == 1  # the same error everywhere
+
+
+@pytest.mark.parametrize("argv", [
+    ["compare", "--workers", "4", "--sites", "3"],
+    ["compare", "--workers", "4", "--sites", "0"],
+    ["compare", "--workers", "2", "--sites", "4"],
+    ["compare", "--workers", "4", "--schemes", "native-hsdp"],  # the anchor needs --sites
+])
+def test_cli_refuses_sites_that_do_not_split_the_workers(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "--sites" in error and "Traceback" not in error
+
+
+def test_train_refuses_sites_that_do_not_split_the_world(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert main(["train", "--scheme", "topk", "--sites", "4"]) == 2
+    assert "choose one of [1, 2, 3, 6]" in capsys.readouterr().err
+
+
+def test_compare_with_sites_trains_sharded_and_meters_the_cross_site_link(
+        tmp_path: Any) -> None:
+    results = compare(["native-hsdp", "dense", "topk"], 4,
+                      RunOptions(steps=4, eval_every=2, hidden=16, eval_rows=200), 100e6,
+                      extra=["ratio=0.1"], sites=2)
+    native, dense, topk = results
+    assert all(r["replicas_identical"] for r in results)
+    assert native["sites"] == 2 and native["shards_per_site"] == 2
+    # dense through the hook is native HSDP: the same model, the same bytes across sites
+    assert native["test_accuracy"] == dense["test_accuracy"]
+    assert native["final_loss"] == dense["final_loss"]
+    assert native["bytes_sent_per_step"] == dense["bytes_sent_per_step"]
+    assert dense["compression_ratio"] == 1.0  # against the shard, not the whole model
+    assert topk["bytes_sent_per_step"] < dense["bytes_sent_per_step"] / 5

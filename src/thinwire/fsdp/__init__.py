@@ -7,7 +7,8 @@ through any scheme. See docs/fsdp.md.
 Floor: beside the DDP hook. Library code only: no model, data set, job or command line.
 """
 
-from thinwire.fsdp.hook import Checkpoint, FSDPState, Shard, fsdp_modules, register
+from thinwire.fsdp.hook import Checkpoint, FSDPState, Shard, fsdp_modules, register, shards
 from thinwire.fsdp.mesh import site_mesh
 
-__all__ = ["Checkpoint", "FSDPState", "Shard", "fsdp_modules", "register", "site_mesh"]
+__all__ = ["Checkpoint", "FSDPState", "Shard", "fsdp_modules", "register", "shards",
+           "site_mesh"]

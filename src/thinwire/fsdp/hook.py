@@ -180,8 +180,7 @@ def register(module: nn.Module, scheme: Scheme, group: Group, meter: Meter | Non
                     "crosses sites: shard it on the intra-site mesh, mesh['shard'], and pass "
                     "the cross-site group here")
             shard_groups.append(param_group._reduce_scatter_process_group)
-            layouts.append([_shard(names[id(p.sharded_param)], p)
-                            for p in param_group.fsdp_params])
+            layouts.append(_layout(param_group, names))
     if any(g is not shard_groups[0] for g in shard_groups):
         raise ValueError("parameter groups shard over different process groups; thinwire's "
                          "hook expects one intra-site mesh for the whole model")
@@ -203,6 +202,20 @@ def register(module: nn.Module, scheme: Scheme, group: Group, meter: Meter | Non
         sub.set_all_reduce_hook(Exchange(state, layout), stream=stream)
     optim.watch(scheme, module.parameters())  # warns if SGD momentum is not coupled
     return state
+
+
+def shards(module: nn.Module) -> list[Shard]:
+    """This rank's gradient shards of ``module``, as FSDP's reduce-scatter outputs hold them
+    (parameter groups in module order; on a 2-D mesh, the shard of the shard dimension)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [s for sub in fsdp_modules(module)
+            for param_group in sub._get_fsdp_state()._fsdp_param_groups
+            for s in _layout(param_group, names)]
+
+
+def _layout(param_group: Any, names: Mapping[int, str]) -> list[Shard]:
+    """A parameter group's shards in the order of its reduce-scatter output."""
+    return [_shard(names[id(p.sharded_param)], p) for p in param_group.fsdp_params]
 
 
 def _shard(name: str, param: Any) -> Shard:
