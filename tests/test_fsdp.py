@@ -178,6 +178,40 @@ def _mismatch(rank: int, mesh: Any, odd: int) -> str:
     return ""
 
 
+class _Unused(nn.Module):
+    """The test model and a layer its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.unused = _model(), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+def _refusals(rank: int, mesh: Any) -> dict[str, str]:
+    """What register and the hook refuse: native HSDP's 2-D sharding; a parameter without
+    a gradient (and that FSDP's own switch for it fixes it)."""
+    out = {}
+    try:
+        fsdp.register(_shard(_model(), mesh), build("dense"), mesh["site"].get_group())
+    except ValueError as error:
+        out["2-d"] = str(error)
+    for unused in (False, True):
+        model = _Unused()
+        fully_shard(model, mesh=mesh["shard"])
+        if unused:
+            model.set_reduce_scatter_unused_params(True)
+        fsdp.register(model, build("topk", ratio=0.5, min_numel=0), mesh["site"].get_group())
+        x, y = _batch(rank, 0)
+        try:
+            nn.functional.cross_entropy(model(x), y).backward()
+            out[f"unused-{unused}"] = "trained"
+        except RuntimeError as error:
+            out[f"unused-{unused}"] = str(error)
+    return out
+
+
 def _all_scenarios(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     mesh = fsdp.site_mesh(SITES)
     site_group = mesh["site"].get_group()
@@ -194,6 +228,7 @@ def _all_scenarios(rank: int, world_size: int, directory: str) -> dict[str, Any]
         "resumed": _resume(rank, mesh, 2, directory),
         "mismatch-site": _mismatch(rank, mesh, -1),
         "mismatch-rank": _mismatch(rank, mesh, 1),
+        "refusals": _refusals(rank, mesh),
     }
 
 
@@ -248,6 +283,16 @@ def test_mismatched_schemes_are_refused_on_every_rank(runs: list[dict[str, Any]]
     messages = [rank[case] for rank in runs]
     assert all("'scheme' is" in message for message in messages), messages
     assert len(set(messages)) == 1  # the same error everywhere
+
+
+def test_register_refuses_what_it_cannot_exchange(runs: list[dict[str, Any]]) -> None:
+    with pytest.raises(ValueError, match="no parameter of the module was sharded"):
+        fsdp.register(_model(), build("dense"), None)
+    for rank in runs:
+        refusals = rank["refusals"]
+        assert "native HSDP" in refusals["2-d"]
+        assert "set_reduce_scatter_unused_params(True)" in refusals["unused-False"]
+        assert refusals["unused-True"] == "trained"
 
 
 @pytest.mark.parametrize("argv", [
