@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         wire = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
         per_step = compute_s + result["overhead_ms_per_step"] / 1000.0
         rows.append({"row": result["scheme"], "steps_to_target": result["steps_to_target"],
-                     "test_accuracy": result["test_accuracy"],
+                     "test_score": result["test_score"],
                      "handed_bytes_per_step": result["bytes_sent_per_step"],
                      "cross_site_wire_bytes_per_step": wire,
                      "shard_bytes_per_step": result["dense_bytes_per_step"],
@@ -87,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                  "time_to_target_s": {label: modelled(bound, compute_s, 0.0, 1.0)
                                       for label in RATES}})
     rows.append({"row": "lone worker", "steps_to_target": lone["steps_to_target"],
-                 "test_accuracy": lone["test_accuracy"],
+                 "test_score": lone["test_score"],
                  "time_to_target_s": {label: modelled(lone["steps_to_target"], compute_s, 0.0,
                                                       1.0) for label in RATES}})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
     record = {"meta": {"workload": args.workload, "target": sharded[0]["target"],
+                       "metric": sharded[0]["metric"],
                        "sites": SITES, "shards_per_site": WORKERS // SITES,
                        "options": {k: getattr(options, k) for k in (
                            "optimizer", "lr", "momentum", "batch_size", "steps", "eval_every")},

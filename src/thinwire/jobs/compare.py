@@ -86,6 +86,50 @@ def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
     return results
 
 
+def lone_worker(options: RunOptions, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Dense under ``options`` on one worker: the same recipe, seed and probe, no peers."""
+    result: dict[str, Any] = spawn(_worker, 1, [("dense", {})], options,
+                                   timeout_s=timeout_s)[0][0]
+    result.pop("weights", None)
+    return result
+
+
+def references(results: list[dict[str, Any]], lone: dict[str, Any] | None,
+               workers: int) -> list[dict[str, Any]]:
+    """The rows every time-to-target table carries beside the schemes, and each scheme's
+    ``bound_multiple`` (modified in place).
+
+    * ``lone worker``: the same recipe on one worker, with no communication: its steps
+      to target x the compute step of ``results``' shared probe.
+    * ``compute-only bound``: ``workers`` workers with free communication: dense's steps
+      to target at ``workers`` x the same compute step, the limit of synchronous training.
+
+    Each row carries the recipe (``recipe``) of the runs it sits beside; a row whose
+    steps are unknown (no dense run, or the target not reached) has time None.
+    """
+    first = results[0]
+    compute_s = first["compute_ms_per_step"] / 1000.0
+    dense = next((r for r in results if r["scheme"] == "dense"), None)
+    rows = []
+    for name, steps, run, count in (
+            ("lone worker", None if lone is None else lone["steps_to_target"], lone, 1),
+            ("compute-only bound", None if dense is None else dense["steps_to_target"], dense,
+             workers)):
+        rows.append({"scheme": name, "reference": True, "workers": count,
+                     "recipe": dict(first["recipe"]), "workload": first["workload"],
+                     "target": first["target"], "metric": first["metric"],
+                     "steps_to_target": steps, "compute_ms_per_step": first["compute_ms_per_step"],
+                     "time_to_target_s": None if steps is None else steps * compute_s,
+                     "test_accuracy": None if run is None else run["test_accuracy"],
+                     "test_score": None if run is None else run["test_score"],
+                     "final_loss": None if run is None else run["final_loss"]})
+    bound = rows[1]["time_to_target_s"]
+    for row in [*results, *rows]:
+        time_s = row.get("time_to_target_s")
+        row["bound_multiple"] = time_s / bound if time_s is not None and bound else None
+    return rows
+
+
 def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: float,
             sparsity: float | None = None, life_span: int | None = None,
             extra: list[str] | None = None,
@@ -96,8 +140,10 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
     Each result carries what the rank handed to torch.distributed per step
     (``bytes_sent_per_step``), the ring traffic out of and into it
     (``wire_sent_per_step``, ``bytes_received_per_step``, and per collective
-    in ``traffic_per_collective``), and ``modelled_s``: steps x (the shared
-    compute probe + overhead + the larger ring direction / ``bandwidth_bps``).
+    in ``traffic_per_collective``), ``modelled_s``: steps x (the shared
+    compute probe + overhead + the larger ring direction / ``bandwidth_bps``), and
+    ``time_to_target_s``: the same per-step time x its steps to target (None: not
+    reached).
 
     Args:
         timeout_s: the process group's timeout: a rank waiting longer on a peer
@@ -137,24 +183,44 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
         wire = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
         per_step = (result["compute_ms_per_step"] + result["overhead_ms_per_step"]) / 1000.0
         result["modelled_s"] = options.steps * (per_step + 8.0 * wire / bandwidth_bps)
+        steps = result["steps_to_target"]
+        result["time_to_target_s"] = (None if steps is None
+                                      else steps * (per_step + 8.0 * wire / bandwidth_bps))
         result["bandwidth_bps"] = bandwidth_bps
         result["workers"] = workers
     return results
 
 
-def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    """One row per scheme, in the order of :func:`header`."""
-    return [[r["scheme"], f"{r['test_accuracy']:.4f}", f"{r['final_loss']:.4f}",
+def table_rows(results: list[dict[str, Any]],
+               reference_rows: list[dict[str, Any]] | None = None) -> list[list[str]]:
+    """One row per scheme, then one per reference row, in the order of :func:`header`."""
+    def cell(row: dict[str, Any], key: str, form: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else format(value, form)
+
+    def reached(row: dict[str, Any]) -> str:
+        return str(row["steps_to_target"]) if row["steps_to_target"] else "not reached"
+
+    rows = [[r["scheme"], f"{r['test_score']:.4f}", f"{r['final_loss']:.4f}",
              f"{r['bytes_sent_per_step']:,.0f}", f"{r['wire_sent_per_step']:,.0f}",
              f"{r['bytes_received_per_step']:,.0f}", f"{r['compression_ratio']:.1f}x",
              f"{r['overhead_ms_per_step']:.3f}", f"{r['wall_s']:.2f}", f"{r['modelled_s']:.2f}",
-             str(r["steps_to_target"] or "not reached")] for r in results]
+             reached(r), cell(r, "time_to_target_s", ".2f"), cell(r, "bound_multiple", ".2f")]
+            for r in results]
+    for r in reference_rows or []:  # no bytes alone; the bound's are free, not measured
+        wire = "0" if r["scheme"] == "lone worker" else "-"
+        rows.append([f"{r['scheme']} ({r['workers']})", cell(r, "test_score", ".4f"),
+                     cell(r, "final_loss", ".4f"), wire, wire, wire, "-", "-", "-", "-",
+                     reached(r), cell(r, "time_to_target_s", ".2f"),
+                     cell(r, "bound_multiple", ".2f")])
+    return rows
 
 
-def header(bandwidth: str) -> list[str]:
-    return ["scheme", "test acc", "final loss", "handed B/step", "ring sent B/step",
+def header(bandwidth: str, metric: str = "test accuracy") -> list[str]:
+    return ["scheme", metric, "final loss", "handed B/step", "ring sent B/step",
             "ring recv B/step", "ratio vs dense", "overhead ms/step", "wall s",
-            f"modelled s @ {bandwidth}", "steps to target"]
+            f"modelled s @ {bandwidth}", "steps to target", f"s to target @ {bandwidth}",
+            "x bound"]
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -174,7 +240,9 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
     # One worker hands nothing to torch.distributed: no log scale then.
     ax.set(xscale="log" if positive else "linear",
            xlabel="cumulative bytes handed to torch.distributed per worker",
-           ylabel="test accuracy", title="Accuracy against bytes on the wire")
+           ylabel=results[0].get("metric", "test accuracy"),
+           title=f"{results[0].get('metric', 'test accuracy').capitalize()} against bytes on "
+                 "the wire")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_bytes.png", dpi=120)

