@@ -19,6 +19,7 @@ Results go to ``docs/data/fsdp-time-to-target.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from thinwire import schemes
 from thinwire.jobs.compare import compare
 from thinwire.jobs.dataparallel import RunOptions
 from thinwire.jobs.sharded import NATIVE
@@ -60,11 +62,15 @@ def main(argv: list[str] | None = None) -> int:
                             **({"steps": args.steps} if args.steps else {})},
                          workload=args.workload, until_target=True)
     names = [name for name in args.schemes.split(",") if name]
+    keys = {field.name for name in names if name != NATIVE
+            for field in dataclasses.fields(schemes.config_class(name))}
+    sparse = [option for option in SPARSE if option.split("=")[0] in keys]  # compare refuses
+    # an option no scheme of the run has
     load = os.getloadavg()
     start = time.time()
     lone = compare(["dense"], 1, options, 100e6)[0]
     sharded = compare(names, WORKERS, options, 100e6, sparsity=0.99, life_span=1000,
-                      extra=SPARSE, sites=SITES)
+                      extra=sparse, sites=SITES)
     compute_s = sharded[0]["compute_ms_per_step"] / 1000.0
     rows = []
     for result in sharded:
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                        "sites": SITES, "shards_per_site": WORKERS // SITES,
                        "options": {k: getattr(options, k) for k in (
                            "optimizer", "lr", "momentum", "batch_size", "steps", "eval_every")},
-                       "sparse_options": ["sparsity=0.99", *SPARSE],
+                       "sparse_options": ["sparsity=0.99", *sparse],
                        "compute_ms_per_step": 1000.0 * compute_s,
                        "lone_compute_ms_per_step": lone["compute_ms_per_step"],
                        "load_before": load, "load_after": os.getloadavg(),

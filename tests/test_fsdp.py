@@ -202,13 +202,18 @@ def _refusals(rank: int, mesh: Any) -> dict[str, str]:
         fully_shard(model, mesh=mesh["shard"])
         if unused:
             model.set_reduce_scatter_unused_params(True)
-        fsdp.register(model, build("topk", ratio=0.5, min_numel=0), mesh["site"].get_group())
+        state = fsdp.register(model, build("topk", ratio=0.5, min_numel=0),
+                              mesh["site"].get_group())
         x, y = _batch(rank, 0)
         try:
             nn.functional.cross_entropy(model(x), y).backward()
             out[f"unused-{unused}"] = "trained"
         except RuntimeError as error:
             out[f"unused-{unused}"] = str(error)
+    try:  # the state of the rank beside it in the site
+        state.load_state_dict({**state.state_dict(), "shard": 1 - state.shard})
+    except ValueError as error:
+        out["other-shard"] = str(error)
     return out
 
 
@@ -293,6 +298,7 @@ def test_register_refuses_what_it_cannot_exchange(runs: list[dict[str, Any]]) ->
         assert "native HSDP" in refusals["2-d"]
         assert "set_reduce_scatter_unused_params(True)" in refusals["unused-False"]
         assert refusals["unused-True"] == "trained"
+        assert "the checkpoint's shard is" in refusals["other-shard"]
 
 
 @pytest.mark.parametrize("argv", [
