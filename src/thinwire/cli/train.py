@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from thinwire import schemes
 from thinwire.cli.compare import add_recipe_options, add_scheme_options, add_sites, run_options
-from thinwire.jobs import common
+from thinwire.jobs import board, common
 from thinwire.jobs.compare import parse_options, plot, scheme_config
 from thinwire.jobs.dataparallel import run_scheme
 from thinwire.jobs.sharded import NATIVE, check_sites, run_sharded
@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("thinwire train expects torchrun's environment (RANK, WORLD_SIZE, "
                          "MASTER_ADDR); launch it with torchrun, or use thinwire compare")
     options = run_options(args)
+    if options.tensorboard is not None:
+        board.writer_class()
     sites = args.sites
     if sites is not None:  # validate before joining the job
         check_sites(sites, int(os.environ.get("WORLD_SIZE", "1")))
