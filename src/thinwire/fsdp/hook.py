@@ -19,6 +19,7 @@ after the collectives rather than blocking the default stream.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,7 +234,7 @@ class Exchange:
     def __init__(self, state: FSDPState, layout: Sequence[Shard]) -> None:
         self.state = state
         self.layout = list(layout)
-        self.numel = sum(_numel(s.shape) for s in layout)
+        self.numel = sum(math.prod(s.shape) for s in layout)
         self._infos: list[TensorInfo] | None = None
 
     def __call__(self, buffer: torch.Tensor) -> None:
@@ -258,13 +259,6 @@ class Exchange:
         # last=True: the hook must return with the result, so no round may wait for a
         # later launch.
         state.scheme.launch_flat(buffer, infos, state.group, last=True).wait()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def check_everyone(fields: Mapping[str, Any], where: str, groups: Sequence[Group],
