@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
         weights = result.pop("weights")
         if rank == 0:
-            dense_bytes = sum(w.numel() * w.element_size() for w in weights)
+            dense_bytes = result.pop("dense_shard_bytes", None) or sum(  # sharded: the shard's
+                w.numel() * w.element_size() for w in weights)
             result.update(workers=world_size, dense_bytes_per_step=dense_bytes,
                           compression_ratio=dense_bytes / max(result["bytes_sent_per_step"],
                                                               1e-9))
