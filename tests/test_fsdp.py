@@ -6,6 +6,7 @@ read its results.
 
 from __future__ import annotations
 
+import io
 import tempfile
 from typing import Any
 
@@ -23,6 +24,7 @@ from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.jobs.compare import compare
 from thinwire.jobs.dataparallel import RunOptions
 from thinwire.launch import spawn
+from thinwire.local import LocalUpdates, nesterov
 from thinwire.schemes import build
 
 SITES, SHARDS = 2, 2
@@ -217,6 +219,50 @@ def _refusals(rank: int, mesh: Any) -> dict[str, str]:
     return out
 
 
+# DiLoCo on the sharded model: every site trains its own replica (FSDP inside it), each
+# shard's pseudo-gradient crosses sites. Dense: H = 2, one fragment, 4 steps (2 syncs).
+# Lossy: Streaming DiLoCo, H = 4 in 2 fragments landing tau = 1 step late, 6 steps.
+LOCAL_STEPS = {"dense": 4, "topk+int4": 6}
+LOCAL_OPTIONS = {"dense": {"every": 2}, "topk+int4": {"every": 4, "fragments": 2, "delay": 1}}
+LOCAL_SCHEMES = {"dense": {}, "topk+int4": {"ratio": 0.2, "chunk": 4, "min_numel": 0}}
+
+
+def _inner(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _diloco_build(mesh: Any, name: str) -> tuple[nn.Module, LocalUpdates]:
+    model = _shard(_model(), mesh["shard"])
+    return model, LocalUpdates(model, _inner(model), build(name, **LOCAL_SCHEMES[name]),
+                               group=mesh["site"].get_group(), **LOCAL_OPTIONS[name])
+
+
+def _diloco(rank: int, mesh: Any, name: str, stop: int | None = None) -> dict[str, Any]:
+    """Each step's local shards, globals, fragments landed and (after a landing) the whole
+    landed parameters. ``stop``: after that many steps the state goes through
+    torch.save / torch.load into a fresh model, inner optimiser and LocalUpdates."""
+    model, updates = _diloco_build(mesh, name)
+    out: dict[str, Any] = {"fragments": updates.fragments, "history": [], "globals": [],
+                           "landed": [], "whole": []}
+    for step in range(LOCAL_STEPS[name]):
+        if step == stop:
+            buffer = io.BytesIO()
+            torch.save(updates.state_dict(), buffer)
+            del model, updates
+            model, updates = _diloco_build(mesh, name)
+            buffer.seek(0)
+            updates.load_state_dict(torch.load(buffer, weights_only=False))
+        _step(model, updates.inner, rank, step)
+        landed = updates.step()
+        out["history"].append(_local(model))
+        out["globals"].append([g.clone() for g in updates.global_state().values()])
+        out["landed"].append(landed)
+        params = dict(model.named_parameters())
+        out["whole"].append({key: params[key].detach().full_tensor()  # type: ignore[operator]
+                             for fragment in landed for key in updates.fragments[fragment]})
+    return out
+
+
 def _all_scenarios(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     mesh = fsdp.site_mesh(SITES)
     site_group = mesh["site"].get_group()
@@ -234,6 +280,11 @@ def _all_scenarios(rank: int, world_size: int, directory: str) -> dict[str, Any]
         "mismatch-site": _mismatch(rank, mesh, -1),
         "mismatch-rank": _mismatch(rank, mesh, 1),
         "refusals": _refusals(rank, mesh),
+        "diloco dense": _diloco(rank, mesh, "dense"),
+        "diloco topk+int4": _diloco(rank, mesh, "topk+int4"),
+        "diloco resumed": _diloco(rank, mesh, "topk+int4", stop=3),
+        # in a rank, on its threads, as the sharded runs compute
+        "diloco reference": _diloco_reference() if rank == 0 else None,
     }
 
 
@@ -336,3 +387,106 @@ def test_compare_with_sites_trains_sharded_and_meters_the_cross_site_link(
     assert native["bytes_sent_per_step"] == dense["bytes_sent_per_step"]
     assert dense["compression_ratio"] == 1.0  # against the shard, not the whole model
     assert topk["bytes_sent_per_step"] < dense["bytes_sent_per_step"] / 5
+
+
+def _diloco_reference() -> list[list[list[torch.Tensor]]]:
+    """DiLoCo of the SITES sites in one process, each on the whole model: a site's gradient
+    is the mean of its SHARDS ranks' gradients, halved before summing as FSDP does on gloo
+    (exact), the pseudo-gradients averaged likewise (the dense scheme). Each step's weights,
+    by site."""
+    models = [_model() for _ in range(SITES)]
+    inners = [_inner(m) for m in models]
+    globals_ = [p.detach().clone() for p in models[0].parameters()]
+    outer = nesterov()(globals_)
+    history: list[list[list[torch.Tensor]]] = [[] for _ in range(SITES)]
+    for step in range(LOCAL_STEPS["dense"]):
+        for site, (model, inner) in enumerate(zip(models, inners)):
+            grads = []
+            for shard in range(SHARDS):
+                model.zero_grad()
+                x, y = _batch(site * SHARDS + shard, step)
+                nn.functional.cross_entropy(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+            for p, *shard_grads in zip(model.parameters(), *grads):
+                p.grad = sum(g / SHARDS for g in shard_grads[1:]) + shard_grads[0] / SHARDS
+            inner.step()
+        if (step + 1) % LOCAL_OPTIONS["dense"]["every"] == 0:
+            with torch.no_grad():
+                for position, weight in enumerate(globals_):
+                    deltas = [weight - list(m.parameters())[position] for m in models]
+                    weight.grad = deltas[0] / SITES + deltas[1] / SITES
+                outer.step()
+                for weight in globals_:
+                    weight.grad = None
+                for model in models:
+                    for p, weight in zip(model.parameters(), globals_):
+                        p.copy_(weight)
+        for site, model in enumerate(models):
+            history[site].append(_weights(model))
+    return history
+
+
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_diloco_on_a_sharded_model_with_dense_exchange_equals_the_unsharded_reference(
+        runs: list[dict[str, Any]]) -> None:
+    # Bit for bit: the rank computes its gradient on the all-gathered (whole) weights as
+    # the reference does, FSDP's mean of two is exact halving and one commutative sum, and
+    # the inner and outer optimisers are elementwise, so a shard of the whole is the whole's
+    # shard. The reference runs inside a rank: on another thread count the batch sums of
+    # the backward round differently (by an ulp).
+    reference = runs[0]["diloco reference"]
+    for rank, run in enumerate(runs):
+        site, shard = divmod(rank, SHARDS)
+        assert run["diloco dense"]["landed"] == [[], [0], [], [0]]
+        for got_step, want_step in zip(run["diloco dense"]["history"], reference[site]):
+            for got, want in zip(got_step, want_step):
+                assert torch.equal(got, torch.chunk(want, SHARDS, dim=0)[shard])
+    # not trivially: the sites trained apart between syncs, and the syncs moved the weights
+    assert not torch.equal(reference[0][0][0], reference[1][0][0])
+    assert torch.equal(reference[0][1][0], reference[1][1][0])
+    assert not torch.equal(reference[0][1][0], _weights(_model())[0])
+
+
+def test_diloco_with_a_lossy_scheme_keeps_sites_identical_and_shards_consistent(
+        runs: list[dict[str, Any]]) -> None:
+    run = [rank["diloco topk+int4"] for rank in runs]
+    # the ranks of a site agree on the fragments (whole parameters) and on when they land
+    assert all(r["fragments"] == run[0]["fragments"] for r in run)
+    assert len(run[0]["fragments"]) == 2
+    assert all(r["landed"] == run[0]["landed"] for r in run)
+    assert run[0]["landed"] == [[], [0], [], [1], [], [0]]
+    landings = 0
+    for shard in range(SHARDS):
+        first, second = run[shard], run[SHARDS + shard]
+        for step in range(LOCAL_STEPS["topk+int4"]):
+            # the global weights are the same on both sites at every step
+            for a, b in zip(first["globals"][step], second["globals"][step]):
+                assert torch.equal(a, b)
+            # a landed fragment's weights are the global ones on both sites, shard by
+            # shard and as whole parameters assembled inside each site
+            names = [n for n, _ in _model().named_parameters()]
+            for fragment in first["landed"][step]:
+                for key in first["fragments"][fragment]:
+                    position = names.index(key)
+                    assert torch.equal(first["history"][step][position],
+                                       first["globals"][step][position])
+                    assert torch.equal(first["history"][step][position],
+                                       second["history"][step][position])
+                    assert torch.equal(first["whole"][step][key], second["whole"][step][key])
+                    landings += 1
+    assert landings > 0
+    # the sites trained apart between landings
+    assert not torch.equal(run[0]["history"][0][0], run[SHARDS]["history"][0][0])
+
+
+def test_diloco_on_a_sharded_model_resumes_bit_identically(runs: list[dict[str, Any]]) -> None:
+    # stopped at step 3 with fragment 1's exchange in flight (it lands at step 4)
+    for rank in runs:
+        straight, resumed = rank["diloco topk+int4"], rank["diloco resumed"]
+        assert resumed["landed"] == straight["landed"]
+        for a_step, b_step in zip(straight["history"], resumed["history"]):
+            for a, b in zip(a_step, b_step):
+                assert torch.equal(a, b)

@@ -10,10 +10,11 @@ a future and lands ``delay`` (tau) inner steps later, its local weights then
 ``mix * local + (1 - mix) * global``.
 
 Parameters only: buffers (batch-norm statistics) stay each worker's own. A
-DTensor parameter (FSDP2) is worked on through its local shard, exchanged
-over ``group`` (the replicate group of a 2-D mesh). The schedule depends on
-the step count alone, so every rank launches the same exchanges in the same
-order.
+DTensor parameter (FSDP2 inside a site) is worked on through its local shard,
+exchanged over ``group`` (the cross-site group, ``site_mesh(S)["site"]``);
+fragments are cut by whole-parameter size, so a site's shards agree on them.
+The schedule depends on the step count alone, so every rank launches the same
+exchanges in the same order.
 """
 
 from __future__ import annotations
@@ -143,8 +144,10 @@ class LocalUpdates:
         with torch.no_grad():
             self.globals = {name: _local(p).detach().clone() for name, p in named}
         self.outer = (outer or nesterov())(list(self.globals.values()))
+        # split by the whole parameter's size (a DTensor's numel is global), so the
+        # ranks of a site, whose shards differ in size, agree on every fragment
         self.fragments = [[self.names[i] for i in run] for run in
-                          split([_local(p).numel() for _, p in named], fragments)]
+                          split([p.numel() for _, p in named], fragments)]
         self.steps = 0  # inner steps taken
         self.pending: dict[int, tuple[int, Future[Any]]] = {}  # fragment -> (lands at, result)
         device = _local(named[0][1]).device if named else None
