@@ -212,6 +212,11 @@ def _refusals(rank: int, mesh: Any) -> dict[str, str]:
             out[f"unused-{unused}"] = "trained"
         except RuntimeError as error:
             out[f"unused-{unused}"] = str(error)
+    try:  # local updates on native HSDP's sharding: FSDP would cross sites every step
+        model = _shard(_model(), mesh)
+        LocalUpdates(model, _inner(model), group=mesh["site"].get_group())
+    except ValueError as error:
+        out["local 2-d"] = str(error)
     try:  # the state of the rank beside it in the site
         state.load_state_dict({**state.state_dict(), "shard": 1 - state.shard})
     except ValueError as error:
@@ -350,6 +355,7 @@ def test_register_refuses_what_it_cannot_exchange(runs: list[dict[str, Any]]) ->
         assert "set_reduce_scatter_unused_params(True)" in refusals["unused-False"]
         assert refusals["unused-True"] == "trained"
         assert "the checkpoint's shard is" in refusals["other-shard"]
+        assert "sharded on a 2-D mesh" in refusals["local 2-d"]
 
 
 @pytest.mark.parametrize("argv", [

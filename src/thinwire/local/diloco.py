@@ -118,11 +118,13 @@ class LocalUpdates:
         every, fragments, delay, mix: see :class:`LocalConfig`.
         outer: builds the outer optimiser from the global weights; default
             :func:`nesterov` ``()``.
-        group: the process group the workers exchange over; None: the default.
+        group: the process group the workers exchange over; None: the default. For a
+            model sharded with FSDP2 inside each site, the cross-site group.
         meter: records the bytes handed to torch.distributed; attached to the scheme.
 
     Raises:
-        ValueError: a bad option, or more fragments than trained parameters.
+        ValueError: a bad option, more fragments than trained parameters, or a
+            parameter sharded on a mesh of more than one dimension (native HSDP).
         PeerMismatchError: another rank differs in H, fragments, delay, mix, the
             outer optimiser, the scheme or the parameters (on every rank alike).
     """
@@ -139,6 +141,14 @@ class LocalUpdates:
             self.scheme.meter = meter
         self.group = group
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        for name, p in named:
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None and mesh.ndim != 1:
+                raise ValueError(
+                    f"parameter {name!r} is sharded on a {mesh.ndim}-D mesh, so FSDP would "
+                    "all-reduce its gradient across sites at every inner step; shard on the "
+                    "intra-site mesh (fully_shard(..., mesh=site_mesh(S)['shard'])) and pass "
+                    "the cross-site group (site_mesh(S)['site'].get_group()) as group")
         self.names = [name for name, _ in named]
         self.params = dict(named)
         with torch.no_grad():
