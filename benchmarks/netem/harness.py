@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="first steps left out of medians and bytes per step")
     parser.add_argument("--min-steps", type=int, default=20,
                         help="steps timed at least, even once the target is reached")
-    parser.add_argument("--sparsity", type=float, default=0.99,
-                        help="fraction dropped by sparsifiers (ratio = 1 - sparsity)")
+    parser.add_argument("--ratio", type=float, default=0.01,
+                        help="fraction of the entries sparsifiers keep, in (0, 1]")
     parser.add_argument("--life-span", type=int, default=DCT_LIFE_SPAN,
                         help=f"DCT threshold life-span (default {DCT_LIFE_SPAN}, dct-dp's own)")
     parser.add_argument("--rank", type=int, default=2,
@@ -195,7 +195,7 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
             if unknown:
                 raise ValueError(f"{label!r}: {name} has no option {', '.join(unknown)} "
                                  f"(it has {', '.join(sorted(fields))})")
-            config = scheme_config(name, args.sparsity, args.life_span, [*options, *variant])
+            config = scheme_config(name, args.ratio, args.life_span, [*options, *variant])
             schemes.build(name, **config)  # a bad option fails here, before any namespace
             entries.append({"name": name, "config": config, **({"label": label} if variant
                                                                  else {})})
@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
         "load_before": list(os.getloadavg()), "quick": args.quick,
         "options": {**options, "reference_cap_s": args.reference_cap_s},
-        "sparsity": args.sparsity, "life_span": args.life_span, "rates": args.rate_list,
+        "ratio": args.ratio, "life_span": args.life_span, "rates": args.rate_list,
         "workers": args.worker_list, "rounds": args.rounds, "notes": notes,
         "tbf": {rate: vars(net.tbf_for(bps)) for rate, bps in zip(args.rate_list,
                                                                   args.rate_bps)},

@@ -180,16 +180,16 @@ def test_without_root_it_explains_and_exits_non_zero(monkeypatch: pytest.MonkeyP
 
 def test_unregistered_schemes_are_skipped_with_a_note() -> None:
     entries, notes = harness.plan(_args("--schemes", "torch-dense,dct-dp,no-such-scheme",
-                                        "--sparsity", "0.9"))
+                                        "--ratio", "0.1"))
     assert [e["name"] for e in entries] == ["torch-dense", "dct-dp"]
-    assert entries[1]["config"] == {"sparsity": 0.9, "life_span": 1000}  # dct-dp's own
+    assert entries[1]["config"] == {"ratio": 0.1, "life_span": 1000}  # dct-dp's own
     assert len(notes) == 1 and "no-such-scheme" in notes[0]
     tuned, _ = harness.plan(_args("--schemes", "dct-dp", "--option", "life_span=7"))
     assert tuned[0]["config"]["life_span"] == 7
     every, _ = harness.plan(_args("--schemes", "all"))
     assert [e["name"] for e in every] == [*ANCHORS, *schemes.names()]  # new ones join as is
-    with pytest.raises(ValueError, match="sparsity="):  # bad options fail before any namespace
-        harness.plan(_args("--schemes", "dct-dp", "--sparsity", "1.5"))
+    with pytest.raises(ValueError, match="ratio="):  # bad options fail before any namespace
+        harness.plan(_args("--schemes", "dct-dp", "--ratio", "1.5"))
 
 
 def test_a_variant_runs_a_scheme_with_its_own_options_under_its_label() -> None:
@@ -323,7 +323,7 @@ def _train_anchors(rank: int, world_size: int, options: dict[str, Any]) -> list[
     return [train({"name": name, "config": config}, options)
             for name, config in (("torch-dense", {}), ("torch-fp16", {}),
                                  ("torch-powersgd", {}),
-                                 ("dct-dp", {"sparsity": 0.9, "life_span": 5}))]
+                                 ("dct-dp", {"ratio": 0.1, "life_span": 5}))]
 
 
 def test_anchors_train_in_step_and_count_what_their_hooks_send() -> None:
@@ -496,7 +496,7 @@ def test_overhead_times_registered_schemes_and_skips_the_rest() -> None:
     assert overhead.matrix_shape(7) == (1, 7)
     assert overhead.scheme_available("topk") is None
     assert "not registered" in (overhead.scheme_available("no-such-scheme") or "")
-    assert overhead.measure_scheme("dct-dp", 4096, 0.99, 10, 2, repeats=2) > 0
+    assert overhead.measure_scheme("dct-dp", 4096, 0.01, 10, 2, repeats=2) > 0
 
 
 def test_report_falls_back_to_the_data_the_page_ships(tmp_path: Path) -> None:

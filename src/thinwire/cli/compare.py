@@ -24,10 +24,11 @@ from thinwire.launch import add_timeout
 DEFAULT_SCHEMES = ("dense", "fp16", "topk", "dct-dp", "powersgd", "clt-k")
 
 def add_scheme_options(parser: argparse.ArgumentParser) -> None:
-    """``--sparsity``, ``--life-span`` (defaults: dct-dp's own) and ``--option KEY=VALUE``."""
+    """``--ratio``, ``--life-span`` (defaults: dct-dp's own) and ``--option KEY=VALUE``."""
     dct = {f.name: f.default for f in dataclasses.fields(schemes.config_class("dct-dp"))}
-    parser.add_argument("--sparsity", type=float, default=dct["sparsity"],
-                        help="fraction a sparsifier drops (ratio = 1 - sparsity)")
+    parser.add_argument("--ratio", type=float, default=dct["ratio"],
+                        help="fraction of the entries a sparsifier keeps, in (0, 1]")
+    common.add_renamed(parser, "--sparsity", "pass --ratio 1-x (the fraction kept)")
     parser.add_argument("--life-span", type=int, default=dct["life_span"],
                         help="dct-dp threshold life-span L in steps")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     names = [name.strip() for name in args.schemes.split(",") if name.strip()]
     options = run_options(args)
     bandwidth_bps = parse_bandwidth(args.bandwidth)
-    results = compare(names, args.workers, options, bandwidth_bps, args.sparsity,
+    results = compare(names, args.workers, options, bandwidth_bps, args.ratio,
                       args.life_span, args.option, args.timeout)
     out = common.run_folder(args.out, "compare")
     rows = table_rows(results)
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         f"{clipping(options)}, {options.precision}, "
         f"coupled {options.couple}), target test accuracy "
         f"{results[0]['target']}; {args.workers} workers, {options.steps} steps, "
-        f"sparsity {args.sparsity}, life-span {args.life_span}; a step's compute "
+        f"ratio {args.ratio}, life-span {args.life_span}; a step's compute "
         f"{results[0]['compute_ms_per_step']:.2f} ms (one probe for every scheme).\n\n"
         f"{common.markdown_table(header(args.bandwidth), rows)}\n")
     figures = plot(results, out)

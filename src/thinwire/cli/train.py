@@ -1,6 +1,6 @@
 """Train one scheme as one rank of a real job launched by torchrun.
 
-    torchrun --nproc-per-node 4 -m thinwire train --scheme dct-dp --sparsity 0.99
+    torchrun --nproc-per-node 4 -m thinwire train --scheme dct-dp --ratio 0.01
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 -m thinwire train ...
 
 Rendezvous, multi-node included, is torchrun's; this only reads its environment.
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
                          "MASTER_ADDR); launch it with torchrun, or use thinwire compare")
     options = run_options(args)
     parse_options(args.option, [args.scheme])
-    config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
+    config = scheme_config(args.scheme, args.ratio, args.life_span, args.option)
     schemes.build(args.scheme, **config)  # validate before joining the job
     device = rank_device(args.device)
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")

@@ -32,6 +32,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
 
 from thinwire.compress.base import TensorInfo
 
@@ -44,6 +47,37 @@ PIECE_ENTRIES = 1 << 20
 # which refreshes every threshold, not among them).
 TRIALS = 5
 STREAM_RULES = ("auto", "always")
+
+
+@runtime_checkable
+class Streams(Protocol):
+    """A compressor that selects each entry on its own once a tensor's threshold is known,
+    so a bucket can be selected and sent part by part (DCT's reused threshold)."""
+
+    value_dtype: torch.dtype  # dtype values travel in
+    index_format: str  # index list of the payload (SparseLayout)
+    stream: str  # when pieces are sent: one of STREAM_RULES
+
+    @property
+    def piece(self) -> int:
+        """Entries per piece; 0: this compressor's buckets travel whole."""
+
+    def capacity(self, numel: int) -> int:
+        """Most entries one payload of a ``numel``-entry tensor carries."""
+
+    def reused(self, info: TensorInfo) -> bool:
+        """Whether this call's threshold is known before ``info``'s magnitudes."""
+
+    def open_call(self, magnitudes: torch.Tensor | None, info: TensorInfo) -> float:
+        """Begin a call on ``info``'s tensor; its threshold (None: a reused one)."""
+
+    def pick(self, magnitudes: torch.Tensor, tau: float,
+             room: int) -> tuple[torch.Tensor, int]:
+        """A part's indices at or above ``tau``, at most ``room``; and how many passed."""
+
+    def close_call(self, magnitudes: torch.Tensor, info: TensorInfo, passed: int,
+                   sent: int) -> None:
+        """End the call :meth:`open_call` began."""
 
 
 def pay(wire_s: float, codec_s: float) -> bool:

@@ -9,17 +9,16 @@ Choices every sparsifier here shares (the papers leave them open):
   kept may exceed k when values repeat. The achieved density is recorded.
 * Every tensor is sparsified by default (:data:`MIN_NUMEL` = 0): a small
   one keeps at least one entry a step. Tensors with fewer than ``min_numel``
-  entries, and ``sparsity == 0``, travel dense. Sending biases and layer
+  entries, and ``ratio == 1``, travel dense. Sending biases and layer
   norms dense would cost up to 4 KiB each a step: on the transformer and the
   Fashion-MNIST convnet of docs/convergence.md that put the bytes at 12x and
   28x fewer than dense instead of the 50x of 99 % sparsity, while with every
   tensor sparse, momentum coupled and gradients at the virtual iterate the
   steps to target stayed within 1.25x of dense's (4 workers, 3 seeds, every
   workload there). The Laplace estimate keeps :data:`LAPLACE_MIN_NUMEL` =
-  1024: its fit passes nothing on a tensor of 1-32 entries. With ``include``
-  (fnmatch patterns of tensor keys, e.g. ``("*fc*",)``) only matching tensors
-  are sparsified, the rest travel dense (DCT KDD'21 §3.3 compresses only the
-  fully connected layers).
+  1024: its fit passes nothing on a tensor of 1-32 entries. Tensors whose
+  keys match an ``exclude`` pattern (fnmatch, e.g. ``("*norm*",)``) travel
+  dense (DCT KDD'21 §3.3 compresses only the fully connected layers).
 * ``scope="layer"`` (the papers') selects per tensor, each tensor at the
   target density. ``scope="bucket"`` selects once over all the sparsified
   tensors a call sees (a DDP bucket, or every gradient of one dtype), so the
@@ -84,14 +83,14 @@ class Sparsifier(Compressor):
         indices: index list format of the bucket payload, ``"int32"`` or
             ``"delta16"`` (:class:`~thinwire.compress.payload.SparseLayout`; a
             bitmap replaces either when smaller).
-        include: fnmatch patterns of the keys to sparsify; empty: every tensor.
+        exclude: fnmatch patterns of the keys always sent dense; empty: none.
         scope: ``"layer"`` (each tensor at the target density) or ``"bucket"``
             (one selection over all the tensors of a call; :meth:`select_all`).
     """
 
     def __init__(self, *, min_numel: int = MIN_NUMEL, values: str = "fp32",
                  capacity: float = CAPACITY, indices: str = "int32",
-                 include: tuple[str, ...] = (), scope: str = "layer") -> None:
+                 exclude: tuple[str, ...] = (), scope: str = "layer") -> None:
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel={min_numel!r} must be an integer >= 0")
         if values not in _VALUE_DTYPES:
@@ -105,7 +104,7 @@ class Sparsifier(Compressor):
             raise ValueError(f"scope={scope!r} must be one of {SCOPES}")
         self.scope = scope
         self.min_numel = min_numel
-        self.include = tuple(include)
+        self.exclude = tuple(exclude)
         self.index_format = indices
         self.value_dtype = _VALUE_DTYPES[values]
         self.capacity_factor = float(capacity)
@@ -122,7 +121,7 @@ class Sparsifier(Compressor):
 
     def is_dense(self, info: TensorInfo) -> bool:
         """Whether ``info``'s tensor bypasses sparsification (same answer on every rank)."""
-        if self.include and not any(fnmatchcase(info.key, p) for p in self.include):
+        if any(fnmatchcase(info.key, p) for p in self.exclude):
             return True
         return self.density >= 1.0 or info.numel < self.min_numel
 
@@ -299,7 +298,7 @@ class DCTThreshold(Sparsifier):
     """DCT-DP's reused top-K threshold, per tensor (DCT KDD'21 Algorithm 1).
 
     Every ``life_span`` calls for a key (Alg. 1 lines 4-6, ``L | k``), tau is
-    recomputed as the k-th largest ``|x|`` with ``k = ceil(N (1 - sparsity))``
+    recomputed as the k-th largest ``|x|`` with ``k = ceil(N ratio)``
     by exact candidate selection (:func:`~thinwire.compress._select.kth_largest`:
     a sampled lower bound, then ``kthvalue`` on the few entries above it, or the end
     of a ``topk`` on a GPU).
@@ -335,7 +334,7 @@ class DCTThreshold(Sparsifier):
     that passes more than k entries is recomputed at once.
 
     Args:
-        sparsity: fraction eta of entries dropped, in [0, 1); 0 sends dense.
+        ratio: fraction ``1 - eta`` of entries kept, in (0, 1]; 1 sends dense.
         life_span: L, calls between threshold refreshes, >= 1.
         refresh_above: recompute a reused tau that keeps more than this many
             times the target count; None (default) never does. Must be > 1.
@@ -352,10 +351,10 @@ class DCTThreshold(Sparsifier):
             (:func:`thinwire.compress.pieces.pay`).
     """
 
-    def __init__(self, sparsity: float, life_span: int = 1000,
+    def __init__(self, ratio: float, life_span: int = 1000,
                  refresh_above: float | None = None, gain: float | None = None,
                  piece: int = 0, stream: str = "always", **kwargs: Any) -> None:
-        check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+        check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
         if not isinstance(life_span, int) or life_span < 1:
             raise ValueError(f"life_span={life_span!r} must be an integer >= 1")
         if refresh_above is not None and not refresh_above > 1.0:
@@ -369,7 +368,7 @@ class DCTThreshold(Sparsifier):
         super().__init__(**kwargs)
         self._piece = piece
         self.stream = stream
-        self.sparsity = sparsity
+        self.ratio = ratio
         self.life_span = life_span
         self.refresh_above = refresh_above
         self.gain = gain
@@ -378,7 +377,7 @@ class DCTThreshold(Sparsifier):
 
     @property
     def density(self) -> float:
-        return 1.0 - self.sparsity
+        return self.ratio
 
     def _select(
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int
@@ -518,27 +517,27 @@ class LaplaceThreshold(Sparsifier):
     The paper fits a Laplace law to the entries and reads tau off its quantile
     function. We threshold magnitudes, so we fit the zero-centred Laplace whose
     magnitude is exponential with maximum-likelihood scale ``b = mean(|x|)``;
-    then ``P(|X| >= tau) = 1 - eta`` gives ``tau = b * ln(1 / (1 - eta))``.
+    then ``P(|X| >= tau) = ratio`` gives ``tau = b * ln(1 / ratio)``.
     One pass over the tensor, no selection. The achieved density drifts from
     the target as the fit does (the paper's Fig. 6b); it is in :attr:`trace`.
 
     Args:
-        sparsity: target fraction eta of entries dropped, in [0, 1).
+        ratio: target fraction ``1 - eta`` of entries kept, in (0, 1].
     """
 
-    def __init__(self, sparsity: float, **kwargs: Any) -> None:
-        check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+    def __init__(self, ratio: float, **kwargs: Any) -> None:
+        check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
         kwargs.setdefault("min_numel", LAPLACE_MIN_NUMEL)
         super().__init__(**kwargs)
-        self.sparsity = sparsity
+        self.ratio = ratio
 
     @property
     def density(self) -> float:
-        return 1.0 - self.sparsity
+        return self.ratio
 
     def threshold(self, magnitudes: torch.Tensor) -> float:
         """The Laplace estimate of tau for these magnitudes."""
-        return float(magnitudes.mean()) * -math.log1p(-self.sparsity)
+        return float(magnitudes.mean()) * -math.log(self.ratio)
 
     def _select(
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from thinwire.schemes.registry import RENAMED
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every flag's help ends with its default, unless the help already says what it is.
@@ -52,7 +54,7 @@ def split_option(text: str, flag: str = "--option") -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key:
-        raise ValueError(f"{flag} {text!r} must look like KEY=VALUE, e.g. sparsity=0.9")
+        raise ValueError(f"{flag} {text!r} must look like KEY=VALUE, e.g. ratio=0.1")
     return key, parse_value(value)
 
 
@@ -72,10 +74,27 @@ def parse_options(texts: Sequence[str], configs: Mapping[str, type],
     valid = sorted({f.name for config in configs.values() for f in dataclasses.fields(config)})
     parsed = dict(split_option(text, flag) for text in texts)
     unknown = [key for key in parsed if key not in valid]
+    for key in unknown:
+        if key in RENAMED:
+            raise ValueError(f"{flag} {key}: {RENAMED[key]}")
     if unknown:
         raise ValueError(f"{flag} {unknown[0]!r} is not an option of {', '.join(configs)}; "
                          f"valid keys: {', '.join(valid)}")
     return parsed
+
+
+class _Renamed(argparse.Action):
+    """A flag spelled another way before: using it is an error naming the new spelling."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} was renamed: {self.const}")
+
+
+def add_renamed(parser: argparse._ActionsContainer, flag: str, instead: str) -> None:
+    """Accept ``flag`` (hidden from ``--help``) only to fail naming ``instead``."""
+    parser.add_argument(flag, action=_Renamed, const=instead, default=None,
+                        help=argparse.SUPPRESS)
 
 
 def add_outputs(parser: argparse._ActionsContainer, command: str) -> None:

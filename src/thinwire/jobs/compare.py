@@ -46,20 +46,18 @@ def parse_options(options: list[str], names: list[str]) -> dict[str, Any]:
     return common.parse_options(options, {name: schemes.config_class(name) for name in names})
 
 
-def scheme_config(name: str, sparsity: float | None, life_span: int | None,
+def scheme_config(name: str, ratio: float | None, life_span: int | None,
                   options: list[str]) -> dict[str, Any]:
     """Map the shared command-line knobs onto the options scheme ``name`` has.
 
-    ``--sparsity`` sets ``sparsity``, or ``ratio = 1 - sparsity`` for schemes
-    that keep a ratio; ``--option KEY=VALUE`` applies to every scheme with KEY
-    (a key no scheme has is rejected by :func:`parse_options`).
+    ``--ratio`` sets ``ratio`` on every sparsifier; ``--option KEY=VALUE``
+    applies to every scheme with KEY (a key no scheme has is rejected by
+    :func:`parse_options`).
     """
     fields = {f.name for f in dataclasses.fields(schemes.config_class(name))}
     config: dict[str, Any] = {}
-    if sparsity is not None and "sparsity" in fields:
-        config["sparsity"] = sparsity
-    if sparsity is not None and "ratio" in fields:
-        config["ratio"] = 1.0 - sparsity
+    if ratio is not None and "ratio" in fields:
+        config["ratio"] = ratio
     if life_span is not None and "life_span" in fields:
         config["life_span"] = life_span
     config.update({key: value for key, value in map(common.split_option, options)
@@ -83,7 +81,7 @@ def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
 
 
 def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: float,
-            sparsity: float | None = None, life_span: int | None = None,
+            ratio: float | None = None, life_span: int | None = None,
             extra: list[str] | None = None,
             timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """Run every scheme in ``names`` on ``workers`` local ranks; rank 0's results.
@@ -105,7 +103,7 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
     if workers < 1:
         raise ValueError(f"workers={workers!r} must be >= 1")
     parse_options(extra or [], names)  # validate before spawning anything
-    runs = [(name, scheme_config(name, sparsity, life_span, extra or [])) for name in names]
+    runs = [(name, scheme_config(name, ratio, life_span, extra or [])) for name in names]
     for name, config in runs:
         schemes.build(name, **config)
     per_rank = spawn(_worker, workers, runs, options, timeout_s=timeout_s)

@@ -88,7 +88,7 @@ class PushCodec:
         layout: the model's parameters.
         scheme: a registered scheme built from a compressor and an optional
             memory (``"dense"``, ``"fp16"``, ``"topk"``, ``"dct-dp"``, ``"laplace"``).
-        **options: that scheme's config (e.g. ``sparsity=0.99, life_span=1000,
+        **options: that scheme's config (e.g. ``ratio=0.01, life_span=1000,
             drain_every=1_000_000``).
 
     Raises:

@@ -8,7 +8,7 @@ for in the caller's thread: at once for the step's last DDP bucket, else at
 the next bucket's launch, so the backward pass runs while P is on the wire.
 Through the DDP hook the error buffer holds ``M`` in place and ``G_hat`` is
 written straight into the bucket; the callback does elementwise maths only, so replicas stay bit
-identical whatever thread runs it. Before ``start_iter``, and for
+identical whatever thread runs it. Before ``warmup_steps``, and for
 tensors that do not compress (1-D, or ``(n + m) r >= n m / 2``), gradients
 are all-reduced dense. The maths is :mod:`thinwire.compress.powersgd`; the
 rounds are :class:`thinwire.comm.rounds.TwoRounds`.
@@ -33,8 +33,8 @@ from thinwire.comm.collectives import Future, Group, split_flat
 from thinwire.comm.rounds import TwoRounds, all_reduce_round
 from thinwire.compress import TensorInfo
 from thinwire.compress.powersgd import PowerSGD, as_matrix, orthonormalize, right
-from thinwire.feedback import Residual, all_finite
-from thinwire.schemes.base import Scheme
+from thinwire.feedback import Residual
+from thinwire.schemes.base import Scheme, count_step
 from thinwire.schemes.registry import register, validate_common
 
 
@@ -43,7 +43,7 @@ class PowerSGDConfig:
     """Options of ``powersgd``."""
 
     rank: int = 2  # r, columns of the factors P and Q, >= 1
-    start_iter: int = 0  # steps all-reduced dense before PowerSGD starts, >= 0
+    warmup_steps: int = 0  # steps all-reduced dense before PowerSGD starts, >= 0
     warm_start: bool = True  # reuse the previous step's Q (else draw a fresh one each step)
     seed: int = 0  # seeds the initial Q, equal on every rank
     error_feedback: bool = True  # keep M - G_hat and add it to the next gradient
@@ -52,9 +52,9 @@ class PowerSGDConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"rank={self.rank!r} must be an integer >= 1")
-        if (isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int)
-                or self.start_iter < 0):
-            raise ValueError(f"start_iter={self.start_iter!r} must be an integer >= 0")
+        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
+                or self.warmup_steps < 0):
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         for name in ("warm_start", "error_feedback"):
@@ -84,7 +84,7 @@ class PowerSGDScheme(Scheme):
 
     def low_rank(self, shape: tuple[int, ...], step: int) -> bool:
         """Whether a tensor of ``shape`` is compressed at ``step`` (the same on every rank)."""
-        return step >= self.config.start_iter and self.codec.compresses(shape)
+        return step >= self.config.warmup_steps and self.codec.compresses(shape)
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with PowerSGD; the future holds a dict."""
@@ -109,12 +109,8 @@ class PowerSGDScheme(Scheme):
         """Both front ends: with ``buffer``, ``grads`` are views of it and receive the mean."""
         start = time.perf_counter()
         _, n = world(group)
-        finite = all_finite(grads, self.config.nonfinite, flat=buffer)
-        if not finite:
-            self.skipped += 1
-        step = self.steps.get(next(iter(grads)), 0)
-        for key in grads:
-            self.steps[key] = self.steps.get(key, 0) + 1
+        finite = self._finite(grads, self.config.nonfinite, buffer)
+        step = count_step(self.steps, grads)
         low = [key for key, grad in grads.items() if self.low_rank(tuple(grad.shape), step)]
         low_keys = set(low)
         dense = [key for key in grads if key not in low_keys]

@@ -60,9 +60,15 @@ from thinwire.compress.cltk import (
 from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.compress.sparse import MIN_NUMEL
-from thinwire.feedback import LowPass, Memory, all_finite
-from thinwire.schemes.base import Scheme, joined, unflatten
-from thinwire.schemes.registry import register, validate_common, validate_ratio
+from thinwire.feedback import LowPass, Memory
+from thinwire.schemes.base import Scheme, count_step, unflatten
+from thinwire.schemes.registry import (
+    register,
+    validate_common,
+    validate_patterns,
+    validate_ratio,
+)
+from thinwire.schemes.streaming import joined
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,7 @@ class CLTkConfig:
         if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
                 or self.warmup_steps < 0):
             raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
-        # A comma-separated string (from a command line) is a list of patterns.
-        patterns = self.exclude.split(",") if isinstance(self.exclude, str) else self.exclude
-        if not all(isinstance(p, str) for p in patterns):
-            raise ValueError(f"exclude={self.exclude!r} must be name patterns (strings)")
-        patterns = tuple(p.strip() for p in patterns if p.strip())
-        object.__setattr__(self, "exclude", patterns)
+        validate_patterns(self)
         validate_common(self)
 
 
@@ -120,22 +121,20 @@ class _SelectedTopK(Scheme):
     def __init__(self, config: CLTkConfig) -> None:
         super().__init__()
         self.config = config
-        self.memory: Memory = LowPass(config.beta)  # thinwire.optim.couple may replace it
+        self.memory: Memory = LowPass(config.beta)  # couple_memory may replace it
         self.steps: dict[str, int] = {}  # key -> launches so far
         self.groups: dict[str, tuple[str, ...]] = {}  # key -> the keys last selected with it
 
-    def _begin(self, grads: Mapping[str, torch.Tensor]) -> int:
-        """This launch's step (that of its first key); advances every key's counter."""
-        step = self.steps.get(next(iter(grads)), 0)
-        for key in grads:
-            self.steps[key] = self.steps.get(key, 0) + 1
-        return step
+    @property
+    def density(self) -> float:
+        return self.config.ratio
 
-    def _finite(self, grads: Mapping[str, torch.Tensor]) -> bool:
-        finite = all_finite(grads, self.config.nonfinite)
-        if not finite:
-            self.skipped += 1
-        return finite
+    @property
+    def error_memory(self) -> Memory:
+        return self.memory
+
+    def couple_memory(self, memory: Memory) -> None:
+        self.memory = memory
 
     def sparse(self, key: str, numel: int, step: int) -> bool:
         """Whether ``key``'s tensor is sparsified at ``step`` (the same on every rank)."""
@@ -203,6 +202,8 @@ class CyclicLocalTopK(_SelectedTopK):
             A diagnostic: it costs a top-k per layer and launch.
     """
 
+    shared_indices = True
+
     def __init__(self, config: CLTkConfig) -> None:
         super().__init__(config)
         self.leader = 0
@@ -220,8 +221,8 @@ class CyclicLocalTopK(_SelectedTopK):
             return done({})
         start = time.perf_counter()
         rank, n = world(group)
-        finite = self._finite(grads)
-        step = self._begin(grads)
+        finite = self._finite(grads, self.config.nonfinite)
+        step = count_step(self.steps, grads)
         leader = self.leader = step % n
         sparse, dense = self._split(grads, step)
         dtype = _common_dtype(grads)
@@ -297,10 +298,8 @@ class CyclicLocalTopK(_SelectedTopK):
         rank, n = world(group)
         views = dict(zip([info.key for info in infos],
                          split_flat(buffer, [info.numel for info in infos])))
-        finite = all_finite(views, self.config.nonfinite, flat=buffer)
-        if not finite:
-            self.skipped += 1
-        step = self._begin(views)
+        finite = self._finite(views, self.config.nonfinite, buffer)
+        step = count_step(self.steps, views)
         leader = self.leader = step % n
         sparse = [info for info in infos if self.sparse(info.key, info.numel, step)]
         sparse_keys = {info.key for info in sparse}
@@ -475,8 +474,8 @@ class LocalTopK(_SelectedTopK):
             return done({})
         start = time.perf_counter()
         _, n = world(group)
-        finite = self._finite(grads)
-        step = self._begin(grads)
+        finite = self._finite(grads, self.config.nonfinite)
+        step = count_step(self.steps, grads)
         sparse, dense = self._split(grads, step)
         infos = {key: TensorInfo.of(key, grad) for key, grad in grads.items()}
         chosen: dict[str, torch.Tensor] = {}  # per sparse key, indices into its own tensor
