@@ -170,14 +170,14 @@ def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
     return indices.to(torch.int32).view(torch.uint8)
 
 
-def decode_indices(wire: torch.Tensor, k: int, numel: int) -> torch.Tensor:
+def decode_indices(encoded: torch.Tensor, k: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`encode_indices`: ``k`` int64 indices, ascending."""
     name, _ = _index_format(k, numel)
     if name == "bitmap":
-        return unpack_bits(wire[: math.ceil(numel / 8)], numel).nonzero().squeeze(1)
+        return unpack_bits(encoded[: math.ceil(numel / 8)], numel).nonzero().squeeze(1)
     if name == "index16":
-        return decode_index16(wire, k, k, numel)
-    return wire.view(torch.int32).to(torch.int64)
+        return decode_index16(encoded, k, k, numel)
+    return encoded.view(torch.int32).to(torch.int64)
 
 
 def _check_k(k: int, numel: int) -> None:

@@ -2,41 +2,18 @@
 
 Choices every sparsifier here shares (the papers leave them open):
 
-* Zeros are never sent. A threshold of 0 (an all-zero tensor, or a stale
-  threshold above every entry) therefore sends nothing rather than everything.
-* Ties at the threshold are all kept: the mask is the plain comparison
-  ``|x| >= tau`` of Algorithm 1 line 9 and never needs a sort, so the number
-  kept may exceed k when values repeat. The achieved density is recorded.
-* Every tensor is sparsified by default (:data:`MIN_NUMEL` = 0): a small
-  one keeps at least one entry a step. Tensors with fewer than ``min_numel``
-  entries, and ``ratio == 1``, travel dense. Sending biases and layer
-  norms dense would cost up to 4 KiB each a step: on the transformer and the
-  Fashion-MNIST convnet of docs/convergence.md that put the bytes at 12x and
-  28x fewer than dense instead of the 50x of 99 % sparsity, while with every
-  tensor sparse, momentum coupled and gradients at the virtual iterate the
-  steps to target stayed within 1.25x of dense's (4 workers, 3 seeds, every
-  workload there). The Laplace estimate keeps :data:`LAPLACE_MIN_NUMEL` =
-  1024: its fit passes nothing on a tensor of 1-32 entries. Tensors whose
-  keys match an ``exclude`` pattern (fnmatch, e.g. ``("*norm*",)``) travel
-  dense (DCT KDD'21 §3.3 compresses only the fully connected layers).
-* ``scope="layer"`` (the papers') selects per tensor, each tensor at the
-  target density. ``scope="bucket"`` selects once over all the sparsified
-  tensors a call sees (a DDP bucket, or every gradient of one dtype), so the
-  same total of entries goes where the compensated magnitudes are largest:
-  a small layer whose gradient is large, often the classifier, gets more
-  than its 1 % and a large, quiet one waits. On the digits MLP under SGD
-  momentum 0.9 at 99 % sparsity, coupled topk reached 80 % test accuracy in
-  1.25x dense's steps against 1.50x per layer (16 simulated seeds,
-  ``docs/data/coupling-scope.json``, docs/convergence.md). It is topk's
-  default; dct-dp keeps Algorithm 1's per-layer threshold by default. A
-  group's threshold state and call count are keyed by the group (its first
-  and last keys); the trace records each tensor's share.
-* Payloads have a fixed capacity (:meth:`Sparsifier.capacity`) so that a
-  sparse exchange is one all-gather with no round of lengths first. Exact
-  top-k never exceeds it; a threshold may pass more entries than that (ties,
-  a stale tau, a poor Laplace fit): then the ``capacity`` largest are sent
-  and the rest wait in the error memory for a later step.
-* Empty tensors produce header-only (empty sparse) payloads.
+* Zeros are never sent, and ties at the threshold are all kept (the mask is
+  Algorithm 1 line 9's ``|x| >= tau``, no sort); the achieved density is traced.
+* Every tensor is sparsified by default (:data:`MIN_NUMEL` = 0; Laplace:
+  1024, its fit passes nothing on a few entries); ``exclude`` patterns,
+  smaller tensors and ``ratio == 1`` travel dense (DCT KDD'21 §3.3 compresses
+  only the fully connected layers).
+* ``scope="layer"`` (the papers') selects per tensor; ``scope="bucket"`` once
+  over all the tensors of a call, so the same total goes where ``|p|`` is
+  largest. A group's state is keyed by its first and last keys.
+* Payloads have a fixed capacity (:meth:`Sparsifier.capacity`), so a sparse
+  exchange is one all-gather; what a threshold passes beyond it waits in the
+  error memory. Measured reasons for the defaults: docs/notes/engine.md.
 """
 
 from __future__ import annotations
@@ -297,41 +274,19 @@ class TopK(Sparsifier):
 class DCTThreshold(Sparsifier):
     """DCT-DP's reused top-K threshold, per tensor (DCT KDD'21 Algorithm 1).
 
-    Every ``life_span`` calls for a key (Alg. 1 lines 4-6, ``L | k``), tau is
-    recomputed as the k-th largest ``|x|`` with ``k = ceil(N ratio)``
-    by exact candidate selection (:func:`~thinwire.compress._select.kth_largest`:
-    a sampled lower bound, then ``kthvalue`` on the few entries above it, or the end
-    of a ``topk`` on a GPU).
-    Algorithm 1 indexes the ascending sort at ``floor(N * eta)``, which keeps
-    one entry more than the target; we index so that exactly k entries survive
-    when there are no ties, which makes ``life_span=1`` identical to
-    :class:`TopK`. Between refreshes tau is reused (line 8) and the mask is
-    ``|x| >= tau`` (line 9).
-
-    Budget guard (off by default): with ``refresh_above=f``, a reused tau
-    that lets more than ``f * k`` entries through is recomputed at once (one
-    selection on the steps where it fires).
-
-    Density control (off by default): with ``gain=g``, every call nudges the
-    reused tau for the next one, ``tau <- tau * exp(g * (sent / k - 1))``
-    (sent / k capped at 16), where sent is what tau passed this call, capped
-    at the payload's room unless it exceeds twice the room. It is an
-    integral controller on the arithmetic mean of sent, so a layer's density
-    averages the target over a run, and it needs no selection: a scalar per
-    call. Why not refresh tau when the density leaves a band: under error
-    feedback the memory piles up just below a reused tau, so the k-th largest
-    ``|p|`` sits right under the old tau whatever the rate at which entries
-    cross it; a refresh then barely moves tau and the layer keeps
-    under-sending (on the shaped-link MLP a +-25 % band refreshed on 30-45 %
-    of tensor-steps and still averaged 0.82-0.90 of the target). Nudging tau
-    releases the pile a little at a time instead. On that MLP (300 steps,
-    room for k), gain 0.05 kept each layer at 0.85-0.93 of the target with
-    one selection per layer (0.3 % of tensor-steps); 0.2 overshoots into
-    bursts that the payload capacity truncates (0.5 of the target). When
-    zeros leave fewer than k entries to send, the target is what can be
-    sent, so an embedding's untouched rows do not drive tau to 0.
-    A reused tau of 0 (a layer whose gradient was all zero at the refresh)
-    that passes more than k entries is recomputed at once.
+    Every ``life_span`` calls for a key (lines 4-6) tau is recomputed as the
+    k-th largest ``|x|``, ``k = ceil(N ratio)``, by exact candidate selection
+    (:func:`~thinwire.compress._select.kth_largest`); between refreshes it is
+    reused (line 8) and the mask is ``|x| >= tau`` (line 9). Algorithm 1 indexes
+    the sort at ``floor(N eta)``, one entry more than the target; we keep
+    exactly k, so ``life_span=1`` is :class:`TopK`. ``refresh_above=f``
+    recomputes a reused tau that passes more than ``f k`` entries. ``gain=g``
+    nudges the reused tau each call, ``tau *= exp(g (sent / k - 1))`` (sent/k
+    capped at 16): an integral controller on the mean of sent that needs no
+    selection, because under error feedback the memory piles up just below a
+    reused tau and a refresh barely moves it (docs/notes/engine.md). When zeros
+    leave fewer than k entries, the target is what can be sent; a reused tau of
+    0 that passes more than k entries is recomputed at once.
 
     Args:
         ratio: fraction ``1 - eta`` of entries kept, in (0, 1]; 1 sends dense.

@@ -111,6 +111,28 @@ class Scheme(ABC):
         """
         raise TypeError(f"{type(self).__name__} has no error memory to couple")
 
+    def _via_flat(self, grads: Mapping[str, torch.Tensor], group: Group) -> Future[Any]:
+        """:meth:`launch` through :meth:`launch_flat`: ``grads`` (not modified) copied into
+        one flat buffer per dtype and device, so a dict and a DDP bucket take one path."""
+        groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+        for key, grad in grads.items():
+            groups.setdefault((grad.dtype, grad.device), []).append(key)
+        futures = []
+        for keys in groups.values():
+            buffer = torch.cat([grads[key].reshape(-1) for key in keys])
+            futures.append(self.launch_flat(buffer, [TensorInfo.of(key, grads[key])
+                                                     for key in keys], group))
+
+        def split(fut: Future[Any]) -> dict[str, torch.Tensor]:
+            out: dict[str, torch.Tensor] = {}
+            for keys, done_future in zip(groups.values(), fut.value()):
+                views = split_flat(done_future.value(), [grads[key].numel() for key in keys])
+                out.update({key: view.view(grads[key].shape) for key, view in zip(keys, views)})
+            return {key: out[key] for key in grads}
+
+        both = collect(futures, [device for _, device in groups])
+        return both.then(split)
+
     def _charge(self, seconds: float) -> None:
         with self._lock:
             self.overhead_s += seconds
@@ -185,24 +207,7 @@ class CompressedScheme(Scheme):
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified): one flat buffer per dtype and device."""
-        groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
-        for key, grad in grads.items():
-            groups.setdefault((grad.dtype, grad.device), []).append(key)
-        futures = []
-        for keys in groups.values():
-            buffer = torch.cat([grads[key].reshape(-1) for key in keys])
-            futures.append(self.launch_flat(buffer, [TensorInfo.of(key, grads[key])
-                                                     for key in keys], group))
-
-        def split(fut: Future[Any]) -> dict[str, torch.Tensor]:
-            out: dict[str, torch.Tensor] = {}
-            for keys, done_future in zip(groups.values(), fut.value()):
-                views = split_flat(done_future.value(), [grads[key].numel() for key in keys])
-                out.update({key: view.view(grads[key].shape) for key, view in zip(keys, views)})
-            return {key: out[key] for key in grads}
-
-        both = collect(futures, [device for _, device in groups])
-        return both.then(split)
+        return self._via_flat(grads, group)
 
     def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
                     group: Group = None, *, last: bool = True) -> Future[Any]:

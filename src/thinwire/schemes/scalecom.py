@@ -1,31 +1,15 @@
 """ScaleCom's CLT-k (cyclic local top-k) and the local top-k baseline whose bytes build up.
 
-Both schemes share everything but the transport: the same k, the same
-selection (chunk-wise or exact top-k), the same low-pass error memory,
-warm-up and dense exclusions. ``scope="layer"`` (ScaleCom's) selects k per
-layer; ``scope="bucket"`` makes one selection of k = ``ratio`` of all the
-sparsified entries of a launch (a DDP bucket), as topk's bucket scope does,
-so a layer whose ``p`` is large gets more than its share. Its index set
-travels as one list over the bucket and the meter records the group as
-``first..last``. So a comparison of the two isolates the one
-thing ScaleCom changes -- who chooses the indices.
-
-* ``clt-k`` (:class:`CyclicLocalTopK`, ScaleCom App. E): at step t the
-  leader is rank ``t mod n``; it selects the top-k indices of its own
-  ``p = m + g`` and broadcasts them (entity ``"index"``); every rank gathers
-  its own ``p`` there and the values are all-reduced (``"W_grad"``).
-  Per-rank bytes handed: k values + k indices (or a bitmap) per layer (or
-  per bucket), the same at any world size.
-* ``local-topk`` (:class:`LocalTopK`): each rank sends its own top-k
-  (values + indices) by all-gather and sums what it receives; every rank
-  receives all n payloads, so its inbound bytes grow linearly with n (the
-  "gradient build-up" of ScaleCom App. F).
-
-The memory update is ``m <- (1 - beta) m + beta (p - C(p))`` with ``C(p)``
-this rank's own sparsified ``p`` (:class:`thinwire.feedback.LowPass`).
-Steps are counted per parameter name; the keys launched together (one DDP
-bucket) share the step of the first one, so every layer of a step has the
-same leader.
+Both share the k, the selection (chunk-wise or exact top-k), the low-pass
+error memory ``m <- (1 - beta) m + beta (p - C(p))``
+(:class:`thinwire.feedback.LowPass`), warm-up and exclusions, so a comparison
+isolates who chooses the indices. ``scope="layer"`` (ScaleCom's) selects k
+per layer, ``"bucket"`` once over a launch's sparse tensors (metered as
+``first..last``). ``clt-k`` (ScaleCom App. E): the leader ``step mod n``
+broadcasts its top-k indices of ``p = m + g`` and the values there are
+all-reduced, the same bytes at any world size. ``local-topk``: each rank's own
+top-k by all-gather, so inbound bytes grow with n (App. F's build-up). The
+keys launched together share the step of the first, so they share a leader.
 """
 
 from __future__ import annotations
@@ -214,74 +198,19 @@ class CyclicLocalTopK(_SelectedTopK):
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with CLT-k; the future holds a dict of results.
 
-        Round 1 broadcasts the leader's indices (waited for here), round 2
-        all-reduces the values at them together with the dense tensors.
+        The same path as a DDP bucket (:meth:`launch_flat`), on a copy of ``grads``
+        flat, one buffer per dtype and device.
         """
-        if not grads:
-            return done({})
-        start = time.perf_counter()
-        rank, n = world(group)
-        finite = self._finite(grads, self.config.nonfinite)
-        step = count_step(self.steps, grads)
-        leader = self.leader = step % n
-        sparse, dense = self._split(grads, step)
-        dtype = _common_dtype(grads)
-        compensated = {key: self._compensated(key, grads[key], finite) for key in sparse}
-        groups = self._groups(sparse)
-        plan = _Plan(self, groups, {key: grads[key].numel() for key in sparse},
-                     [joined([compensated[key] for key in keys]) for keys in groups])
-        wire = plan.wire(rank == leader, next(iter(grads.values())).device)
-        self._charge(time.perf_counter() - start)
-
-        def gather(received: torch.Tensor) -> torch.Tensor:
-            begin = time.perf_counter()
-            parts = []
-            for keys, p, chosen in plan.decode(received):
-                if finite:
-                    self._record_energy(keys, p, chosen)
-                    parts.append(p[chosen].to(dtype))
-                    for key in keys:
-                        q = compensated[key]
-                        self.memory.update(key, q, sparsify(q, plan.chosen[key]))
-                else:  # contribute nothing, leave the memory as it was
-                    parts.append(torch.zeros(chosen.numel(), dtype=dtype, device=p.device))
-            self.indices.update(plan.chosen)
-            for key in dense:
-                parts.append(self._whole(key, grads[key], finite).reshape(-1).to(dtype))
-            self._charge(time.perf_counter() - begin)
-            return joined(parts) if not dense else torch.cat(parts)  # a lone part is fresh
-
-        future = self.rounds.launch(
-            lambda: broadcast_indices(wire, leader, group, self.meter, plan.index_segments()),
-            gather, device=wire.device, group=group, meter=self.meter,
-            segments=plan.value_segments(dtype.itemsize)
-            + [(key, grads[key].numel() * dtype.itemsize) for key in dense])
-
-        def scatter(fut: Future[Any]) -> dict[str, torch.Tensor]:
-            begin = time.perf_counter()  # codec time: the decode, not the wait before it
-            mean = fut.value()
-            out: dict[str, torch.Tensor] = {}
-            for key, values in plan.values(mean):
-                grad = grads[key]
-                flat = torch.zeros(grad.numel(), dtype=grad.dtype, device=grad.device)
-                flat[plan.chosen[key]] = values.to(grad.dtype)
-                out[key] = flat.reshape(grad.shape)
-            out.update(unflatten(mean[plan.total_k:], [TensorInfo.of(key, grads[key])
-                                                       for key in dense]))
-            settled = self._settled(out, grads)
-            self._charge(time.perf_counter() - begin)
-            return settled
-
-        return future.then(scatter)
+        return self._via_flat(grads, group) if grads else done({})
 
     def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
                     group: Group = None, *, last: bool = True) -> Future[Any]:
-        """CLT-k on a DDP bucket's flat ``buffer``, in place; bit for bit :meth:`launch`.
+        """CLT-k on a flat ``buffer`` (a DDP bucket, or :meth:`launch`'s copy), in place.
 
         ``p = m + g`` is formed in the bucket itself; the leader selects on
         its per-layer views (or, with ``scope="bucket"``, once over them all),
-        the index sets are broadcast, every rank gathers its values there and
-        one all-reduce averages them with the dense tensors; the memory is
+        round 1 broadcasts the index sets, every rank gathers its values there and
+        round 2's all-reduce averages them with the dense tensors; the memory is
         updated in place where it can be
         (:meth:`~thinwire.feedback.LowPass.update_selected_`), the mean is
         decoded straight into ``buffer`` and settled there
@@ -313,7 +242,7 @@ class CyclicLocalTopK(_SelectedTopK):
         groups = self._groups([info.key for info in sparse])
         plan = _Plan(self, groups, {info.key: info.numel for info in sparse},
                      [_span(buffer, infos, keys, views) for keys in groups])
-        wire = plan.wire(rank == leader, buffer.device)
+        encoded = plan.encoded(rank == leader, buffer.device)
         self._charge(time.perf_counter() - start)
 
         def gather(received: torch.Tensor) -> torch.Tensor:
@@ -343,7 +272,7 @@ class CyclicLocalTopK(_SelectedTopK):
 
         size = buffer.element_size()
         future = self.rounds.launch(
-            lambda: broadcast_indices(wire, leader, group, self.meter, plan.index_segments()),
+            lambda: broadcast_indices(encoded, leader, group, self.meter, plan.index_segments()),
             gather, device=buffer.device, last=last, group=group, meter=self.meter,
             segments=plan.value_segments(size) + [(info.key, info.numel * size)
                                                   for info in dense])
@@ -381,7 +310,7 @@ class CyclicLocalTopK(_SelectedTopK):
 
 class _Plan:
     """One launch's selections: the groups of sparse keys that share one leader
-    selection (a key alone per layer), each group's k, index wire and result.
+    selection (a key alone per layer), each group's k, encoded index set and result.
 
     Args:
         scheme: gives k, the selection rule and room for ``|p|``.
@@ -402,7 +331,7 @@ class _Plan:
         self.chosen: dict[str, torch.Tensor] = {}  # key -> indices into its own tensor
         self.own: list[torch.Tensor] | None = None  # the leader's selection, per group
 
-    def wire(self, leading: bool, device: torch.device) -> torch.Tensor:
+    def encoded(self, leading: bool, device: torch.device) -> torch.Tensor:
         """The index sets the leader broadcasts (its own selection), or room for them."""
         if leading and self.groups:
             self.own = [select(p, k, self.selection, self.magnitudes(p))
@@ -514,10 +443,10 @@ class LocalTopK(_SelectedTopK):
             layout = SparseLayout(sum(grads[key].numel() for key in sparse),
                                   sum(self.k(sum(grads[key].numel() for key in keys))
                                       for keys in groups), sparse_dtype)
-            wire = layout.encode(torch.cat([chosen[key] + offsets[key] for key in sparse]),
+            payload = layout.encode(torch.cat([chosen[key] + offsets[key] for key in sparse]),
                                  torch.cat([values[key].to(sparse_dtype) for key in sparse]),
                                  ascending=True)  # each key's ascending, keys in order
-            futures.append(all_gather_fixed(wire, group, self.meter,
+            futures.append(all_gather_fixed(payload, group, self.meter,
                                             layout_segments(layout, [(key, chosen[key].numel())
                                                                      for key in sparse])))
         self._charge(time.perf_counter() - start)
@@ -530,7 +459,7 @@ class LocalTopK(_SelectedTopK):
                 out.update(unflatten(results.pop(0), [infos[key] for key in dense]))
             if sparse:  # summed in rank order, so every rank gets the same bits
                 assert sparse_dtype is not None
-                summed = torch.zeros(layout.numel, dtype=sparse_dtype, device=wire.device)
+                summed = torch.zeros(layout.numel, dtype=sparse_dtype, device=payload.device)
                 rows = results.pop(0)
                 for row, count in zip(rows, layout.counts(rows)):
                     indices, received = layout.decode(row, count)

@@ -61,7 +61,7 @@ class Streaming:
         self.compressor = compressor
         self.scheme = scheme
         self.rounds: dict[tuple[str, ...], int] = {}  # stream="auto": rounds launched
-        self.trials: dict[tuple[str, ...], list[tuple[float, float]]] = {}  # (codec, wire) s
+        self.trials: dict[tuple[str, ...], list[tuple[float, float]]] = {}  # (codec, exchange) s
         self.streaming: dict[tuple[str, ...], bool] = {}
 
     def cuts(self, buffer: torch.Tensor, sparse: Sequence[TensorInfo]) -> bool:
