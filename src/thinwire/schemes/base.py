@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,6 +18,8 @@ from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.compress.pieces import Streams
 from thinwire.feedback import Memory, all_finite
 from thinwire.schemes.streaming import Streaming, joined, offsets_of
+
+T = TypeVar("T")
 
 
 class Scheme(ABC):
@@ -136,6 +138,18 @@ class Scheme(ABC):
     def _charge(self, seconds: float) -> None:
         with self._lock:
             self.overhead_s += seconds
+
+    def _charged(self, callback: Callable[[Any], T]) -> Callable[[Any], T]:
+        """``callback`` (of a future, or of a round's result), its seconds charged to
+        :attr:`overhead_s`: the codec's time after the exchange, not the wait for it."""
+        def timed(arrived: Any) -> T:
+            begin = time.perf_counter()
+            try:
+                return callback(arrived)
+            finally:
+                self._charge(time.perf_counter() - begin)
+
+        return timed
 
     def _finite(self, grads: Mapping[str, torch.Tensor], policy: str,
                 flat: torch.Tensor | None = None) -> bool:
@@ -267,7 +281,6 @@ class CompressedScheme(Scheme):
             futures[-1] = stream.timed(sparse, handed - start, handed, futures[-1])
 
         def decode(fut: Future[Any]) -> torch.Tensor:
-            begin = time.perf_counter()
             results = [f.value() for f in fut.value()]
             if sparse and pieces is None:  # pieces are decoded as they arrive
                 self._sum_sparse(buffer, results.pop(), n)
@@ -276,10 +289,9 @@ class CompressedScheme(Scheme):
             if dense:
                 torch._foreach_copy_([views[info.key] for info in dense],
                                      split_flat(results.pop(), [i.numel for i in dense]))
-            self._charge(time.perf_counter() - begin)
             return buffer
 
-        return collect(futures, [buffer.device]).then(decode)
+        return collect(futures, [buffer.device]).then(self._charged(decode))
 
     def _launch_dense(self, dense: Sequence[TensorInfo], views: Mapping[str, torch.Tensor],
                       finite: bool, group: Group) -> Future[Any]:

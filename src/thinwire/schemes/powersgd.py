@@ -132,7 +132,6 @@ class PowerSGDScheme(Scheme):
         self._charge(time.perf_counter() - start)
 
         def second(p_mean: torch.Tensor) -> torch.Tensor:
-            begin = time.perf_counter()
             parts = []
             offset = 0
             for key in low:
@@ -147,13 +146,12 @@ class PowerSGDScheme(Scheme):
                     grad = grads[key].reshape(-1).to(dtype)
                     parts.append(grad if finite else torch.zeros_like(grad))
                 parts = [torch.cat(parts)]  # a copy: the all-reduce must not touch the grads
-            self._charge(time.perf_counter() - begin)
             return _fresh_flat(parts, dtype, device)
 
         size = dtype.itemsize
         p_segments = [(key, matrices[key].shape[0] * rank * size) for key in low]
         future = self.rounds.launch(
-            lambda: all_reduce_round(first, group, self.meter, p_segments), second,
+            lambda: all_reduce_round(first, group, self.meter, p_segments), self._charged(second),
             device=device, last=last, group=group, meter=self.meter,
             segments=[(key, matrices[key].shape[1] * rank * size) for key in low]
             + [(key, grads[key].numel() * size) for key in dense])
@@ -161,7 +159,6 @@ class PowerSGDScheme(Scheme):
         def decompress(fut: Future[Any]) -> Any:
             # Elementwise maths only (see reconstruct): identical bits on every rank
             # whichever thread runs this callback.
-            begin = time.perf_counter()
             mean = fut.value()
             out: dict[str, torch.Tensor] = {}
             offset = 0
@@ -183,10 +180,9 @@ class PowerSGDScheme(Scheme):
                 for key in grads:
                     if out[key].data_ptr() != grads[key].data_ptr():
                         grads[key].copy_(out[key])
-            self._charge(time.perf_counter() - begin)
             return buffer if buffer is not None else {key: out[key] for key in grads}
 
-        return future.then(decompress)
+        return future.then(self._charged(decompress))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "codec": self.codec.state_dict(),

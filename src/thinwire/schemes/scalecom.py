@@ -246,7 +246,6 @@ class CyclicLocalTopK(_SelectedTopK):
         self._charge(time.perf_counter() - start)
 
         def gather(received: torch.Tensor) -> torch.Tensor:
-            begin = time.perf_counter()
             parts = []
             for keys, p, chosen in plan.decode(received):
                 if finite:
@@ -267,18 +266,17 @@ class CyclicLocalTopK(_SelectedTopK):
                     parts.append(view)  # cat copies
                 else:
                     parts.append(torch.zeros_like(view))
-            self._charge(time.perf_counter() - begin)
             return joined(parts) if not dense else torch.cat(parts)  # a lone part is fresh
 
         size = buffer.element_size()
         future = self.rounds.launch(
             lambda: broadcast_indices(encoded, leader, group, self.meter, plan.index_segments()),
-            gather, device=buffer.device, last=last, group=group, meter=self.meter,
+            self._charged(gather), device=buffer.device, last=last, group=group,
+            meter=self.meter,
             segments=plan.value_segments(size) + [(info.key, info.numel * size)
                                                   for info in dense])
 
         def scatter(fut: Future[Any]) -> torch.Tensor:
-            begin = time.perf_counter()
             mean = fut.value()
             for key, values in plan.values(mean):
                 views[key].zero_().index_copy_(0, plan.chosen[key], values)
@@ -288,10 +286,9 @@ class CyclicLocalTopK(_SelectedTopK):
                 offset += info.numel
             for info in infos:  # what the optimiser steps with (EF21 keeps an estimate)
                 self.memory.settle_(info.key, views[info.key])
-            self._charge(time.perf_counter() - begin)
             return buffer
 
-        return future.then(scatter)
+        return future.then(self._charged(scatter))
 
     def _record_energy(self, keys: Sequence[str], p: torch.Tensor, chosen: torch.Tensor) -> None:
         """The energy diagnostic of one selection, recorded for each of its tensors."""
@@ -452,7 +449,6 @@ class LocalTopK(_SelectedTopK):
         self._charge(time.perf_counter() - start)
 
         def total(fut: Future[Any]) -> dict[str, torch.Tensor]:
-            begin = time.perf_counter()
             results = [f.value() for f in fut.value()]
             out: dict[str, torch.Tensor] = {}
             if dense:
@@ -469,10 +465,9 @@ class LocalTopK(_SelectedTopK):
                 out.update({key: part.view(grads[key].shape).to(grads[key].dtype)
                             for key, part in zip(sparse, parts)})
             settled = self._settled(out, grads)
-            self._charge(time.perf_counter() - begin)
             return settled
 
-        return collect(futures, [grads[key].device for key in grads]).then(total)
+        return collect(futures, [grads[key].device for key in grads]).then(self._charged(total))
 
 
 @register("clt-k", CLTkConfig)

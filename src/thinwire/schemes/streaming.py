@@ -15,8 +15,8 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -26,6 +26,8 @@ from thinwire.compress import TensorInfo
 from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.compress.pieces import TRIALS, Part, Streams, cut, pay
 from thinwire.feedback import Memory
+
+T = TypeVar("T")
 
 
 class Engine(Protocol):
@@ -37,6 +39,8 @@ class Engine(Protocol):
     def _magnitudes(self, buffer: torch.Tensor) -> torch.Tensor: ...
 
     def _charge(self, seconds: float) -> None: ...
+
+    def _charged(self, callback: Callable[[Any], T]) -> Callable[[Any], T]: ...
 
     def _record(self, segments: Sequence[tuple[str, int]], collective: str, n: int) -> None: ...
 
@@ -200,8 +204,8 @@ class Streaming:
                       for part in piece]
             future = all_gather_fixed(payload, group, scheme.meter,
                                       layout_segments(layout, counts))
-            futures.append(future.then(functools.partial(self._decode, buffer, layout,
-                                                         ranges, n)))
+            futures.append(future.then(scheme._charged(functools.partial(
+                self._decode, buffer, layout, ranges, n))))
         exact = compressor.value_dtype == buffer.dtype
         for info in tensors if finite else ():
             key = info.key
@@ -216,9 +220,7 @@ class Streaming:
     def _decode(self, buffer: torch.Tensor, layout: SparseLayout,
                 ranges: Sequence[tuple[int, int]], n: int, future: Future[Any]) -> None:
         """Decode one piece's rows into its ``ranges`` of ``buffer`` (on arrival)."""
-        begin = time.perf_counter()
         self.scheme._sum_sparse(buffer, (layout, future.value()), n, ranges)
-        self.scheme._charge(time.perf_counter() - begin)
 
     def state_dict(self) -> list[list[Any]]:
         return [[list(bucket), choice] for bucket, choice in self.streaming.items()]
