@@ -25,6 +25,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "dct-dp": ("dct-dp", {"ratio": 0.05, "life_span": 2}),  # default scope: the layer
     "dct-dp-bucket": ("dct-dp", {"ratio": 0.05, "life_span": 2, "scope": "bucket"}),
     "laplace": ("laplace", {"ratio": 0.1, "min_numel": 200}),
+    "local-topk": ("local-topk", {"ratio": 0.05, "warmup_steps": 1, "beta": 0.5}),
+    "local-topk-layer": ("local-topk", {"ratio": 0.05, "scope": "layer", "selection": "chunk"}),
 }
 
 

@@ -34,6 +34,7 @@ from thinwire.compress._select import (
     sparse_nonzero,
 )
 from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
+from thinwire.compress.cltk import SELECTIONS, layer_k
 from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, SparsePayload
 from thinwire.compress.pieces import STREAM_RULES
@@ -70,7 +71,7 @@ class Sparsifier(Compressor):
                  exclude: tuple[str, ...] = (), scope: str = "layer") -> None:
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel={min_numel!r} must be an integer >= 0")
-        if values not in _VALUE_DTYPES:
+        if values not in (*_VALUE_DTYPES, "native"):
             raise ValueError(f"values={values!r} must be one of {sorted(_VALUE_DTYPES)}")
         if not (isinstance(capacity, (int, float)) and math.isfinite(capacity)
                 and capacity >= 1.0):
@@ -83,7 +84,8 @@ class Sparsifier(Compressor):
         self.min_numel = min_numel
         self.exclude = tuple(exclude)
         self.index_format = indices
-        self.value_dtype = _VALUE_DTYPES[values]
+        self.native_values = values == "native"  # values travel in the tensor's own dtype
+        self.value_dtype = _VALUE_DTYPES.get(values, torch.float32)
         self.capacity_factor = float(capacity)
         # key -> the last TRACE_LENGTH (call index, threshold, achieved density), for
         # plots (DCT Fig. 2); bounded so long runs do not grow it without end.
@@ -95,6 +97,10 @@ class Sparsifier(Compressor):
     @abstractmethod
     def density(self) -> float:
         """Target fraction of entries kept."""
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype values of a ``dtype`` tensor travel in."""
+        return dtype if self.native_values else self.value_dtype
 
     def is_dense(self, info: TensorInfo) -> bool:
         """Whether ``info``'s tensor bypasses sparsification (same answer on every rank)."""
@@ -108,18 +114,19 @@ class Sparsifier(Compressor):
                                     - 1e-9))
 
     def empty(self, info: TensorInfo) -> Payload:
+        dtype = self.wire_dtype(info.dtype)
         if self.is_dense(info):
-            return DensePayload(torch.zeros(info.numel, dtype=self.value_dtype,
-                                            device=info.device))
+            return DensePayload(torch.zeros(info.numel, dtype=dtype, device=info.device))
         nothing = torch.zeros(0, dtype=torch.int64, device=info.device)
-        return SparsePayload(nothing.to(self.value_dtype), nothing, info.numel)
+        return SparsePayload(nothing.to(dtype), nothing, info.numel)
 
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Payload:
         flat = tensor.reshape(-1)
+        dtype = self.wire_dtype(flat.dtype)
         if self.is_dense(info):
-            return DensePayload(flat.to(self.value_dtype))
+            return DensePayload(flat.to(dtype))
         indices = self.indices(flat.abs(), info)
-        values = flat.index_select(0, indices).to(self.value_dtype)
+        values = flat.index_select(0, indices).to(dtype)
         return SparsePayload(values, indices, flat.numel())
 
     def indices(self, magnitudes: torch.Tensor, info: TensorInfo) -> torch.Tensor:
@@ -464,6 +471,49 @@ def _nonzero_at_least(magnitudes: torch.Tensor, k: int) -> int:
         if int(torch.count_nonzero(sample)) * numel >= 2 * k * sample.numel():
             return k
     return int(torch.count_nonzero(magnitudes))
+
+
+class Selection(Sparsifier):
+    """ScaleCom's local selection: ``k`` entries of each tensor (or group), exact top-k or
+    the largest of each of ``k`` chunks (:data:`~thinwire.compress.cltk.SELECTIONS`).
+
+    Exactly ``k = layer_k(N, ratio, k)`` entries go, zeros included, so the
+    payload's room is k. While :attr:`warming` every tensor travels dense.
+
+    Args:
+        ratio: fraction of entries kept, in (0, 1].
+        k: entries kept per tensor instead of ``ratio`` (capped at its size).
+        selection: ``"exact"`` or ``"chunk"``.
+    """
+
+    def __init__(self, ratio: float, *, k: int | None = None, selection: str = "exact",
+                 **kwargs: Any) -> None:
+        check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection={selection!r} must be one of {sorted(SELECTIONS)}")
+        super().__init__(**kwargs)
+        self.ratio, self.k, self.selection = ratio, k, selection
+        self.warming = False  # set per round by the scheme: warm-up steps travel dense
+
+    @property
+    def density(self) -> float:
+        return self.ratio
+
+    def is_dense(self, info: TensorInfo) -> bool:
+        """Dense while warming, when empty, small or excluded; ``ratio=1`` still selects."""
+        return (self.warming or info.numel == 0 or info.numel < self.min_numel
+                or any(fnmatchcase(info.key, p) for p in self.exclude))
+
+    def capacity(self, numel: int) -> int:
+        """Exactly k."""
+        return layer_k(numel, self.ratio, self.k)
+
+    def _select(
+        self, magnitudes: torch.Tensor, info: TensorInfo, call: int
+    ) -> tuple[torch.Tensor, float]:
+        indices = SELECTIONS[self.selection](magnitudes, self.capacity(magnitudes.numel()))
+        return indices, float(magnitudes.index_select(0, indices).min()) if indices.numel() \
+            else 0.0
 
 
 class LaplaceThreshold(Sparsifier):

@@ -298,7 +298,8 @@ class CompressedScheme(Scheme):
         """All-reduce the tensors the compressor keeps dense, as one concatenation."""
         compressor, memory = self.compressor, self.memory
         if (isinstance(compressor, Sparsifier)
-                and all(views[info.key].dtype == compressor.value_dtype for info in dense)
+                and all(compressor.wire_dtype(views[info.key].dtype) == views[info.key].dtype
+                        for info in dense)
                 and (memory is None or memory.forgets_what_is_sent)):
             # Sent whole and exactly: the payload is the tensor and no error is left,
             # so there is nothing to encode or remember per tensor.
@@ -337,8 +338,8 @@ class CompressedScheme(Scheme):
         compressor = self.compressor
         assert isinstance(compressor, Sparsifier)
         offsets = offsets_of(infos)
-        layout = SparseLayout(buffer.numel(), compressor.room(sparse), compressor.value_dtype,
-                              compressor.index_format)
+        layout = SparseLayout(buffer.numel(), compressor.room(sparse),
+                              compressor.wire_dtype(buffer.dtype), compressor.index_format)
         chosen: list[torch.Tensor] = []  # per sparse tensor, indices into its own view
         sent: list[torch.Tensor] = []
         if finite:
@@ -427,11 +428,3 @@ def count_step(steps: dict[str, int], keys: Iterable[str]) -> int:
     for key in keys:
         steps[key] = steps.get(key, 0) + 1
     return step
-
-
-def unflatten(flat: torch.Tensor, infos: Sequence[TensorInfo]) -> dict[str, torch.Tensor]:
-    """Split a flat (averaged) buffer back into the tensors it was concatenated from."""
-    if not infos:
-        return {}
-    parts = torch.split(flat, [info.numel for info in infos])
-    return {info.key: part.to(info.dtype).reshape(info.shape) for info, part in zip(infos, parts)}

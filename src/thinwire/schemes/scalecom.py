@@ -14,19 +14,16 @@ keys launched together share the step of the first, so they share a leader.
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from functools import reduce
 from typing import Any
 
 import torch
 
-from thinwire.comm import all_reduce_mean, done, world
-from thinwire.comm._metered import record_segments
-from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect, split_flat
+from thinwire.comm import done, world
+from thinwire.comm.collectives import Future, Group, split_flat
 from thinwire.comm.rounds import TwoRounds
 from thinwire.comm.shared_index import broadcast_indices
 from thinwire.compress import TensorInfo
@@ -39,13 +36,11 @@ from thinwire.compress.cltk import (
     index_nbytes,
     layer_k,
     select,
-    sparsify,
 )
 from thinwire.compress.grouping import regroup, split_ascending
-from thinwire.compress.payload import SparseLayout, layout_segments
-from thinwire.compress.sparse import MIN_NUMEL
+from thinwire.compress.sparse import MIN_NUMEL, Selection
 from thinwire.feedback import LowPass, Memory
-from thinwire.schemes.base import Scheme, count_step, unflatten
+from thinwire.schemes.base import CompressedScheme, Scheme, count_step
 from thinwire.schemes.registry import (
     register,
     validate_common,
@@ -89,10 +84,6 @@ class CLTkConfig:
 @dataclass(frozen=True)
 class LocalTopKConfig(CLTkConfig):
     """Options of ``local-topk``: those of ``clt-k``, so the two compare like for like."""
-
-
-def _common_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
-    return reduce(torch.promote_types, (t.dtype for t in tensors.values()))
 
 
 class _SelectedTopK(Scheme):
@@ -144,24 +135,6 @@ class _SelectedTopK(Scheme):
         sparse_keys = set(sparse)
         dense = [key for key in grads if key not in sparse_keys]
         return sparse, dense
-
-    def _compensated(self, key: str, grad: torch.Tensor, finite: bool) -> torch.Tensor:
-        # A skipped (non-finite) gradient counts as zero: p is the memory alone.
-        return self.memory.compensate(key, grad if finite else torch.zeros_like(grad))
-
-    def _whole(self, key: str, grad: torch.Tensor, finite: bool) -> torch.Tensor:
-        """A tensor sent dense, through the memory so a coupled momentum covers it too
-        (with everything sent, plain error feedback keeps a zero error)."""
-        if not finite:  # contribute nothing, leave the memory as it was
-            return torch.zeros_like(grad)
-        p = self.memory.compensate(key, grad)
-        self.memory.update(key, p, p)
-        return p
-
-    def _settled(self, out: Mapping[str, torch.Tensor],
-                 keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The optimiser's tensors from the means (:meth:`~thinwire.feedback.Memory.settle`)."""
-        return {key: self.memory.settle(key, out[key]) for key in keys}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "memory": self.memory.state_dict(),
@@ -384,90 +357,39 @@ def _span(buffer: torch.Tensor, infos: Sequence[TensorInfo], keys: Sequence[str]
     return torch.cat([views[key] for key in keys])
 
 
-class LocalTopK(_SelectedTopK):
-    """Local top-k with error feedback: each rank's own indices, exchanged by sparse all-gather.
+class LocalTopK(CompressedScheme):
+    """Local top-k with low-pass error feedback: each rank's own indices, by sparse all-gather.
 
-    The sparse tensors of a launch travel as one fixed-capacity payload (``k``
-    values + int32 indices per layer, or a bitmap, with a count header:
-    :class:`~thinwire.compress.payload.SparseLayout`) through one all-gather
-    (:func:`thinwire.comm.collectives.all_gather_fixed`); each rank sums all
-    n payloads in rank order and divides by n. Dense tensors are all-reduced.
+    The engine (:class:`~thinwire.schemes.base.CompressedScheme`) with ScaleCom's
+    selection (:class:`~thinwire.compress.sparse.Selection`, values in the
+    gradient's own dtype) and the low-pass memory (:class:`~thinwire.feedback.LowPass`):
+    every rank receives all n payloads and sums them in rank order.
+
+    Args:
+        config: a :class:`LocalTopKConfig` (those of ``clt-k``).
     """
 
-    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
-        """Average ``grads`` (not modified) with local top-k; the future holds a dict."""
-        if not grads:
-            return done({})
-        start = time.perf_counter()
-        _, n = world(group)
-        finite = self._finite(grads, self.config.nonfinite)
-        step = count_step(self.steps, grads)
-        sparse, dense = self._split(grads, step)
-        infos = {key: TensorInfo.of(key, grad) for key, grad in grads.items()}
-        chosen: dict[str, torch.Tensor] = {}  # per sparse key, indices into its own tensor
-        values: dict[str, torch.Tensor] = {}
-        compensated = {key: self._compensated(key, grads[key], finite) for key in sparse}
-        groups = self._groups(sparse)
-        for keys in groups:  # one selection per layer, or per bucket
-            if finite:
-                p = joined([compensated[key] for key in keys])
-                picked = select(p, self.k(p.numel()), self.config.selection,
-                                self._magnitudes(p))
-                chosen.update(zip(keys, split_ascending(picked, [grads[key].numel()
-                                                                 for key in keys])))
-            else:  # contribute nothing, leave the memory as it was
-                chosen.update({key: torch.zeros(0, dtype=torch.int64, device=grads[key].device)
-                               for key in keys})
-        for key in sparse:
-            p = compensated[key]
-            if finite:
-                self.memory.update(key, p, sparsify(p, chosen[key]))
-            values[key] = p.reshape(-1)[chosen[key]]
-        futures = []
-        if dense:
-            dtype = _common_dtype({key: grads[key] for key in dense})
-            flat = torch.cat([self._whole(key, grads[key], finite).reshape(-1).to(dtype)
-                              for key in dense])
-            size = flat.element_size()
-            record_segments(self.meter, "W_grad", "all_reduce",
-                            [(key, grads[key].numel() * size) for key in dense], n)
-            futures.append(all_reduce_mean(flat, group))
-        sparse_dtype = _common_dtype({key: grads[key] for key in sparse}) if sparse else None
-        offsets = dict(zip(sparse, itertools.accumulate(
-            [0] + [grads[key].numel() for key in sparse])))
-        if sparse:  # one fixed-capacity payload (k per layer), one all-gather round
-            assert sparse_dtype is not None
-            layout = SparseLayout(sum(grads[key].numel() for key in sparse),
-                                  sum(self.k(sum(grads[key].numel() for key in keys))
-                                      for keys in groups), sparse_dtype)
-            payload = layout.encode(torch.cat([chosen[key] + offsets[key] for key in sparse]),
-                                 torch.cat([values[key].to(sparse_dtype) for key in sparse]),
-                                 ascending=True)  # each key's ascending, keys in order
-            futures.append(all_gather_fixed(payload, group, self.meter,
-                                            layout_segments(layout, [(key, chosen[key].numel())
-                                                                     for key in sparse])))
-        self._charge(time.perf_counter() - start)
+    def __init__(self, config: CLTkConfig) -> None:
+        self.selection = Selection(config.ratio, k=config.k, selection=config.selection,
+                                   min_numel=config.min_numel, exclude=config.exclude,
+                                   scope=config.scope, values="native")
+        super().__init__(self.selection, LowPass(config.beta), config.nonfinite)
+        self.config = config
+        self.steps: dict[str, int] = {}  # key -> launches so far
 
-        def total(fut: Future[Any]) -> dict[str, torch.Tensor]:
-            results = [f.value() for f in fut.value()]
-            out: dict[str, torch.Tensor] = {}
-            if dense:
-                out.update(unflatten(results.pop(0), [infos[key] for key in dense]))
-            if sparse:  # summed in rank order, so every rank gets the same bits
-                assert sparse_dtype is not None
-                summed = torch.zeros(layout.numel, dtype=sparse_dtype, device=payload.device)
-                rows = results.pop(0)
-                for row, count in zip(rows, layout.counts(rows)):
-                    indices, received = layout.decode(row, count)
-                    summed.index_add_(0, indices, received)
-                summed.div_(n)
-                parts = split_flat(summed, [grads[key].numel() for key in sparse])
-                out.update({key: part.view(grads[key].shape).to(grads[key].dtype)
-                            for key, part in zip(sparse, parts)})
-            settled = self._settled(out, grads)
-            return settled
+    def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
+                    group: Group = None, *, last: bool = True) -> Future[Any]:
+        """The engine's launch, dense for the first ``warmup_steps`` of its tensors."""
+        step = count_step(self.steps, [info.key for info in infos])
+        self.selection.warming = step < self.config.warmup_steps
+        return super().launch_flat(buffer, infos, group, last=last)
 
-        return collect(futures, [grads[key].device for key in grads]).then(self._charged(total))
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.steps = dict(state["steps"])
 
 
 @register("clt-k", CLTkConfig)
