@@ -236,7 +236,7 @@ class Sparsifier(Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._calls = dict(state["calls"])
-        self.groups = dict(state.get("groups", {}))  # none before scope="bucket" existed
+        self.groups = dict(state.get("groups", {}))  # a checkpoint without groups: none yet
 
 
 def _above(magnitudes: torch.Tensor, tau: float) -> torch.Tensor:

@@ -1,21 +1,16 @@
 """PowerSGD (Vogels et al., NeurIPS 2019) as a scheme: two all-reduce rounds, gloo-safe.
 
 Per parameter (never per bucket, so DDP's re-bucketing cannot mix up state):
-``M = grad + error`` as a matrix, ``P = M Q``, all-reduce P,
-``P_hat = orthonormalize(P)``, ``Q = M^T P_hat``, all-reduce Q together with
-the dense tensors, ``G_hat = P_hat Q^T``, ``error <- M - G_hat``. P is waited
-for in the caller's thread: at once for the step's last DDP bucket, else at
-the next bucket's launch, so the backward pass runs while P is on the wire.
-Through the DDP hook the error buffer holds ``M`` in place and ``G_hat`` is
-written straight into the bucket; the callback does elementwise maths only, so replicas stay bit
-identical whatever thread runs it. Before ``warmup_steps``, and for
-tensors that do not compress (1-D, or ``(n + m) r >= n m / 2``), gradients
-are all-reduced dense. The maths is :mod:`thinwire.compress.powersgd`; the
-rounds are :class:`thinwire.comm.rounds.TwoRounds`.
-
-No collective is ever issued or waited on inside a future callback, so it
-works through the DDP hook with any number of buckets on gloo, where torch
-2.13's own ``powerSGD_hook`` deadlocks.
+``M = grad + error``, all-reduce ``P = M Q``, ``P_hat = orthonormalize(P)``,
+all-reduce ``Q = M^T P_hat`` with the dense tensors, ``G_hat = P_hat Q^T``,
+``error <- M - G_hat`` (the maths: :mod:`thinwire.compress.powersgd`). P is
+waited for in the caller's thread, at once for the step's last DDP bucket,
+else at the next launch (:class:`thinwire.comm.rounds.TwoRounds`), so the
+backward pass runs while P is on the wire; no collective is issued or waited
+on in a callback, which is how torch 2.13's ``powerSGD_hook`` deadlocks on
+gloo. Callbacks do elementwise maths only, so replicas stay bit identical
+whatever thread runs them. Before ``warmup_steps``, and for tensors that do
+not compress, gradients are all-reduced dense.
 """
 
 from __future__ import annotations

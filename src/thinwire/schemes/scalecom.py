@@ -144,7 +144,7 @@ class _SelectedTopK(Scheme):
         super().load_state_dict(state)
         self.memory.load_state_dict(state["memory"])
         self.steps = dict(state["steps"])
-        self.groups = dict(state.get("groups", {}))  # none before scope="bucket" existed
+        self.groups = dict(state.get("groups", {}))  # a checkpoint without groups: none yet
 
 
 class CyclicLocalTopK(_SelectedTopK):
