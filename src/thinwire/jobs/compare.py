@@ -115,9 +115,9 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
         dense_bytes = sum(w.numel() * w.element_size() for w in weights[0])
         result["dense_bytes_per_step"] = dense_bytes
         result["compression_ratio"] = dense_bytes / max(result["bytes_sent_per_step"], 1e-9)
-        wire = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
+        busiest = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
         per_step = (result["compute_ms_per_step"] + result["overhead_ms_per_step"]) / 1000.0
-        result["modelled_s"] = options.steps * (per_step + 8.0 * wire / bandwidth_bps)
+        result["modelled_s"] = options.steps * (per_step + 8.0 * busiest / bandwidth_bps)
         result["bandwidth_bps"] = bandwidth_bps
         result["workers"] = workers
     return results
