@@ -77,7 +77,7 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
              targets: Sequence[float] = (),
              scope: str = "layer", workload: str = "digits-mlp",
              ) -> tuple[dict[float, int | None], float]:
-    """Steps until ``workload`` first reaches each test accuracy of ``targets`` and its own
+    """Steps until ``workload`` first reaches each test metric of ``targets`` and its own
     target (None: not in ``steps``), and dense's bytes over the bytes each worker sent, up
     to the last of them."""
     work = workloads.load(workload, seed=seed)
@@ -273,9 +273,10 @@ def _evaluate(work: workloads.Workload, model: torch.nn.Module, step: int, every
     """Record the targets first reached at this step; whether all of them are."""
     if (step + 1) % every:
         return False
-    accuracy = work.accuracy(model)
+    score = work.score(model)
     for target in reached:
-        if reached[target] is None and accuracy >= target:
+        if reached[target] is None and (score <= target if work.lower_is_better
+                                        else score >= target):
             reached[target] = step + 1
     return all(reached.values())
 

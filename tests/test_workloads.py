@@ -27,7 +27,10 @@ def test_workload_builds_the_same_model_per_seed_and_learns_a_step(name: str) ->
         assert torch.equal(a, b)
     assert set(workloads.RECIPES[name]) == {"optimizer", "momentum", "lr", "batch_size",
                                             "steps"}
-    assert 0.5 < work.target < 1.0
+    if work.lower_is_better:  # bits per byte: below a uniform guess over the 256 bytes
+        assert (work.metric, 0.0 < work.target < 8.0) == ("bits per byte", True)
+    else:
+        assert work.metric == "test accuracy" and 0.5 < work.target < 1.0
     shard = work.train.shard(1, 3)
     assert len(shard) == len(work.train) // 3
     batch = shard.rows(slice(0, 16))
@@ -43,6 +46,8 @@ def test_workload_builds_the_same_model_per_seed_and_learns_a_step(name: str) ->
         losses.append(float(loss.detach()))
     assert losses[1] < losses[0]
     assert 0.0 <= work.accuracy(first, rows=64) <= 1.0
+    assert work.reached(work.target) and not work.reached(
+        work.target + (1.0 if work.lower_is_better else -1.0) * 0.01)
 
 
 def test_recipe_fills_what_the_command_line_leaves_unset() -> None:
@@ -143,3 +148,23 @@ def test_dlrm_reference_init_keeps_the_logit_alive() -> None:
     assert spread > 5 * shrunk  # the default's eight layers shrink the logit towards 0
     with pytest.raises(ValueError, match="init='xavier'"):
         dlrm.dlrm(3, [2], init="xavier")
+
+
+def test_a_short_dense_run_lowers_text_lm_validation_bits_per_byte() -> None:
+    work = workloads.load("text-lm", seed=0)
+    assert work.train.inputs.shape[1] == work.train.targets.shape[1] == workloads.TEXT_CONTEXT
+    assert torch.equal(work.train.inputs[:, 1:], work.train.targets[:, :-1])  # the next byte
+    assert torch.equal(work.test.inputs, workloads.load("text-lm", seed=1).test.inputs)
+    recipe = workloads.RECIPES["text-lm"]
+    model = work.model(0)
+    optimizer = workloads.optimizer(recipe["optimizer"], model.parameters(), recipe["lr"],
+                                    recipe["momentum"])
+    before = work.score(model, rows=64)
+    assert abs(before - 8.0) < 0.5  # about a uniform guess over 256 bytes at the start
+    for step in range(30):
+        batch = work.train.rows(slice(8 * step, 8 * step + 8))
+        loss = work.loss(model(batch.inputs), batch.targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert work.score(model, rows=64) < before - 1.0

@@ -130,7 +130,7 @@ class Task:
     model: nn.Module
     compute_s: float  # median local forward + backward + update, without communication
     loss: Callable[[nn.Module], torch.Tensor]  # the next batch's loss through ``net``
-    accuracy: Callable[[], float]  # test accuracy of ``model``
+    accuracy: Callable[[], float]  # the test metric of ``model`` (the workload's score)
 
 
 def task(options: dict[str, Any], rank: int, world_size: int) -> Task:
@@ -160,7 +160,7 @@ def task(options: dict[str, Any], rank: int, world_size: int) -> Task:
         return work.loss(net(batch.inputs, **batch.side), batch.targets)
 
     return Task(model, step_seconds(model, work, rows, batch_size), loss,
-                lambda: work.accuracy(model))
+                lambda: work.score(model))
 
 
 def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -203,7 +203,8 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         acc = job.accuracy()
         curve.append((step, elapsed, acc))
         # Every rank must stop at the same step: agree on (reached, elapsed) first.
-        flags = torch.tensor([float(acc >= target), elapsed], dtype=torch.float64)
+        met = acc <= target if options.get("lower_is_better") else acc >= target
+        flags = torch.tensor([float(met), elapsed], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if reached is None and flags[0] > 0:
             reached = (step, elapsed)

@@ -15,7 +15,15 @@ import sys
 
 from thinwire import schemes
 from thinwire.jobs import board, common
-from thinwire.jobs.compare import compare, header, parse_bandwidth, plot, table_rows
+from thinwire.jobs.compare import (
+    compare,
+    header,
+    lone_worker,
+    parse_bandwidth,
+    plot,
+    references,
+    table_rows,
+)
 from thinwire.jobs.dataparallel import CLIP_AT, PRECISIONS, RUN_FEEDBACKS, RunOptions
 from thinwire.jobs.workloads import OPTIMIZERS, RECIPES, WORKLOADS
 from thinwire.launch import add_timeout
@@ -84,14 +92,27 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
                              "in DIR/<scheme> (needs the tensorboard package)")
 
 
+def add_sites(parser: argparse.ArgumentParser) -> None:
+    """``--sites S``: FSDP2 inside each of S sites, the scheme across them."""
+    parser.add_argument("--sites", type=int, default=None, metavar="S",
+                        help="shard the model with FSDP2 inside each of S sites (shards per "
+                             "site = workers / S) and send each shard's gradient across sites "
+                             "through the scheme (thinwire.fsdp); the scheme native-hsdp is "
+                             "then torch's own HSDP. Default: no sharding (DDP)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                         help="comma-separated scheme names, from thinwire schemes")
     parser.add_argument("--workers", type=int, default=4, help="local worker processes")
+    add_sites(parser)
     add_recipe_options(parser)
     add_scheme_options(parser)
     parser.add_argument("--bandwidth", default="100mbit",
                         help="link rate for the modelled time (compute + bytes / rate)")
+    parser.add_argument("--no-lone", dest="lone", action="store_false",
+                        help="skip the lone-worker reference run (dense, same recipe, one "
+                             "worker); its row then shows no time")
     common.add_outputs(parser, "compare")
     add_timeout(parser)
 
@@ -124,22 +145,34 @@ def run(args: argparse.Namespace) -> int:
         board.writer_class()
     bandwidth_bps = parse_bandwidth(args.bandwidth)
     results = compare(names, args.workers, options, bandwidth_bps, args.ratio,
-                      args.life_span, args.option, args.timeout)
+                      args.life_span, args.option, args.timeout, sites=args.sites)
+    dense = next((r for r in results if r["scheme"] == "dense"), None)
+    lone = (dense if args.workers == 1 else lone_worker(options, args.timeout)
+            if args.lone else None)
+    extra = references(results, lone, args.workers)
     out = common.run_folder(args.out, "compare")
-    rows = table_rows(results)
+    rows = table_rows(results, extra)
+    metric = results[0]["metric"]
+    table = common.markdown_table(header(args.bandwidth, metric), rows)
     common.write_results(
         out, "compare", args, results,
         f"# thinwire compare\n\n{options.workload}, {options.optimizer} (lr {options.lr}, "
         f"momentum {options.momentum}, weight decay "
         f"{'default' if options.weight_decay is None else options.weight_decay}, "
         f"{clipping(options)}, {options.precision}, "
-        f"coupled {options.couple}), target test accuracy "
-        f"{results[0]['target']}; {args.workers} workers, {options.steps} steps, "
+        f"coupled {options.couple}), target {metric} "
+        f"{results[0]['target']}; {args.workers} workers"
+        f"{'' if args.sites is None else f' in {args.sites} sites (FSDP2 inside each)'}, "
+        f"{options.steps} steps, "
         f"ratio {args.ratio}, life-span {args.life_span}; a step's compute "
         f"{results[0]['compute_ms_per_step']:.2f} ms (one probe for every scheme).\n\n"
-        f"{common.markdown_table(header(args.bandwidth), rows)}\n")
+        f"{table}\n\nlone worker: dense with the same recipe on one worker, no "
+        f"communication; compute-only bound: dense's steps to target at {args.workers} "
+        "workers with free communication. Times to target are steps x (compute + overhead "
+        f"+ bytes / {args.bandwidth}); x bound: a time as a multiple of the bound's.\n",
+        references=extra)
     figures = plot(results, out)
-    print(common.text_table(header(args.bandwidth), rows))
+    print(common.text_table(header(args.bandwidth, metric), rows))
     print(f"wrote {out}/results.json, results.md, " + ", ".join(f.name for f in figures))
     diverged = [r["scheme"] for r in results if not r["replicas_identical"]]
     broken = [r["scheme"] for r in results if not math.isfinite(r["test_accuracy"])]

@@ -187,15 +187,19 @@ def run_folder(out: Path | None, command: str) -> Path:
 
 
 def write_results(folder: Path, command: str, args: argparse.Namespace, runs: Sequence[Any],
-                  markdown: str) -> None:
+                  markdown: str, references: Sequence[Any] | None = None) -> None:
     """``results.json`` and ``results.md`` in ``folder``, and the JSON again at ``args.json``.
 
     ``results.json`` holds ``{"command", "options", "runs"}``: the subcommand, every
-    option it ran with, and one entry per run.
+    option it ran with, and one entry per run; with ``references``, also
+    ``"references"``: the rows the runs are measured against (``thinwire compare``'s
+    lone worker and compute-only bound).
     """
     options = {key: value for key, value in vars(args).items() if not callable(value)}
-    text = json.dumps({"command": command, "options": options, "runs": list(runs)},
-                      indent=1, default=str)
+    record: dict[str, Any] = {"command": command, "options": options, "runs": list(runs)}
+    if references is not None:
+        record["references"] = list(references)
+    text = json.dumps(record, indent=1, default=str)
     (folder / "results.json").write_text(text)
     (folder / "results.md").write_text(markdown if markdown.endswith("\n") else markdown + "\n")
     if args.json is not None:

@@ -20,6 +20,7 @@ import torch
 from thinwire import schemes
 from thinwire.jobs import common
 from thinwire.jobs.dataparallel import RunOptions, run_scheme, shared_compute_seconds
+from thinwire.jobs.sharded import NATIVE, check_sites, run_sharded
 from thinwire.launch import DEFAULT_TIMEOUT_S, spawn
 from thinwire.progress import StepBar
 
@@ -66,13 +67,16 @@ def scheme_config(name: str, ratio: float | None, life_span: int | None,
 
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
-            options: RunOptions) -> list[dict[str, Any]]:
+            options: RunOptions, sites: int | None = None) -> list[dict[str, Any]]:
     compute_s = shared_compute_seconds(options)
     bar = StepBar(len(runs) * options.steps, show=rank == 0)
     results = []
     for name, config in runs:
-        result = run_scheme(name, config, options, compute_s=compute_s,
-                            progress=functools.partial(bar.update, description=name))
+        progress = functools.partial(bar.update, description=name)
+        result = (run_scheme(name, config, options, compute_s=compute_s, progress=progress)
+                  if sites is None else
+                  run_sharded(name, config, options, sites, compute_s=compute_s,
+                              progress=progress))
         if rank != 0:  # the other ranks only report their weights, to check replicas
             result = {"weights": result["weights"]}
         results.append(result)
@@ -80,21 +84,72 @@ def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
     return results
 
 
+def lone_worker(options: RunOptions, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Dense under ``options`` on one worker: the same recipe, seed and probe, no peers."""
+    result: dict[str, Any] = spawn(_worker, 1, [("dense", {})], options,
+                                   timeout_s=timeout_s)[0][0]
+    result.pop("weights", None)
+    return result
+
+
+def references(results: list[dict[str, Any]], lone: dict[str, Any] | None,
+               workers: int) -> list[dict[str, Any]]:
+    """The rows every time-to-target table carries beside the schemes, and each scheme's
+    ``bound_multiple`` (modified in place).
+
+    * ``lone worker``: the same recipe on one worker, with no communication: its steps
+      to target x the compute step of ``results``' shared probe.
+    * ``compute-only bound``: ``workers`` workers with free communication: dense's steps
+      to target at ``workers`` x the same compute step, the limit of synchronous training.
+
+    Each row carries the recipe (``recipe``) of the runs it sits beside; a row whose
+    steps are unknown (no dense run, or the target not reached) has time None.
+    """
+    first = results[0]
+    compute_s = first["compute_ms_per_step"] / 1000.0
+    dense = next((r for r in results if r["scheme"] == "dense"), None)
+    rows = []
+    for name, steps, run, count in (
+            ("lone worker", None if lone is None else lone["steps_to_target"], lone, 1),
+            ("compute-only bound", None if dense is None else dense["steps_to_target"], dense,
+             workers)):
+        rows.append({"scheme": name, "reference": True, "workers": count,
+                     "recipe": dict(first["recipe"]), "workload": first["workload"],
+                     "target": first["target"], "metric": first["metric"],
+                     "steps_to_target": steps, "compute_ms_per_step": first["compute_ms_per_step"],
+                     "time_to_target_s": None if steps is None else steps * compute_s,
+                     "test_accuracy": None if run is None else run["test_accuracy"],
+                     "test_score": None if run is None else run["test_score"],
+                     "final_loss": None if run is None else run["final_loss"]})
+    bound = rows[1]["time_to_target_s"]
+    for row in [*results, *rows]:
+        time_s = row.get("time_to_target_s")
+        row["bound_multiple"] = time_s / bound if time_s is not None and bound else None
+    return rows
+
+
 def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: float,
             ratio: float | None = None, life_span: int | None = None,
             extra: list[str] | None = None,
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+            timeout_s: float = DEFAULT_TIMEOUT_S,
+            sites: int | None = None) -> list[dict[str, Any]]:
     """Run every scheme in ``names`` on ``workers`` local ranks; rank 0's results.
 
     Each result carries what the rank handed to torch.distributed per step
     (``bytes_sent_per_step``), the ring traffic out of and into it
     (``wire_sent_per_step``, ``bytes_received_per_step``, and per collective
-    in ``traffic_per_collective``), and ``modelled_s``: steps x (the shared
-    compute probe + overhead + the larger ring direction / ``bandwidth_bps``).
+    in ``traffic_per_collective``), ``modelled_s``: steps x (the shared
+    compute probe + overhead + the larger ring direction / ``bandwidth_bps``), and
+    ``time_to_target_s``: the same per-step time x its steps to target (None: not
+    reached).
 
     Args:
         timeout_s: the process group's timeout: a rank waiting longer on a peer
             fails the run with a message naming the ranks and their steps.
+        sites: shard the model with FSDP2 inside each of this many sites and send
+            the shards across sites through each scheme (traffic and modelled time
+            are the cross-site link's); ``native-hsdp`` then names torch's own HSDP.
+            None: DDP.
 
     Raises:
         ValueError: a bad scheme, option or count (before anything is spawned).
@@ -102,40 +157,68 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
     """
     if workers < 1:
         raise ValueError(f"workers={workers!r} must be >= 1")
-    parse_options(extra or [], names)  # validate before spawning anything
-    runs = [(name, scheme_config(name, ratio, life_span, extra or [])) for name in names]
+    if sites is not None:
+        check_sites(sites, workers)
+    elif NATIVE in names:
+        raise ValueError(f"{NATIVE!r} is the sharded anchor: give --sites with it")
+    built = [name for name in names if name != NATIVE or sites is None]
+    parse_options(extra or [], built)  # validate before spawning anything
+    runs = [(name, scheme_config(name, ratio, life_span, extra or []) if name in built
+             else {}) for name in names]
     for name, config in runs:
-        schemes.build(name, **config)
-    per_rank = spawn(_worker, workers, runs, options, timeout_s=timeout_s)
+        if name in built:
+            schemes.build(name, **config)
+    per_rank = spawn(_worker, workers, runs, options, sites, timeout_s=timeout_s)
     results: list[dict[str, Any]] = per_rank[0]
     for index, result in enumerate(results):
         weights = [rank_results[index].pop("weights") for rank_results in per_rank]
         result["replicas_identical"] = all(
             all(torch.equal(a, b) for a, b in zip(weights[0], other)) for other in weights[1:])
-        dense_bytes = sum(w.numel() * w.element_size() for w in weights[0])
+        dense_bytes = result.pop("dense_shard_bytes", None) or sum(  # sharded: the shard's
+            w.numel() * w.element_size() for w in weights[0])
         result["dense_bytes_per_step"] = dense_bytes
         result["compression_ratio"] = dense_bytes / max(result["bytes_sent_per_step"], 1e-9)
         busiest = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
         per_step = (result["compute_ms_per_step"] + result["overhead_ms_per_step"]) / 1000.0
         result["modelled_s"] = options.steps * (per_step + 8.0 * busiest / bandwidth_bps)
+        steps = result["steps_to_target"]
+        result["time_to_target_s"] = (None if steps is None
+                                      else steps * (per_step + 8.0 * busiest / bandwidth_bps))
         result["bandwidth_bps"] = bandwidth_bps
         result["workers"] = workers
     return results
 
 
-def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    """One row per scheme, in the order of :func:`header`."""
-    return [[r["scheme"], f"{r['test_accuracy']:.4f}", f"{r['final_loss']:.4f}",
+def table_rows(results: list[dict[str, Any]],
+               reference_rows: list[dict[str, Any]] | None = None) -> list[list[str]]:
+    """One row per scheme, then one per reference row, in the order of :func:`header`."""
+    def cell(row: dict[str, Any], key: str, form: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else format(value, form)
+
+    def reached(row: dict[str, Any]) -> str:
+        return str(row["steps_to_target"]) if row["steps_to_target"] else "not reached"
+
+    rows = [[r["scheme"], f"{r['test_score']:.4f}", f"{r['final_loss']:.4f}",
              f"{r['bytes_sent_per_step']:,.0f}", f"{r['wire_sent_per_step']:,.0f}",
              f"{r['bytes_received_per_step']:,.0f}", f"{r['compression_ratio']:.1f}x",
              f"{r['overhead_ms_per_step']:.3f}", f"{r['wall_s']:.2f}", f"{r['modelled_s']:.2f}",
-             str(r["steps_to_target"] or "not reached")] for r in results]
+             reached(r), cell(r, "time_to_target_s", ".2f"), cell(r, "bound_multiple", ".2f")]
+            for r in results]
+    for r in reference_rows or []:  # no bytes alone; the bound's are free, not measured
+        wire = "0" if r["scheme"] == "lone worker" else "-"
+        rows.append([f"{r['scheme']} ({r['workers']})", cell(r, "test_score", ".4f"),
+                     cell(r, "final_loss", ".4f"), wire, wire, wire, "-", "-", "-", "-",
+                     reached(r), cell(r, "time_to_target_s", ".2f"),
+                     cell(r, "bound_multiple", ".2f")])
+    return rows
 
 
-def header(bandwidth: str) -> list[str]:
-    return ["scheme", "test acc", "final loss", "handed B/step", "ring sent B/step",
+def header(bandwidth: str, metric: str = "test accuracy") -> list[str]:
+    return ["scheme", metric, "final loss", "handed B/step", "ring sent B/step",
             "ring recv B/step", "ratio vs dense", "overhead ms/step", "wall s",
-            f"modelled s @ {bandwidth}", "steps to target"]
+            f"modelled s @ {bandwidth}", "steps to target", f"s to target @ {bandwidth}",
+            "x bound"]
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -155,7 +238,9 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
     # One worker hands nothing to torch.distributed: no log scale then.
     ax.set(xscale="log" if positive else "linear",
            xlabel="cumulative bytes handed to torch.distributed per worker",
-           ylabel="test accuracy", title="Accuracy against bytes on the wire")
+           ylabel=results[0].get("metric", "test accuracy"),
+           title=f"{results[0].get('metric', 'test accuracy').capitalize()} against bytes on "
+                 "the wire")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_bytes.png", dpi=120)

@@ -53,7 +53,7 @@ class RunOptions:
     precision: str = "fp32"  # autocast of the forward and loss, one of PRECISIONS
     hidden: int = 256  # width of the MLP's two hidden layers
     seed: int = 0  # model initialisation, data order and split
-    eval_every: int = 25  # steps between test-accuracy points of the curves
+    eval_every: int = 25  # steps between test-metric points of the curves
     workload: str = "digits-mlp"  # a name of thinwire.jobs.workloads.WORKLOADS
     optimizer: str = "sgd"  # "sgd", "nesterov" or "adamw" (beta1 = momentum)
     couple: bool = True  # move the optimiser's momentum into sparse schemes (thinwire.optim)
@@ -94,6 +94,16 @@ class RunOptions:
         except RuntimeError as error:
             raise ValueError(f"device={self.device!r} must name a torch device such as "
                              f"'cpu', 'cuda' or 'cuda:1'") from error
+
+
+# What makes two runs the same recipe: rows compared in one table must agree on all of these.
+RECIPE_FIELDS = ("workload", "optimizer", "lr", "momentum", "weight_decay", "batch_size",
+                 "steps", "seed", "precision", "max_norm", "hidden")
+
+
+def recipe(options: RunOptions) -> dict[str, Any]:
+    """The fields of ``options`` that make a run's recipe (:data:`RECIPE_FIELDS`)."""
+    return {name: getattr(options, name) for name in RECIPE_FIELDS}
 
 
 def accuracy(model: nn.Module, split: Split) -> float:
@@ -209,7 +219,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     coupled = (optim.couple(optimizer, state, feedback=options.feedback).coupled
                if options.couple else False)
     stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)
-    curve: list[tuple[int, float, float]] = []  # (step, cumulative bytes, test accuracy)
+    curve: list[tuple[int, float, float]] = []  # (step, cumulative bytes, test metric)
     losses = []
     norms: list[float] = []  # .grad's norm before clip_grad_norm_, per step
     steps_to_target = None
@@ -246,10 +256,10 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
             break
         if step % options.eval_every == 0 or step == options.steps:
             handed = meter.bytes_per_step().get("total", 0.0) * meter.step
-            curve.append((step, handed, work.accuracy(model, options.eval_rows)))
+            curve.append((step, handed, work.score(model, options.eval_rows)))
             if board is not None:
                 board.accuracy(step, curve[-1][2])
-            if steps_to_target is None and curve[-1][2] >= work.target:
+            if steps_to_target is None and work.reached(curve[-1][2]):
                 steps_to_target = step
             if options.until_target and _anyone(steps_to_target is not None, group, device):
                 break
@@ -268,12 +278,18 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         "device": str(device),
         "coupled": coupled,
         "target": work.target,
+        "metric": work.metric,
+        "lower_is_better": work.lower_is_better,
+        "recipe": recipe(options),
         "steps_to_target": steps_to_target,
         "config": asdict(schemes.config_class(name)(**config)),
         "test_accuracy": work.accuracy(model),
+        "test_score": work.score(model),
         "final_loss": statistics.fmean(tail),
         **summary,
         "traffic_per_collective": traffic_per_collective(meter),
+        # collectives of the last step: each a latency on the link (of the ring's 2(n-1) hops)
+        "collectives_per_step": sum(1 for r in meter.records if r.step == meter.step - 1),
         "overhead_ms_per_step": 1000.0 * scheme.overhead_s / max(1, meter.step),
         "compute_ms_per_step": 1000.0 * compute_s,
         "wall_s": wall_s,

