@@ -74,6 +74,10 @@ class Data:
                     self.targets.to(device))
 
 
+# Test metrics computed from the mean loss (in nats), and the divisor that converts it.
+METRICS = {"test loss": 1.0, "bits per byte": math.log(2)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """A model family on a data set with its loss, accuracy and target (recipe: RECIPES)."""
@@ -85,13 +89,15 @@ class Workload:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # mean over the batch
     correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # right answers (count)
     target: float  # the value of `metric` on the test split that counts as "trained"
-    metric: str = "test accuracy"  # what `target` measures: "test accuracy" or "bits per byte"
+    metric: str = "test accuracy"  # what `target` measures: "test accuracy" or one of METRICS
     lower_is_better: bool = False  # False: the target is reached at or above it; True: below
 
     def score(self, model: nn.Module, rows: int | None = None) -> float:
         """``metric`` on the test split (its first ``rows`` rows if given), in batches."""
         if self.metric == "test accuracy":
             return self.accuracy(model, rows)
+        if self.metric not in METRICS:
+            raise ValueError(f"metric={self.metric!r} must be one of {list(METRICS)}")
         data = self.test if rows is None else self.test.rows(slice(0, rows))
         total = 0.0
         with torch.no_grad():
@@ -99,7 +105,7 @@ class Workload:
                 part = data.rows(slice(start, start + 256))
                 total += len(part) * float(self.loss(model(part.inputs, **part.side),
                                                      part.targets))
-        return total / max(1, len(data)) / math.log(2)  # nats per byte -> bits per byte
+        return total / max(1, len(data)) / METRICS[self.metric]
 
     def reached(self, value: float) -> bool:
         """Whether a :meth:`score` of ``value`` meets the target."""
