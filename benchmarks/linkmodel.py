@@ -57,6 +57,21 @@ def modelled(run: dict[str, Any], workers: int, rate: str) -> float | None:
     return float(steps * per_step)
 
 
+def break_even(run: dict[str, Any], workers: int, lone_s: float | None,
+               delay_s: float) -> float | None:
+    """The link rate (bits/s) above which ``run`` reaches the target before the lone worker,
+    at one-way delay ``delay_s``; None: never (or not reached)."""
+    steps = run.get("steps_to_target")
+    if steps is None or lone_s is None:
+        return None
+    wire = max(run["wire_sent_per_step"], run["bytes_received_per_step"])
+    busy = steps * ((run["compute_ms_per_step"] + run["overhead_ms_per_step"]) / 1000.0
+                    + run["collectives_per_step"] * 2 * (workers - 1) * delay_s)
+    if busy >= lone_s:
+        return None
+    return float(8.0 * wire * steps / (lone_s - busy)) if wire else 0.0
+
+
 def table(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """rate -> "n workers" -> row name -> {time_s, bound_multiple, vs_lone}: every scheme,
     the lone worker and the compute-only bound (whose times do not depend on the rate)."""
@@ -119,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
         "seconds": time.perf_counter() - started}
     record["table"] = table(record)
+    record["break_even_bps"] = {  # at the fast links' delay: where distributing starts to pay
+        n: {r["scheme"]: break_even(r, int(n), next(
+            (x["time_to_target_s"] for x in cell["references"] if x["scheme"] == "lone worker"),
+            None), DELAY_S["100mbit"]) for r in cell["runs"]}
+        for n, cell in cells.items()}
     out = args.out or Path(f"docs/data/linkmodel-{args.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
@@ -188,6 +208,12 @@ def section(records: list[tuple[dict[str, Any], Path]], figures: Path, docs: Pat
                                else f"{cell['time_s']:.1f} s")
             row.append(" / ".join(str(steps.get((n, name)) or "-") for n in counts))
             lines.append("| " + " | ".join(row) + " |")
+        even = record.get("break_even_bps", {})
+        lines += ["", "Link rate above which a scheme reaches the target before the lone "
+                  "worker (the fast links' delay): " + "; ".join(
+                      f"{n} workers: " + ", ".join(
+                          f"{name} {_rate(bps)}" for name, bps in even[n].items())
+                      for n in counts if n in even) + "."]
         figure = figures / f"time_vs_rate_{record['workload']}.png"
         plot(record, figure)
         lines += ["", f"![time to target against link rate]({figure.relative_to(docs)})", "",
@@ -195,6 +221,12 @@ def section(records: list[tuple[dict[str, Any], Path]], figures: Path, docs: Pat
                   f"{record['metric']} against link rate per scheme, with the lone worker and "
                   "the compute-only bound. Source as the table's.*", ""]
     return "\n".join(lines)
+
+
+def _rate(bps: float | None) -> str:
+    if bps is None:
+        return "never"
+    return f"{bps / 1e9:.2f} Gbit/s" if bps >= 1e9 else f"{bps / 1e6:.1f} Mbit/s"
 
 
 def plot(record: dict[str, Any], path: Path) -> None:
