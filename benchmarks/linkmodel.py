@@ -5,7 +5,7 @@ each scheme until its target (local gloo ranks, the workload's recipe, one
 seed) and measures per scheme: steps to target, bytes on the wire per step
 (the busier ring direction), the codec's time per step and the collectives per
 step; rank 0 alone probes a step's compute. A lone worker trains dense with the
-same recipe. Then, at each rate,
+same recipe (alongside, in its own process). Then, at each rate,
 
     time to target = steps x (compute + codec + bytes / rate + latency),
 
@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ DELAY_S = {"10mbit": 0.010, "100mbit": 0.0002, "1gbit": 0.0001}
 KEPT = ("scheme", "steps_to_target", "compute_ms_per_step", "overhead_ms_per_step",
         "wire_sent_per_step", "bytes_received_per_step", "bytes_sent_per_step",
         "collectives_per_step", "test_score", "test_accuracy", "final_loss", "recipe",
-        "replicas_identical", "curve")
+        "replicas_identical", "curve", "probe_compute_ms", "workload", "target", "metric")
 
 
 def modelled(run: dict[str, Any], workers: int, rate: str) -> float | None:
@@ -99,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="step budget per run (default: the recipe's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--lone-from", type=Path, default=None,
+                        help="take the lone worker from this file of an earlier run with the "
+                             "same recipe instead of training it again")
+    parser.add_argument("--compute-ms", type=float, default=None,
+                        help="a step's compute measured apart (benchmarks.efficiency records "
+                             "it) for every row, where the run's own probe shares the cores "
+                             "with other work; the probe is kept as probe_compute_ms")
     parser.add_argument("--out", type=Path, default=None,
                         help="default docs/data/linkmodel-WORKLOAD.json")
     args = parser.parse_args(argv)
@@ -112,15 +120,27 @@ def main(argv: list[str] | None = None) -> int:
                          eval_every=args.eval_every, eval_rows=None, until_target=True)
     load = os.getloadavg()
     started = time.perf_counter()
-    lone = lone_worker(options)
+    measured: dict[int, list[dict[str, Any]]] = {}
+    with ThreadPoolExecutor(1) as pool:  # the lone worker trains beside the others
+        pending = pool.submit(lone_worker, options) if args.lone_from is None else None
+        for n in (int(w) for w in args.workers.split(",")):
+            measured[n] = compare(names, n, options, parse_bandwidth("100mbit"))
+            print(n, [(r["scheme"], r["steps_to_target"]) for r in measured[n]], flush=True)
+        lone = (pending.result() if pending is not None
+                else json.loads(args.lone_from.read_text())["lone"])
+    if lone["recipe"] != recipe(options):
+        parser.error(f"--lone-from {args.lone_from}: its recipe {lone['recipe']} is not this "
+                     f"run's {recipe(options)}")
     print(f"lone worker: {lone['steps_to_target']} steps", flush=True)
     cells: dict[str, Any] = {}
-    for n in (int(w) for w in args.workers.split(",")):
-        results = compare(names, n, options, parse_bandwidth("100mbit"))
+    for n, results in measured.items():
+        if args.compute_ms is not None:  # measured apart, on a quieter machine
+            for run in results:
+                run["probe_compute_ms"] = run["compute_ms_per_step"]
+                run["compute_ms_per_step"] = args.compute_ms
         refs = references(results, lone, n)
         cells[str(n)] = {"runs": [{k: r.get(k) for k in KEPT} for r in results],
                          "references": refs}
-        print(n, [(r["scheme"], r["steps_to_target"]) for r in results], flush=True)
     work = workloads.load(args.workload)
     record: dict[str, Any] = {
         "workload": args.workload, "metric": work.metric, "target": work.target,
@@ -214,7 +234,7 @@ def section(records: list[tuple[dict[str, Any], Path]], figures: Path, docs: Pat
                       f"{n} workers: " + ", ".join(
                           f"{name} {_rate(bps)}" for name, bps in even[n].items())
                       for n in counts if n in even) + "."]
-        figure = figures / f"time_vs_rate_{record['workload']}.png"
+        figure = figures / f"time_vs_rate_{path.stem.removeprefix('linkmodel-')}.png"
         plot(record, figure)
         lines += ["", f"![time to target against link rate]({figure.relative_to(docs)})", "",
                   f"*Figure: {record['workload']}, modelled time to {record['target']:g} "
