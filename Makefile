@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-run bench-check clean
+.PHONY: demo test lint docs docs-tables bench bench-run bench-check clean
 
 # Installation prints pip's own progress (a few minutes on a fresh machine).
 $(STAMP): pyproject.toml
@@ -32,6 +32,20 @@ lint: $(STAMP)
 	$(BIN)/mypy src/thinwire
 	$(BIN)/lint-imports --no-cache
 
+# The user guide and the API reference (mkdocstrings reads the docstrings) into site/:
+# offline, and any warning (a broken link, a page left out of the nav) fails the build.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+# The guide's option tables, from the configs' own fields and comments (after an option
+# changes; tests/test_docs.py fails until they are regenerated). The dAD engine's and the
+# update rules' tables are kept by hand.
+OPTIONS := docs/snippets/options
+docs-tables: $(STAMP)
+	$(BIN)/thinwire schemes --markdown > $(OPTIONS)/schemes.md
+	for name in dense fp16 topk dct-dp laplace dct-mp sketch xgrad-topk; do \
+	  $(BIN)/thinwire schemes $$name --markdown > $(OPTIONS)/$$name.md; done
+
 # `make bench` regenerates docs/results.md from the newest results/ files; `make bench-run`
 # measures first. The shaped-link benchmark needs root (network namespaces, tc).
 SUDO ?= $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -54,4 +68,4 @@ bench-check: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --rootdir . -o pythonpath="src ." benchmarks/tests
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

@@ -63,7 +63,7 @@ def test_bad_arguments_are_value_errors(tmp_path: str, bad: list[str]) -> None:
 
 def test_dad_command_compares_modes_side_by_side(tmp_path: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.run(_args(tmp_path, "--modes", "dsgd", "dad", "edad", "rank-dad", "--ranks", "2",
+    code = cli.run(_args(tmp_path, "--modes", "dsgd,dad,edad,rank-dad", "--ranks", "2",
                          "--epochs", "2", "--steps", "2", "--hidden", "16",
                          "--dtype", "float64"))
     assert code == 0

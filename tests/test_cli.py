@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from thinwire.cli import COMMANDS, build_parser, main
+from thinwire.cli import async_ as async_cli
 from thinwire.cli import dad as dad_cli
 from thinwire.cli import pipeline as pipeline_cli
 from thinwire.cli.compare import run_options
+from thinwire.cli.pipeline import config_from
 from thinwire.jobs import common, compare
 from thinwire.jobs.common import HelpFormatter
 from thinwire.jobs.compare import parse_bandwidth, scheme_config
@@ -233,15 +236,16 @@ def test_top_level_help_speaks_to_users(capsys: pytest.CaptureFixture[str]) -> N
         assert f"\n    {command} " in printed
 
 
-# The shared vocabulary: what each subcommand must take (async counts epochs, not steps;
-# train's workers are torchrun's; a pipeline's processes are stages x replicas).
+# The shared vocabulary: what each subcommand must take (train's workers are torchrun's;
+# a pipeline's processes are stages x replicas).
 VOCABULARY = {
     "compare": ["--steps", "--batch-size", "--workers", "--lr", "--seed", "--option"],
     "train": ["--steps", "--batch-size", "--lr", "--seed", "--option"],
     "pipeline": ["--steps", "--batch-size", "--lr", "--seed", "--boundary-option",
                  "--dp-option", "--epochs"],
     "dad": ["--steps", "--batch-size", "--workers", "--lr", "--seed", "--option", "--epochs"],
-    "async": ["--batch-size", "--workers", "--lr", "--seed", "--push-option", "--epochs"],
+    "async": ["--steps", "--batch-size", "--workers", "--lr", "--seed", "--push-option",
+              "--epochs"],
 }
 OLD_SPELLINGS = ["--dp-opt", "--push-opt", "--boundary-opt", "--max-steps", "--passes",
                  "--batch", "--sites"]
@@ -249,20 +253,138 @@ OLD_SPELLINGS = ["--dp-opt", "--push-opt", "--boundary-opt", "--max-steps", "--p
 
 @pytest.mark.parametrize("command", list(VOCABULARY))
 def test_one_vocabulary_and_no_old_spellings(command: str) -> None:
-    flags = {flag for a in _subcommand(command)._actions for flag in a.option_strings}
+    flags = {flag for a in _subcommand(command)._actions for flag in a.option_strings
+             if a.help != argparse.SUPPRESS}  # old spellings are hidden errors
     assert set(VOCABULARY[command]) | {"--out", "--json", "--timeout"} <= flags
     assert not flags & set(OLD_SPELLINGS)
 
 
-@pytest.mark.parametrize("old", [["pipeline", "--dp-opt", "sparsity=0.9"],
-                                 ["async", "--push-opt", "sparsity=0.9"],
-                                 ["dad", "--batch", "8"]])
-def test_old_spellings_are_not_taken_as_abbreviations(old: list[str],
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("old", "new"), [(["pipeline", "--dp-opt", "ratio=0.1"], "--dp-option"),
+                                          (["async", "--push-opt", "ratio=0.1"], "--push-option"),
+                                          (["dad", "--batch", "8"], "--batch-size"),
+                                          (["pipeline", "--max-steps", "8"], "--steps"),
+                                          (["dad", "--sites", "2"], "--workers"),
+                                          (["async", "--passes", "2"], "--epochs")])
+def test_old_spellings_are_errors_that_name_the_new_one(old: list[str], new: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main(old)
     assert caught.value.code == 2
-    assert "unrecognized arguments" in capsys.readouterr().err
+    assert f"{old[1]} is spelled {new}" in capsys.readouterr().err
+
+
+def test_old_spellings_stay_out_of_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["dad", "--help"])
+    printed = capsys.readouterr().out
+    assert "--batch-size" in printed and "--batch " not in printed and "--sites" not in printed
+
+
+def test_renamed_flags_are_only_answered_where_the_new_one_exists() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps")
+    common.add_renamed_flags(parser)
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    assert "--max-steps" in flags and "--batch" not in flags and "--sites" not in flags
+
+
+@pytest.mark.parametrize(("old", "new", "hint"), [
+    ("sparsity=0.99", "ratio", "ratio=0.01"), ("include=('fc*',)", "exclude", ""),
+    ("start_iter=5", "warmup_steps", "")])
+def test_old_option_keys_are_errors_that_name_the_new_key(old: str, new: str, hint: str) -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        ratio: float = 0.01
+        exclude: tuple[str, ...] = ()
+        warmup_steps: int = 0
+
+    with pytest.raises(ValueError, match=f"'{old.split('=')[0]}' is spelled '{new}' now") as error:
+        common.parse_options([old], {"x": Config})
+    assert hint in str(error.value)
+
+
+@pytest.mark.parametrize(("argv", "dest", "expected"), [
+    (["dad", "--modes", "dad,edad"], "modes", ["dad", "edad"]),
+    (["dad", "--ranks", "2,4"], "ranks", [2, 4]),
+    (["dad", "--hidden", "16, 8"], "hidden", [16, 8]),
+    (["pipeline", "--splits", "bottom.3,top.3"], "splits", ["bottom.3", "top.3"]),
+    (["async", "--milestones", "5,8"], "milestones", [5.0, 8.0])])
+def test_lists_are_comma_separated_everywhere(argv: list[str], dest: str,
+                                              expected: list[object]) -> None:
+    assert getattr(build_parser().parse_args(argv), dest) == expected
+
+
+@pytest.mark.parametrize("argv", [["dad", "--modes", "dad", "edad"],
+                                  ["pipeline", "--splits", "bottom.3", "top.3"],
+                                  ["async", "--milestones", "5", "8"]])
+def test_a_space_separated_list_is_an_error_showing_the_comma_form(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    assert f"{argv[1]} takes a comma-separated list: {argv[1]} {argv[2]},{argv[3]}" in \
+        capsys.readouterr().err
+
+
+def test_list_elements_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["dad", "--modes", "dad,bogus"])
+    assert "--modes 'bogus' is not one of dsgd, dad" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["dad", "--ranks", "2,x"])
+    assert "--ranks '2,x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", list(VOCABULARY))
+def test_every_subcommand_documents_steps_and_a_per_worker_batch_size(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "--steps" in printed
+    batch = printed[printed.rindex("--batch-size BATCH_SIZE"):][:300]  # its help, not usage
+    assert "per worker" in batch, batch
+
+
+def test_pipeline_batch_size_is_per_replica() -> None:
+    one = config_from(build_parser().parse_args(["pipeline", "--batch-size", "64"]))
+    two = config_from(build_parser().parse_args(["pipeline", "--batch-size", "64",
+                                                 "--replicas", "2"]))
+    assert (one.batch_size, two.batch_size) == (64, 128)
+    default = config_from(build_parser().parse_args(["pipeline", "--task", "digits",
+                                                     "--replicas", "2"]))
+    assert default.batch_size == 2 * 64  # the task's per-replica default
+    with pytest.raises(ValueError, match="--batch-size 30 .* --microbatches 4"):
+        config_from(build_parser().parse_args(["pipeline", "--batch-size", "30"]))
+
+
+def test_async_batch_size_is_per_worker_split_over_its_threads() -> None:
+    assert async_cli.per_thread_batch(32, 1) == 32
+    assert async_cli.per_thread_batch(32, 4) == 8
+    with pytest.raises(ValueError, match="--batch-size 30 .* --threads-per-worker 4"):
+        async_cli.per_thread_batch(30, 4)
+
+
+def test_async_steps_bound_each_stream() -> None:
+    from thinwire.jobs.ps_task import TaskSpec
+
+    task = TaskSpec(model="linear", batch_size=8, train_limit=64, steps=3).build()
+    assert len(list(task.batches(0, 2, passes=2))) == 3
+    whole = TaskSpec(model="linear", batch_size=8, train_limit=64).build()
+    assert len(list(whole.batches(0, 2, passes=2))) == 8
+    with pytest.raises(ValueError, match="steps=0"):
+        TaskSpec(steps=0)
+
+
+def test_schemes_name_shows_one_scheme(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schemes", "topk"]) == 0
+    printed = capsys.readouterr().out
+    assert "\ntopk\n" in printed and "life_span" not in printed and "powersgd" not in printed
+    assert main(["schemes", "sketch"]) == 0
+    assert "compression=0.5" in capsys.readouterr().out
+    assert main(["schemes", "bogus"]) == 2
+    error = capsys.readouterr().err
+    assert "'bogus' is no scheme (dense, " in error and "boundary (dct-mp" in error
 
 
 def test_timeout_has_one_default_everywhere() -> None:
@@ -376,3 +498,31 @@ def test_feedback_reaches_the_run_options(command: str) -> None:
     assert run_options(build_parser().parse_args([command])).feedback == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--feedback", "ef21"])
+
+
+def test_schemes_markdown_prints_the_guides_option_tables(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from thinwire import schemes as registry
+
+    assert main(["schemes", "topk", "--markdown"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[:2] == ["| `topk` option | default | meaning |", "| --- | --- | --- |"]
+    fields = dataclasses.fields(registry.config_class("topk"))
+    assert [line.split(" | ")[:2] for line in lines[2:]] == [
+        [f"| `{f.name}`", f"`{f.default!r}`"] for f in fields]
+    assert main(["schemes", "--markdown"]) == 0  # every scheme's: the guide's schemes.md
+    printed = capsys.readouterr().out
+    assert all(f"| `{name}` option |" in printed for name in registry.names())
+    assert "| `dct-mp` option |" not in printed
+    assert main(["schemes", "dct-mp", "--markdown"]) == 0
+    assert "| `dct-mp` option |" in capsys.readouterr().out
+
+
+def test_async_steps_stop_the_run(tmp_path: Path) -> None:
+    code = main(["async", "--rule", "sequential", "--epochs", "5", "--steps", "3",
+                 "--model", "linear", "--train-limit", "64", "--batch-size", "16",
+                 "--no-progress", "--out", str(tmp_path / "run"),
+                 "--json", str(tmp_path / "copy.json")])
+    assert code == 0
+    summary = json.loads((tmp_path / "copy.json").read_text())["runs"][0]
+    assert summary["updates"] == 3  # not 5 epochs x 4 batches

@@ -146,7 +146,7 @@ def test_hybrid_two_stages_by_two_replicas_runs_from_the_cli(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "hybrid.json"
     code = main(["pipeline", "--task", "breast-cancer", "--stages", "2", "--replicas", "2",
-                 "--schedule", "1f1b", "--microbatches", "2", "--batch-size", "32",
+                 "--schedule", "1f1b", "--microbatches", "2", "--batch-size", "16",
                  "--steps", "3", "--sparsity", "0.9", "--dp-scheme", "dct-dp",
                  "--dp-option", "sparsity=0.9", "--dp-option", "life_span=2",
                  "--out", str(tmp_path / "run"), "--json", str(out)])

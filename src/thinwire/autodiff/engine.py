@@ -1,54 +1,17 @@
 """``DistributedAutodiff``: share what backpropagation computes instead of gradients (dAD §3).
 
-A training step is the usual ``loss.backward()`` followed by
-``engine.synchronize()``, which replaces every parameter's ``.grad`` with
-the global gradient::
-
-    engine = DistributedAutodiff(model, "edad")
-    for x, y in batches:
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        engine.synchronize()
-        optimizer.step()
-
-What "global gradient" means: each site's loss reduces its own batch
-(``reduction="mean"``, the default, or ``"sum"``); the engine returns the
-gradient of the same reduction over the union of all sites' batches, i.e.
-exactly what pooled single-process training on the concatenated batch
-gives. With equal local batches the mean is DDP's average of site
-gradients; with unequal ones each site is weighted by its share of the
-samples, ``w_s = N_s / Σ N`` (the 1/S scaling the public reference code
-omits). Every mode below computes this same quantity, exactly or
-approximately.
-
-Modes (registry :data:`MODES`):
-
-* ``dad`` (Algorithm 1): all-gather each ``nn.Linear``'s inputs A and output
-  deltas Δ; every site forms ``∇W = Δ̂ᵀ·[Â, 1]`` (Eq. 4). Biases come from
-  the ones column, appended after the gather (it is never sent).
-* ``edad`` (Algorithm 2): all-gather every layer's inputs, and Δ of the
-  output layer only; each other layer's global Δ is recomputed locally
-  (Eq. 5, :mod:`thinwire.autodiff.edad`); on a recurrent model, through
-  time by replaying the forward on the gathered rows
-  (:mod:`thinwire.autodiff.replay`, §3.5).
-* ``rank-dad`` (§3.4): each site peels at most ``rank`` components of its own
-  ``[A, 1]ᵀ·Δ`` with structured power iterations
-  (:mod:`thinwire.autodiff.power`) and all-gathers those factors; the global
-  gradient is the weighted sum of the sites' approximations (rank ≤ S·r).
-  The effective rank found per layer per step is kept in :attr:`ranks`.
-  ``error_feedback=True`` (not in the paper) carries each site's residual
-  to its next step, at O(h_in·h_out) cost per iteration.
-* ``dsgd``: all-reduce of the gradients of every parameter (the baseline).
-* ``powersgd``: rank-r PowerSGD with error feedback
-  (:mod:`thinwire.autodiff.powersgd_mode`).
-
-The row modes (dad, edad, rank-dad) handle networks whose trainable
-parameters all belong to ``nn.Linear`` modules, composed in any way
-(recurrent cells unrolled over time included). For edad, a model whose
-layers are each called once must be a chain of Linear layers and supported
-activations; a layer called more than once (time steps, shared layers)
-switches edad to the replay. Anything else raises ``ValueError`` naming
-the module.
+A step is ``loss.backward()`` then ``engine.synchronize()``, which replaces every
+``.grad`` with the gradient of the loss over the union of all sites' batches:
+what pooled training on the concatenated batch gives (each site weighted by
+``N_s / Σ N``, the 1/S the reference code omits). Modes (:data:`MODES`):
+``dad`` all-gathers each ``nn.Linear``'s inputs A and deltas Δ and forms
+``∇W = Δ̂ᵀ·[Â, 1]`` (Alg. 1, Eq. 4); ``edad`` sends Δ of the output layer only and
+recomputes the others (Alg. 2, Eq. 5; through time by replay, §3.5); ``rank-dad``
+all-gathers at most ``rank`` power-iteration factors per layer (§3.4) and keeps
+each layer's effective rank in :attr:`ranks`; ``dsgd`` and ``powersgd`` reduce
+gradients. The row modes need every trainable parameter in an ``nn.Linear``;
+anything else raises ``ValueError`` naming the module. Modes, bytes and what
+each reveals: ``docs/dad.md``.
 """
 
 from __future__ import annotations

@@ -1,49 +1,16 @@
 """Structured power iterations: a low-rank gradient from its AD factors (dAD §3.4.1).
 
-The gradient of a linear layer is ``M = Aᵀ·Δ`` (Eq. 4) with ``A`` (N, h_in)
-and ``Δ`` (N, h_out). Its dominant right singular vectors come from iterating
-``g ← MᵀM·g`` (Eq. 6); with ``C = A·Aᵀ`` (N, N) and ``B = Δᵀ·C`` (h_out, N)
-precomputed this is ``g ← B·(Δ·g)`` (Eq. 7), which never forms the
-(h_in, h_out) matrix and costs O(N·h) per iteration.
-
-Components are peeled one at a time (Eq. 8). Choices where the paper is
-brief, written down here:
-
-* Deflation subtracts the components found so far from ``M`` itself,
-  ``(M − UᵀG)ᵀ(M − UᵀG)·g``, expanded so that it stays linear in h. For
-  converged components this equals Eq. 8's deflation of ``MᵀM``; for
-  unconverged ones it is the only form under which the next step is a
-  least-squares fit of what is left.
-* Each component is the least-squares fit ``u = (M − UᵀG)·g`` for its unit
-  direction ``g``; the singular value is absorbed in ``u``. So each accepted
-  component can only lower ``‖M − UᵀG‖_F`` (by ``‖u‖²``): even one power
-  iteration with a rank above the true rank is never worse than sending
-  nothing, a failure of the public reference code.
-* Stopping (§3.4.1), two rules (:data:`STOPPING`):
-
-  - ``"paper"`` (default), as the paper states it: "we stop the process
-    when ‖g^j − g^{j+1}‖₂ / ‖g^j‖₂ < θ". The g's are the unit right vectors
-    of consecutive components, and the rule works together with Eq. 8's
-    deflation of the Gram operator, ``MᵀM − Σ σ_j²·g_j·g_jᵀ``: once the
-    gradient's rank is exhausted, what is left of that operator is the
-    deflation's own error, which lies along the components already found,
-    so the next power iteration returns to the last direction and the rule
-    fires. The repeating component is discarded, every earlier one kept.
-    Choices where the text is silent: the comparison ignores the sign of g
-    (power iterations fix a direction only up to sign); each component's
-    ``u`` is still the least-squares fit of what is left, so accepted
-    components never make the approximation worse; peeling also stops when
-    nothing at all is left (``u = 0``, e.g. a zero gradient).
-  - ``"residual"``: with ``g_j = UᵀG`` the approximation after j
-    components, a new component changes it by ``‖g_{j+1} − g_j‖ = ‖u‖``.
-    It is accepted when ``‖u‖ ≥ θ·‖g_j‖`` (the first one when
-    ``‖u‖ > θ·‖M‖_F``), with the deflation of ``M`` above. A gradient of
-    rank q stops at q; under the paper's rule at q or q + 1 (the repeat can
-    show one component late).
-
-  Peeling stops at the first rejected component or after ``max_rank``;
-  every accepted component is returned (the reference code dropped its
-  last one).
+For ``M = Aᵀ·Δ`` (Eq. 4) the dominant right singular vectors come from
+``g ← B·(Δ·g)`` with ``B = Δᵀ·A·Aᵀ`` (Eq. 7): O(N·h) per iteration, and the
+(h_in, h_out) matrix is never formed. Components are peeled one at a time
+(Eq. 8), deflating ``M`` itself so that each component ``u = (M − UᵀG)·g`` is the
+least-squares fit of what is left: an accepted component never makes the
+approximation worse, even at a rank above the true one (where the reference
+code is). Stopping (:data:`STOPPING`): ``"paper"`` stops when consecutive
+directions repeat, ``‖g^j − g^{j+1}‖ / ‖g^j‖ < θ`` up to sign, and drops the
+repeat; ``"residual"`` accepts a component while ``‖u‖ ≥ θ·‖UᵀG‖``. Every
+accepted component is returned (the reference code drops its last). Why these
+readings of the paper: ``docs/dad.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """edAD on recurrent models: recompute every delta through time by replaying the forward (§3.5).
 
-In an unrolled recurrent network a Linear layer is called once per time step
-and what joins two calls is the cell's own arithmetic (gates, products,
-the carried state), not a single activation, so Eq. 5's chain rule cannot
-be written per layer. It can still be evaluated exactly from what edAD
-gathers (every call's input rows, and the output layer's delta): each site
-runs the model's forward once on the pooled batch, pins every Linear call's
-input to the gathered rows, seeds autograd with the gathered output delta,
-and reads the global delta of every earlier call (Algorithm 2 lines 9–20,
-unrolled over time as §3.5 says; "we proceed as with feed-forward networks").
-
-Pinning is what makes the replay exact and independent of the model's raw
-input: the model runs on a zero placeholder of the pooled shape, and every
-Linear call sees the real gathered input while gradients still flow along
-the cell's own graph (:class:`_Pin`). A model whose output depends on the
-raw input other than through a Linear call, or on randomness (dropout), is
-caught by the engine's own-rows check against autograd.
+In an unrolled recurrent network a Linear layer is called once per time step,
+and what joins two calls is the cell's own arithmetic, not one activation, so
+Eq. 5's chain rule cannot be written per layer. It can still be evaluated
+exactly from what edAD gathers: each site replays the forward on a zero
+placeholder of the pooled batch's shape, pins every Linear call's input to the
+gathered rows (:class:`_Pin`), seeds autograd with the gathered output delta and
+reads the global delta of every earlier call (Algorithm 2 lines 9-20, unrolled
+over time as §3.5 says). A model whose output depends on its raw input other
+than through a Linear call, or on randomness, is caught by the engine's
+own-rows check against autograd.
 """
 
 from __future__ import annotations

@@ -11,17 +11,19 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from thinwire.jobs.common import HelpFormatter
+from thinwire.jobs.common import HelpFormatter, add_renamed_flags
 from thinwire.launch import RankFailed
 
 DESCRIPTION = """\
 Distributed training that is cheap on the wire, on torch.distributed.
 
-Every training subcommand takes the same flags: --steps, --batch-size, --workers, --lr,
---seed, scheme options as KEY=VALUE (--option, or --dp-option, --push-option,
---boundary-option where a subcommand has several), --timeout, and --out DIR, where it
-writes results.json, results.md and its figures (--json PATH writes results.json again).
-'thinwire schemes' lists every scheme option with its meaning and allowed range.
+Every training subcommand takes the same flags: --steps, --batch-size (samples per
+worker per step), --workers, --lr, --seed, scheme options as KEY=VALUE (--option, or
+--dp-option, --push-option, --boundary-option where a subcommand has several), --timeout,
+and --out DIR, where it writes results.json, results.md and its figures (--json PATH
+writes results.json again). Lists are comma-separated (--schemes dense,topk).
+'thinwire schemes' lists every scheme option with its meaning and allowed range;
+'thinwire schemes NAME' shows one.
 """
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int.
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   description=module.__doc__, formatter_class=HelpFormatter,
                                   allow_abbrev=False)
         module.add_arguments(sub)
+        add_renamed_flags(sub)
         sub.set_defaults(run=module.run)
     return parser
 

@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hogwild threads per worker, sharing one error buffer")
     method.add_argument("--epochs", type=int, default=AsyncConfig.passes,
                         help="passes over the training set")
+    method.add_argument("--steps", type=int, default=None,
+                        help="stop each worker after this many steps, a step being one push "
+                             "from each of its threads, or at the end of --epochs, whichever "
+                             "comes first (default: none, every epoch in full)")
     method.add_argument("--lr", type=float, default=0.1, help="learning rate")
     method.add_argument("--lambda", dest="lam", type=float, default=None,
                         help="dc-asgd: variance control lambda (default: the paper's, "
@@ -49,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dc-asgd: divide lambda by sqrt(MeanSquare(g))")
     method.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
     method.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty")
-    method.add_argument("--milestones", type=float, nargs="*", default=[],
-                        help="epochs after which lr drops (and lambda grows)")
+    method.add_argument("--milestones", action=common.CommaList, item=float, default=[],
+                        help="comma-separated epochs after which lr drops (and lambda grows), "
+                             "e.g. 5,8")
     method.add_argument("--lr-decay", type=float, default=0.1,
                         help="learning-rate factor at each milestone")
     method.add_argument("--lam-growth", type=float, default=None,
@@ -68,7 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     task.add_argument("--model", choices=sorted(MODELS), default=TaskSpec.model,
                       help="network")
     task.add_argument("--batch-size", type=int, default=TaskSpec.batch_size,
-                      help="samples per push")
+                      help="samples per worker per step; a worker's --threads-per-worker "
+                           "threads split them, each pushing a gradient of batch-size / "
+                           "threads samples")
     task.add_argument("--seed", type=int, default=TaskSpec.seed,
                       help="model initialisation and data order")
     task.add_argument("--train-limit", type=int, default=None,
@@ -112,6 +119,18 @@ def _rule_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def per_thread_batch(batch_size: int, threads: int) -> int:
+    """The samples behind each push: a worker's ``batch_size`` split over its ``threads``.
+
+    Raises:
+        ValueError: ``batch_size`` is not a positive multiple of ``threads``.
+    """
+    if batch_size < 1 or threads < 1 or batch_size % threads:
+        raise ValueError(f"--batch-size {batch_size} (samples per worker per step) must be a "
+                         f"positive multiple of --threads-per-worker {threads}")
+    return batch_size // threads
+
+
 def run_command(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     """Run the configured method; write the run folder. Returns the summary and the folder."""
     push_options = common.parse_options(
@@ -123,8 +142,9 @@ def run_command(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
         interface=args.interface, init_method=args.init_method, rpc_timeout_s=args.timeout,
         timeout_s=args.deadline)
-    spec = TaskSpec(dataset=args.dataset, model=args.model, batch_size=args.batch_size,
-                    seed=args.seed, train_limit=args.train_limit)
+    spec = TaskSpec(dataset=args.dataset, model=args.model,
+                    batch_size=per_thread_batch(args.batch_size, args.threads_per_worker),
+                    seed=args.seed, train_limit=args.train_limit, steps=args.steps)
     result = launch.run(config, spec, kill_after=dict(args.kill_after),
                         progress=not args.no_progress)
     out = common.run_folder(args.out, "async")

@@ -14,7 +14,7 @@ import math
 import sys
 
 from thinwire import schemes
-from thinwire.jobs import common
+from thinwire.jobs import board, common
 from thinwire.jobs.compare import (
     compare,
     header,
@@ -86,6 +86,10 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
                         help="width of the MLP's hidden layers")
     parser.add_argument("--seed", type=int, default=RunOptions.seed,
                         help="model initialisation, data order and split")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="log rank 0's bytes per step, compression ratio, per-layer "
+                             "density, loss and accuracy to TensorBoard, one run per scheme "
+                             "in DIR/<scheme> (needs the tensorboard package)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +117,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       eval_every=args.eval_every,
                       couple=args.couple, feedback=args.feedback,
                       weight_decay=args.weight_decay, max_norm=args.max_norm,
-                      clip_at=args.clip_at, precision=args.precision, **resolved)
+                      clip_at=args.clip_at, precision=args.precision,
+                      tensorboard=args.tensorboard, **resolved)
 
 
 def clipping(options: RunOptions) -> str:
@@ -126,6 +131,8 @@ def clipping(options: RunOptions) -> str:
 def run(args: argparse.Namespace) -> int:
     names = [name.strip() for name in args.schemes.split(",") if name.strip()]
     options = run_options(args)
+    if options.tensorboard is not None:
+        board.writer_class()
     bandwidth_bps = parse_bandwidth(args.bandwidth)
     results = compare(names, args.workers, options, bandwidth_bps, args.sparsity,
                       args.life_span, args.option, args.timeout)

@@ -23,19 +23,19 @@ from thinwire.launch import add_timeout
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="digits", help=f"one of {sitedata.names()}")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
-                        help="modes to compare")
-    parser.add_argument("--ranks", nargs="+", type=int, default=[4],
-                        help="maximum ranks for rank-dad and powersgd")
+    parser.add_argument("--modes", action=common.CommaList, default=list(MODES), choices=MODES,
+                        help="comma-separated modes to compare")
+    parser.add_argument("--ranks", action=common.CommaList, item=int, default=[4],
+                        help="comma-separated maximum ranks for rank-dad and powersgd")
     parser.add_argument("--workers", type=int, default=2,
                         help="sites, one worker process each")
     parser.add_argument("--batch-size", type=int, default=Run.batch,
-                        help="samples per site per step")
+                        help="samples per worker per step (a worker: one site)")
     parser.add_argument("--epochs", type=int, default=Run.epochs, help="passes over the data")
     parser.add_argument("--steps", type=int, default=0,
                         help="stop after this many steps in all; 0 runs every epoch in full")
-    parser.add_argument("--hidden", nargs="+", type=int, default=[256, 256],
-                        help="hidden layer widths (the paper's: 1024 1024)")
+    parser.add_argument("--hidden", action=common.CommaList, item=int, default=[256, 256],
+                        help="comma-separated hidden layer widths (the paper's: 1024,1024)")
     parser.add_argument("--lr", type=float, default=Run.lr, help="Adam learning rate")
     parser.add_argument("--theta", type=float, default=AutodiffConfig.theta,
                         help="rank-dad stopping threshold")

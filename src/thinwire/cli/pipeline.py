@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model and data: DLRM on synthetic Criteo or breast cancer, "
                              "or the transformer on digits")
     parser.add_argument("--stages", type=int, default=RunConfig.stages, help="pipeline stages")
-    parser.add_argument("--splits", nargs="+", default=None, metavar="NAME",
-                        help="modules to split after (default: the task's, e.g. bottom.3)")
+    parser.add_argument("--splits", action=common.CommaList, default=None, metavar="NAME,...",
+                        help="comma-separated modules to split after (default: the task's, "
+                             "e.g. bottom.3)")
     parser.add_argument("--boundary", default=RunConfig.boundary, choices=boundary_kinds(),
                         help="what crosses a split")
     parser.add_argument("--sparsity", type=float, default=None,
@@ -60,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local", action="store_true",
                         help="run the stages in this process instead of as processes")
     parser.add_argument("--batch-size", type=int, default=None,
-                        help="rows per step, all replicas (default: 256; 32 breast-cancer, "
+                        help="rows per worker per step, where a worker is one replica of the "
+                             "pipeline (its stages pass the same rows on); the step's rows in "
+                             "all are this times --replicas (default: 256; 32 breast-cancer, "
                              "64 digits)")
     parser.add_argument("--epochs", type=float, default=None,
                         help="passes over the data (default: 1; 5 breast-cancer, 20 digits)")
@@ -99,6 +102,13 @@ def config_from(args: argparse.Namespace) -> RunConfig:
         args.dp_option, {args.dp_scheme: schemes.config_class(args.dp_scheme)}, "--dp-option")
     tuned = {name: getattr(args, name) for name in ("batch_size", "epochs", "lr")
              if getattr(args, name) is not None}
+    # --batch-size is per replica; RunConfig counts the step's rows over all replicas.
+    per_replica = tuned.get("batch_size", TASK_DEFAULTS[args.task].get("batch_size",
+                                                                       RunConfig.batch_size))
+    if per_replica < 1 or per_replica % args.microbatches:
+        raise ValueError(f"--batch-size {per_replica} (rows per replica) must be >= 1 and "
+                         f"divide into --microbatches {args.microbatches}")
+    tuned["batch_size"] = per_replica * args.replicas
     return RunConfig(**{**TASK_DEFAULTS[args.task], **tuned}, task=args.task, stages=args.stages,
                      splits=None if args.splits is None else tuple(args.splits),
                      boundary=args.boundary, boundary_options=options,

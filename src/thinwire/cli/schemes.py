@@ -1,4 +1,7 @@
-"""List the schemes and pipeline boundaries, and what each option means: default, range."""
+"""List the schemes and pipeline boundaries, and what each option means: default, range.
+
+``thinwire schemes NAME`` shows one scheme or boundary.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,11 @@ from thinwire.pipeline import boundary_config_class, boundary_kinds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser
+    parser.add_argument("name", nargs="?", default=None,
+                        help="show only this scheme or pipeline boundary (default: all)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print options as Markdown tables (option, default, meaning), "
+                             "as the user guide shows them: NAME's, or every scheme's")
 
 
 def describe(name: str, config: type) -> str:
@@ -29,12 +36,55 @@ def describe(name: str, config: type) -> str:
     return "\n".join(lines)
 
 
+def markdown(name: str, config: type) -> str:
+    """``config``'s options as the user guide's table: a header naming ``name``, then one
+    row per option: its name, its default as a Python literal, and its field comment."""
+    comments = field_comments(config)
+    rows = [f"| `{name}` option | default | meaning |", "| --- | --- | --- |"]
+    for field in dataclasses.fields(config):
+        text = comments.get(field.name, "").replace("|", "\\|")
+        rows.append(f"| `{field.name}` | `{field.default!r}` | {text} |")
+    return "\n".join(rows)
+
+
+def config_of(name: str) -> type:
+    """The config class of scheme or pipeline boundary ``name``.
+
+    Raises:
+        ValueError: ``name`` is neither (the message lists both kinds of name).
+    """
+    if name in schemes.names():
+        return schemes.config_class(name)
+    if name in boundary_kinds():
+        return boundary_config_class(name)
+    raise ValueError(f"{name!r} is no scheme ({', '.join(schemes.names())}) and no pipeline "
+                     f"boundary ({', '.join(boundary_kinds())})")
+
+
 def run(args: argparse.Namespace) -> int:
-    del args
+    if args.markdown:
+        chosen = [args.name] if args.name is not None else schemes.names()
+        print("\n\n".join(markdown(name, config_of(name)) for name in chosen))
+        return 0
+    if args.name is not None:
+        return _show_one(args.name)
     print("Schemes. Set an option with --option KEY=VALUE (thinwire compare, train), "
           "--dp-option (pipeline) or --push-option (async).\n")
     print("\n\n".join(describe(name, schemes.config_class(name)) for name in schemes.names()))
     print("\n\nPipeline boundaries (thinwire pipeline --boundary KIND). Set an option with "
           "--boundary-option KEY=VALUE.\n")
     print("\n\n".join(describe(kind, boundary_config_class(kind)) for kind in boundary_kinds()))
+    return 0
+
+
+def _show_one(name: str) -> int:
+    """Print one scheme's or boundary's options (ValueError: neither, as :func:`config_of`)."""
+    config = config_of(name)
+    if name in schemes.names():
+        print("Scheme. Set an option with --option KEY=VALUE (thinwire compare, train), "
+              "--dp-option (pipeline) or --push-option (async).\n")
+    else:
+        print("Pipeline boundary (thinwire pipeline --boundary KIND). Set an option with "
+              "--boundary-option KEY=VALUE.\n")
+    print(describe(name, config))
     return 0

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from thinwire import schemes
 from thinwire.cli.compare import add_recipe_options, add_scheme_options, run_options
-from thinwire.jobs import common
+from thinwire.jobs import board, common
 from thinwire.jobs.compare import parse_options, plot, scheme_config
 from thinwire.jobs.dataparallel import run_scheme
 from thinwire.launch import RankFailed, add_timeout, current_phase
@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("thinwire train expects torchrun's environment (RANK, WORLD_SIZE, "
                          "MASTER_ADDR); launch it with torchrun, or use thinwire compare")
     options = run_options(args)
+    if options.tensorboard is not None:
+        board.writer_class()
     parse_options(args.option, [args.scheme])
     config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
     schemes.build(args.scheme, **config)  # validate before joining the job

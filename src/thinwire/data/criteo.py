@@ -1,22 +1,16 @@
 """Criteo-shaped click data: a synthetic generator with a known signal, and a real small set.
 
-Neither Criteo nor any click log ships offline, so:
-
-* :func:`synthetic_criteo` draws 13 dense count features (log-normal counts,
-  fed as ``log(1 + x)`` like DLRM's Criteo pipeline) and 26 categorical
-  features (Zipf-distributed ids, cardinalities from 3 to 1000), and labels
-  from a known "teacher": a logistic model with a linear dense term, one
-  dense product, a per-id effect for every categorical feature and
-  factorisation-machine dot products between the latent vectors of the
-  first eight categorical features -- exactly the kind of signal DLRM's dot
-  interaction can learn. The intercept is set so about 25 % of labels are
-  positive (Criteo's click rate is 25.6 %). The teacher's own probabilities
-  come with the data, so the Bayes accuracy and loss are known.
-* :func:`breast_cancer` is scikit-learn's breast cancer set (569 real
-  samples, 30 features) in the same shape: the 30 standardised features are
-  the dense input, and each feature's quantile bin (fitted on the training
-  split) is a categorical feature -- binning numerical features into
-  embeddings is a standard tabular technique, not a Criteo property.
+Neither Criteo nor any click log ships offline, so :func:`synthetic_criteo`
+draws 13 dense count features (log-normal, fed as ``log(1 + x)`` as DLRM's
+Criteo pipeline does) and 26 categorical ones (Zipf ids, 3 to 1000 values), and
+labels from a known logistic "teacher" (linear dense terms, a dense product,
+per-id effects and factorisation-machine products of eight features' latent
+vectors: the signal DLRM's dot interaction can learn), with an intercept giving
+about a quarter positive labels, as Criteo's click rate; the teacher's
+probabilities come with the data, so the Bayes accuracy is known.
+:func:`breast_cancer` puts scikit-learn's breast cancer set (569 samples, 30
+features) in the same shape: standardised features as the dense input, each
+feature's quantile bin (fitted on the training split) as a categorical one.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import io
 import json
 import time
 import tokenize
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -29,7 +29,92 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
             return f"{text} (default: off)"
         if action.default is None or action.default == []:
             return f"{text} (default: none)"
+        if isinstance(action, CommaList):
+            return f"{text} (default: {comma_default(action.default)})"
         return f"{text} (default: %(default)s)"
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if isinstance(action, CommaList):  # one token, whatever nargs lets the action see
+            return self._metavar_formatter(action, default_metavar)(1)[0]
+        return super()._format_args(action, default_metavar)
+
+
+class CommaList(argparse.Action):
+    """A list flag spelled ``--modes dad,edad``; a space-separated list is an error that
+    shows the comma-separated spelling (one list syntax on every subcommand).
+
+    ``item`` converts each element; ``choices`` (when given) bounds them.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str,
+                 item: Callable[[str], Any] = str, **kwargs: Any) -> None:
+        self.item = item
+        self.allowed = kwargs.pop("choices", None)
+        kwargs.setdefault("metavar", "A,B,...")
+        super().__init__(option_strings, dest, nargs="+", **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        texts = [str(v) for v in values]
+        flag = option_string or self.dest
+        if len(texts) > 1:
+            parser.error(f"{flag} takes a comma-separated list: {flag} {','.join(texts)}")
+        parts = [part.strip() for part in texts[0].split(",") if part.strip()]
+        if not parts:
+            parser.error(f"{flag} needs at least one value")
+        try:
+            converted = [self.item(part) for part in parts]
+        except ValueError as error:
+            parser.error(f"{flag} {texts[0]!r}: {error}")
+        if self.allowed is not None:
+            bad = [part for part in converted if part not in self.allowed]
+            if bad:
+                parser.error(f"{flag} {bad[0]!r} is not one of {', '.join(map(str, self.allowed))}")
+        setattr(namespace, self.dest, converted)
+
+
+def comma_default(values: Sequence[Any]) -> str:
+    """A list default as the command line spells it: ``"dad,edad"``."""
+    return ",".join(str(v) for v in values)
+
+
+# Old flag spellings -> the new one; a subcommand that has the new flag answers the old
+# one with an error naming it (argparse's "unrecognized arguments" would not).
+RENAMED_FLAGS: dict[str, str] = {
+    "--sparsity": "--ratio (the fraction kept: ratio = 1 - sparsity)",
+    "--dp-opt": "--dp-option",
+    "--push-opt": "--push-option",
+    "--boundary-opt": "--boundary-option",
+    "--max-steps": "--steps",
+    "--passes": "--epochs",
+    "--batch": "--batch-size",
+    "--sites": "--workers",
+}
+
+# Old option keys (KEY=VALUE) -> the new key.
+RENAMED_KEYS: dict[str, str] = {
+    "sparsity": "ratio",
+    "include": "exclude",
+    "start_iter": "warmup_steps",
+}
+
+
+class _Renamed(argparse.Action):
+    """An old flag: parsing it is an error naming its new spelling."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> NoReturn:
+        parser.error(f"{option_string} is spelled {self.metavar} now")
+
+
+def add_renamed_flags(parser: argparse.ArgumentParser) -> None:
+    """Answer each old spelling in :data:`RENAMED_FLAGS` whose new flag ``parser`` has
+    (and whose old one it does not) with an error naming the new flag; hidden in --help."""
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    for old, new in RENAMED_FLAGS.items():
+        if new.split()[0] in flags and old not in flags:
+            parser.add_argument(old, action=_Renamed, nargs="*", metavar=new,
+                                help=argparse.SUPPRESS)
 
 
 def parse_value(text: str) -> Any:
@@ -72,6 +157,13 @@ def parse_options(texts: Sequence[str], configs: Mapping[str, type],
     valid = sorted({f.name for config in configs.values() for f in dataclasses.fields(config)})
     parsed = dict(split_option(text, flag) for text in texts)
     unknown = [key for key in parsed if key not in valid]
+    renamed = [key for key in unknown if RENAMED_KEYS.get(key) in valid]
+    if renamed:
+        old, new = renamed[0], RENAMED_KEYS[renamed[0]]
+        hint = ""
+        if old == "sparsity" and isinstance(parsed[old], (int, float)):
+            hint = f" (the fraction kept, 1 - sparsity: {flag} ratio={1 - parsed[old]:g})"
+        raise ValueError(f"{flag} {old!r} is spelled {new!r} now{hint}")
     if unknown:
         raise ValueError(f"{flag} {unknown[0]!r} is not an option of {', '.join(configs)}; "
                          f"valid keys: {', '.join(valid)}")

@@ -83,8 +83,10 @@ def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
 
 
 def lone_worker(options: RunOptions, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Dense under ``options`` on one worker: the same recipe, seed and probe, no peers."""
-    result: dict[str, Any] = spawn(_worker, 1, [("dense", {})], options,
+    """Dense under ``options`` on one worker: the same recipe, seed and probe, no peers
+    (and no TensorBoard events: those are the compared runs')."""
+    alone = dataclasses.replace(options, tensorboard=None)
+    result: dict[str, Any] = spawn(_worker, 1, [("dense", {})], alone,
                                    timeout_s=timeout_s)[0][0]
     result.pop("weights", None)
     return result
@@ -163,12 +165,12 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
         dense_bytes = sum(w.numel() * w.element_size() for w in weights[0])
         result["dense_bytes_per_step"] = dense_bytes
         result["compression_ratio"] = dense_bytes / max(result["bytes_sent_per_step"], 1e-9)
-        wire = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
+        busiest = max(result["wire_sent_per_step"], result["bytes_received_per_step"])
         per_step = (result["compute_ms_per_step"] + result["overhead_ms_per_step"]) / 1000.0
-        result["modelled_s"] = options.steps * (per_step + 8.0 * wire / bandwidth_bps)
+        result["modelled_s"] = options.steps * (per_step + 8.0 * busiest / bandwidth_bps)
         steps = result["steps_to_target"]
         result["time_to_target_s"] = (None if steps is None
-                                      else steps * (per_step + 8.0 * wire / bandwidth_bps))
+                                      else steps * (per_step + 8.0 * busiest / bandwidth_bps))
         result["bandwidth_bps"] = bandwidth_bps
         result["workers"] = workers
     return results

@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from thinwire.comm import Meter
 from thinwire.compress import Sparsifier
 from thinwire.data.digits import Split, batches
 from thinwire.jobs import workloads
+from thinwire.jobs.board import MeterBoard
 from thinwire.launch import phase
 from thinwire.schemes import CompressedScheme
 from thinwire.schemes.scalecom import CyclicLocalTopK
@@ -59,6 +61,7 @@ class RunOptions:
     eval_rows: int | None = 2000  # test rows per evaluation point (None: all)
     until_target: bool = False  # stop at the first evaluation that reaches the target
     device: str = "cpu"  # where the model, its data and the scheme's state live
+    tensorboard: str | None = None  # rank 0 logs each scheme to TensorBoard in DIR/<scheme>
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "hidden", "eval_every"):
@@ -220,6 +223,11 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     losses = []
     norms: list[float] = []  # .grad's norm before clip_grad_norm_, per step
     steps_to_target = None
+    board = (MeterBoard(Path(options.tensorboard) / name,
+                        sum(p.numel() * p.element_size() for p in model.parameters()))
+             if options.tensorboard is not None and rank == 0 else None)
+    live_trace = (scheme.compressor.trace if isinstance(scheme, CompressedScheme)
+                  and isinstance(scheme.compressor, Sparsifier) else None)
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
         phase(f"{name} step {step}")
@@ -242,11 +250,15 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
             scaler.update()
         meter.next_step()
         losses.append(float(loss.detach()))
+        if board is not None:
+            board.step(meter, losses[-1], live_trace)
         if not math.isfinite(losses[-1]):
             break
         if step % options.eval_every == 0 or step == options.steps:
             handed = meter.bytes_per_step().get("total", 0.0) * meter.step
             curve.append((step, handed, work.score(model, options.eval_rows)))
+            if board is not None:
+                board.accuracy(step, curve[-1][2])
             if steps_to_target is None and work.reached(curve[-1][2]):
                 steps_to_target = step
             if options.until_target and _anyone(steps_to_target is not None, group, device):
@@ -254,6 +266,8 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         if progress is not None:
             progress(1)
     wall_s = time.perf_counter() - start
+    if board is not None:
+        board.close()
     tail = losses[-options.eval_every:]
     summary = meter.summary()
     trace = threshold_trace(scheme)

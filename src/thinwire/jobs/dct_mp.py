@@ -1,20 +1,15 @@
 """Training with DCT-MP splits: tasks, a single-process loop, and pipeline / hybrid workers.
 
-Two ways to run one configuration:
-
-* :func:`train_local` -- the split model's stages run one after the other in
-  this process (:class:`thinwire.pipeline.Pipeline`), full batches, the
-  boundaries' meters record what would cross. Numerically the computation a
-  pipeline schedule performs (up to float summation order across
-  microbatches), and fast enough for the paper's sparsity sweeps; data
-  parallel replicas are simulated (:class:`SimulatedReplicas`).
-* :func:`train_engine` -- ``stages × replicas`` processes on
-  ``torch.distributed.pipelining`` (GPipe or 1F1B), DDP with a registered
-  scheme on each stage's replicas; each rank's meter records its sends.
-
-Both evaluate the split model *with* its boundaries (DCT-MP applies at test
-time too, as in the paper) and report train/test loss and accuracy and bytes
-per entity per step.
+:func:`train_local` runs the split model's stages one after the other in this
+process (:class:`thinwire.pipeline.Pipeline`), full batches, the boundaries'
+meters recording what would cross: a pipeline schedule's computation up to the
+order of float sums across microbatches, fast enough for the paper's sparsity
+sweeps, with data-parallel replicas simulated (:class:`SimulatedReplicas`).
+:func:`train_engine` runs ``stages × replicas`` processes on
+``torch.distributed.pipelining`` (GPipe or 1F1B) with DDP and a registered scheme
+on each stage's replicas. Both evaluate the split model with its boundaries
+(DCT-MP applies at test time too, as in the paper) and report loss, accuracy
+and bytes per entity per step.
 """
 
 from __future__ import annotations

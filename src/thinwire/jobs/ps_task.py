@@ -42,6 +42,7 @@ class TaskSpec:
     seed: int = 0  # model initialisation and shuffling
     train_limit: int | None = None  # use only the first N training examples (smoke runs)
     holdout: int = 0  # hold the last N training examples out; evaluate on them, not the test set
+    steps: int | None = None  # gradients per stream at most, >= 1; None: every pass in full
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -53,6 +54,9 @@ class TaskSpec:
             raise ValueError(f"train_limit={self.train_limit!r} must be None or an integer >= 1")
         if isinstance(self.holdout, bool) or not isinstance(self.holdout, int) or self.holdout < 0:
             raise ValueError(f"holdout={self.holdout!r} must be an integer >= 0")
+        if self.steps is not None and (isinstance(self.steps, bool)
+                                       or not isinstance(self.steps, int) or self.steps < 1):
+            raise ValueError(f"steps={self.steps!r} must be None or an integer >= 1")
 
     def build(self) -> ClassifierTask:
         """The task these fields describe (loads the image set, initialises the model)."""
@@ -126,16 +130,22 @@ class ClassifierTask:
 
     def batches(self, stream: int, streams: int, passes: int,
                 first_pass: int = 0) -> Iterator[Batch]:
-        """The stream's mini-batches, ``passes`` times over its shard (last one may be short).
+        """The stream's mini-batches, ``passes`` times over its shard (last one may be short),
+        and no more than ``spec.steps`` of them.
 
         ``first_pass`` numbers the passes (their shuffles) from there, for resumed runs.
         """
         shard = self.shard(stream, streams)
+        left = self.spec.steps
         for epoch in range(first_pass, first_pass + passes):
             generator = torch.Generator().manual_seed(
                 (self.spec.seed * 1_000_003 + stream) * 1_009 + epoch)
             order = shard[torch.randperm(shard.numel(), generator=generator)]
             for start in range(0, order.numel(), self.spec.batch_size):
+                if left is not None:
+                    if left == 0:
+                        return
+                    left -= 1
                 chosen = order[start:start + self.spec.batch_size]
                 yield self.x_train[chosen], self.y_train[chosen]
 

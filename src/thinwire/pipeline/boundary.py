@@ -1,56 +1,17 @@
 """DCT-MP boundary: per-row top-k of an activation crosses a model split as (values, indices).
 
-DCT KDD'21 §2.2, Algorithm 2. At the end of a stage each row ``i`` of the
-activation ``X_act`` (one sample, or one token of a (B, T, d) activation)
-keeps its ``k = ceil(d (1 - eta))`` largest ``|x|`` (lines 4-9); the stage
-sends ``X_act ⊙ M`` as fixed-shape ``values (.., k)`` and ``indices (.., k)``
-(line 11). The next stage scatters them back into a zero (.., d) tensor. In
-backward the receiving stage gathers ``X_grad`` at the same indices and sends
-``X_grad ⊙ M`` as values only (lines 13-14): the sending stage kept the mask,
-so no index travels back.
-
-Choices where the papers leave room:
-
-* Exactly k per row. Algorithm 2 line 7 keeps ``|x| >= tau_i``, which keeps
-  more than k when values tie at ``tau_i``; a pipeline needs fixed shapes, so
-  ties are broken by ``torch.topk`` (deterministic on CPU). Line 6 indexes the
-  ascending sort at ``floor(d eta)``, one entry more than the target; we keep
-  ``keep_count(d, 1 - eta)`` like every sparsifier of the package.
-* Rows with fewer than k non-zeros (ReLU outputs) keep some zeros: they cost
-  their slots but are harmless (Alg. 2 keeps them too, as ``tau_i = 0``).
-* Indices travel in the smallest integer dtype that holds the largest index
-  (uint8 for d <= 256, int16 for d <= 32768, ...). Values travel in the
-  activation's dtype, or in fp16 when asked (both directions).
-* ``threshold="laplace"`` (DCT MLSys §2.2, App. B) replaces the per-row sort
-  by a Laplace estimate as the paper describes it: once per iteration one
-  Laplace law is fitted to the whole activation batch by its mean and
-  variance, tau is read off its quantile function
-  (:func:`batch_laplace_threshold`), and every row keeps its entries with
-  ``|x| >= tau``; "during testing, the estimated tau from the training
-  process can be used", so the :class:`Compact` sender keeps the last
-  training tau (a buffer, in its ``state_dict``) and reuses it when not
-  training. Where the text is silent: the law is fitted to ``|x|``, the
-  quantity Algorithm 2 thresholds (the paper's ReLU activations are their
-  own magnitudes); before any training step the sender fits the batch at
-  hand. ``threshold="laplace-row"`` fits one law per row instead, the way
-  Algorithm 2 thresholds per sample (:func:`laplace_thresholds`).
-  (The foundation's :class:`thinwire.compress.LaplaceThreshold` fits a
-  zero-centred law by ``mean|x|`` instead; on ReLU activations, half zeros,
-  that tau is too low and nearly every row would overflow the budget.)
-  The kept count varies per row, so both use
-  **fixed-budget padding**: the kept entries are compacted in O(d) (a prefix
-  sum, no sort) into the same k slots top-k would use; unused slots carry
-  value 0 and index ``d`` (one past the end), which :func:`expand` drops and
-  whose gradient is exactly 0. Rows whose estimate keeps more than k entries
-  (the fit's error, Fig. 6b) fall back to exact top-k for those rows only;
-  :attr:`Compact.overflow` records how many rows did.
-  The wire cost is therefore that of top-k; Laplace saves selection time, not
-  bytes. A dense-masked fallback (send ``X ⊙ M`` dense) was rejected: it
-  saves no bytes at all. The index dtype must hold ``d``, so a width of
-  exactly 256 needs int16 under Laplace but uint8 under top-k.
-* ``sparsity == 0`` in the :class:`Compact` module sends the activation dense
-  (values only, no indices): an index for every entry would cost more than
-  it saves. The functional :func:`compact` always returns (values, indices).
+DCT KDD'21 §2.2, Algorithm 2. Each row of ``X_act`` (a sample, or a token of a
+(B, T, d) activation) keeps its ``k = keep_count(d, 1 - eta)`` largest ``|x|``
+(lines 4-9) and crosses as fixed-shape ``values (.., k)`` and ``indices (.., k)``
+(line 11); in backward ``X_grad`` crosses at the same indices as values only
+(lines 13-14), since the sender kept the mask. Exactly k per row, ties broken by
+``torch.topk``, because a pipeline needs fixed shapes. Indices take the smallest
+integer dtype that holds the width. ``threshold="laplace"`` (DCT MLSys §2.2,
+App. B) reads tau off a Laplace law fitted once per batch and reuses the last
+training tau at test; its kept entries are padded into the same k slots (value
+0, index d), so it saves selection time, not bytes. ``sparsity == 0`` in the
+modules sends the activation dense. The choices the papers leave open, and
+why: ``docs/dct-mp.md``.
 """
 
 from __future__ import annotations
@@ -227,12 +188,12 @@ class _Compact(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, acts: torch.Tensor, rows: torch.Tensor,
-                wire: torch.dtype | None, small: torch.dtype,
+                sent_dtype: torch.dtype | None, small: torch.dtype,
                 padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
         source = F.pad(acts, (0, 1)) if padded else acts
         values = source.gather(-1, rows)
-        if wire is not None:
-            values = values.to(wire)
+        if sent_dtype is not None:
+            values = values.to(sent_dtype)
         indices = rows.to(small)
         ctx.mark_non_differentiable(indices)
         ctx.save_for_backward(indices)
@@ -262,14 +223,14 @@ class _Expand(torch.autograd.Function):
         out = values.new_zeros((*values.shape[:-1], width + int(padded)), dtype=dtype)
         out.scatter_(-1, rows, values.to(dtype))
         ctx.save_for_backward(indices)
-        ctx.width, ctx.padded, ctx.wire = width, padded, values.dtype
+        ctx.width, ctx.padded, ctx.sent_dtype = width, padded, values.dtype
         return out[..., :width].contiguous() if padded else out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (indices,) = ctx.saved_tensors
         source = F.pad(grad, (0, 1)) if ctx.padded else grad
-        return source.gather(-1, indices.long()).to(ctx.wire), None, None, None
+        return source.gather(-1, indices.long()).to(ctx.sent_dtype), None, None, None
 
 
 def compact(acts: torch.Tensor, sparsity: float, *, threshold: str = "topk",
@@ -295,12 +256,12 @@ def compact(acts: torch.Tensor, sparsity: float, *, threshold: str = "topk",
     Raises:
         ValueError: wrong rank or dtype, sparsity outside [0, 1), unknown option.
     """
-    wire = value_dtype(values)
+    sent_dtype = value_dtype(values)
     rows = select(acts, sparsity, threshold, tau)
     width = acts.shape[-1]
     padded = threshold != "topk"
     small = index_dtype(width if padded else width - 1)
-    out: tuple[torch.Tensor, torch.Tensor] = _Compact.apply(acts, rows, wire, small, padded)
+    out: tuple[torch.Tensor, torch.Tensor] = _Compact.apply(acts, rows, sent_dtype, small, padded)
     return out
 
 
@@ -436,7 +397,7 @@ class Compact(Sender):
         self.sparsity = sparsity
         self.threshold = threshold
         self.values = values
-        self.wire = value_dtype(values)
+        self.sent_dtype = value_dtype(values)
         self.payload_size = 1 if sparsity == 0 else 2
         self.trace: list[tuple[float, float]] = []
         self.overflow: list[float] = []
@@ -446,7 +407,7 @@ class Compact(Sender):
     def encode(self, acts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         check_activation(acts)
         if self.sparsity == 0:
-            return (acts if self.wire is None else acts.to(self.wire),)
+            return (acts if self.sent_dtype is None else acts.to(self.sent_dtype),)
         learning = self.training and torch.is_grad_enabled()
         tau: torch.Tensor | None = None
         if self.threshold != "topk":
@@ -484,7 +445,8 @@ class Expand(Receiver):
         width: d of the activation that was compacted.
         sparsity: must match the sender's (0 means the activation crossed dense).
         dtype: the activation's dtype before it crossed (values may be fp16).
-        name, meter: as for :class:`Compact`.
+        name: as for :class:`Compact`.
+        meter: as for :class:`Compact`.
     """
 
     def __init__(self, width: int, sparsity: float, dtype: torch.dtype = torch.float32,

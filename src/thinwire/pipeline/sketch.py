@@ -2,32 +2,17 @@
 
 Both exist so users can measure why DCT-MP is the default.
 
-``sketch`` -- Gaussian sketching of activations (Table 6). The sender sends
-``Y = X S`` with ``S`` a (d, m) matrix of i.i.d. N(0, 1/m) entries, so that
-``E[S S^T] = I``; the receiver uses ``X~ = Y S^T``. ``m`` keeps the fraction
-``1 - compression`` of the width. Both sides draw the same S from the seed,
-the split's name and a count of training calls (no bytes): sender and
-receiver each see every microbatch once and in order, so their counts agree,
-in one process and under a pipeline schedule; the count is checkpointed in
-the modules' ``state_dict``. By default S is fresh at every training call, as
-a random sketch is in RandNLA (unbiased, ``E[X S S^T] = X``, but noisy);
-``resample=False`` keeps one S, which turns the split into a fixed rank-m
-projection the next layer can adapt to -- a stronger baseline than the
-paper's. Evaluation uses the seed's first S. The paper leaves the backward
-uncompressed; here what crosses back is the exact gradient of the sketched
-network, ``dL/dY = X~_grad S``, which is (B, m) -- the gradient of what was
-sent forward, as a pipeline schedule requires.
+``sketch`` (Table 6) sends ``Y = X S`` with ``S`` (d, m) of i.i.d. N(0, 1/m)
+entries and receives ``X S^T``; both sides draw S from the seed, the split's
+name and a checkpointed count of training calls, so no bytes carry it. S is
+fresh at every training call (unbiased, noisy), or fixed with
+``resample=False``. The backward sends the exact gradient of the sketched
+network, (B, m), the gradient of what went forward, as a schedule requires.
 
-``xgrad-topk`` -- top-K with error feedback on ``X_grad`` (Table 7). The
-activation crosses dense; in backward the receiver adds its residual to
-``X_grad``, keeps each row's top ``ceil(d (1 - sparsity))`` entries (per row,
-the layout of Algorithm 2, not a whole-matrix threshold), sends values and
-indices, and keeps the rest for the next backward (DCT Alg. 1 lines 3, 11).
-The residual is keyed by the gradient's shape (rows are different samples
-every step, which is one reason this fails). It runs in one process only: a
-pipeline schedule can send back only the gradient of a tensor sent forward,
-with that tensor's shape, so a (values, indices) gradient has nothing to ride
-on without sending carrier tensors forward.
+``xgrad-topk`` (Table 7) sends the activation dense and each row's top-k of
+``X_grad`` plus a residual keyed by the gradient's shape (DCT Alg. 1 lines 3,
+11). It runs in one process only: a schedule sends back only the gradient of a
+tensor sent forward, with its shape. More: ``docs/dct-mp.md``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Split stages on ``torch.distributed.pipelining``: static metadata, metered sends.
 
-Why static metadata. Without ``input_args``/``output_args`` a
-``PipelineStage`` infers shapes at the first step by running each stage on
-*uninitialised* buffers built from the previous stage's metadata
-(``torch.empty_strided``). For a DCT-MP receiver those buffers hold the
-integer indices, so shape inference scatters at garbage positions and fails
-(GPipe and 1F1B alike, torch 2.13). :func:`build_stage` instead runs the
-split model locally on one example microbatch, without gradients, and hands
-the engine every stage's exact input and output metadata. Floating tensors
-are marked ``requires_grad`` (their gradients cross back: the values of a
-DCT-MP payload, a dense residual stream); integer indices are not, so the
-engine allocates no gradient buffer for them and sends nothing back for
-them -- the values-only backward of Algorithm 2 lines 13-14. The engine then
-runs in its STATIC mode: no inference pass, no uninitialised indices, and the
-same metadata for GPipe and 1F1B.
-
-Metering happens where bytes are handed to torch.distributed: the stage's
-send operations (forward sends are ``X_act``, backward sends ``X_grad``).
+Static metadata, because without ``input_args``/``output_args`` a
+``PipelineStage`` infers shapes by running each stage on uninitialised buffers,
+and a DCT-MP receiver would scatter at garbage indices (GPipe and 1F1B alike,
+torch 2.13). :func:`build_stage` runs the split model once on an example
+microbatch, without gradients, and hands the engine every stage's exact
+metadata: floating tensors require grad (their gradients cross back), integer
+indices do not, so nothing crosses back for them (Algorithm 2 lines 13-14's
+values-only backward). Metering happens where bytes are handed to
+torch.distributed, the stage's sends: forward ``X_act``, backward ``X_grad``.
 """
 
 from __future__ import annotations
@@ -41,11 +33,12 @@ SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 class MeteredStage(PipelineStage):
     """A ``PipelineStage`` that records every tensor it hands to torch.distributed.
 
+    The other arguments are ``PipelineStage``'s.
+
     Args:
         meter: records ``X_act`` for forward sends and ``X_grad`` for backward sends.
         names: the split names, one per boundary; boundary ``i`` lies between
             stages ``i`` and ``i + 1`` and is the meter's layer.
-        (others): as for ``PipelineStage``.
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,

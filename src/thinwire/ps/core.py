@@ -1,21 +1,14 @@
 """The parameter server's state machine, without any transport (DC-ASGD Algorithm 2).
 
-:class:`ParameterServerCore` is what the RPC server wraps. It is pure and
-thread-safe: every pull and push runs under one lock, so updates are applied
-one at a time and a pull never sees half an update. It is exact and
-deterministic given the order of calls, which is how the tests drive it
-(a fake clock, injected delay schedules, no timing).
-
-Streams. A stream is one pull/compute/push loop: a worker process, or one
-hogwild thread of a worker. Each stream has its own backup ``w_bak``, set when
-it pulls and initialised to the initial weights (Algorithm 2,
-"Initialize"), so the compensation of a thread's push uses the weights that
-thread pulled.
-
-Snapshots without copies. Update rules return new tensors and never modify
-their inputs, so the weight tensor a pull returns is never written again: a
-reference taken under the lock is a consistent snapshot, and so are the
-backups.
+:class:`ParameterServerCore` is what the RPC server wraps. Every pull and push
+runs under one lock, so updates apply one at a time and a pull never sees half
+of one; given the order of calls it is exact and deterministic, which is how the
+tests drive it (a fake clock, injected delay schedules). A stream is one
+pull/compute/push loop (a worker process, or one hogwild thread of it) with its
+own backup ``w_bak``, set at each pull and initialised to the initial weights
+(Algorithm 2, "Initialize"). Update rules return new tensors and never modify
+their inputs, so a weight tensor handed out by a pull is a consistent snapshot
+without a copy, and so are the backups.
 """
 
 from __future__ import annotations

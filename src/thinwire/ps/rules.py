@@ -1,26 +1,16 @@
 """Server update rules by name: ASGD (Eq. 3) and DC-ASGD (Eq. 9-10, Algorithm 2).
 
 ``build_rule(name, **config)`` returns an :class:`UpdateRule` whose
-``apply(weights, grad, backup) -> new_weights`` is the parameter server's
-update for one push, usable with or without a server.
-
-Choices the paper leaves open (DC-ASGD, Zheng et al.):
-
-* Momentum and weight decay ("we also implemented the momentum variants",
-  footnote 7) follow ``torch.optim.SGD``: ``d = g_dc + wd * w``,
-  ``v = mu * v + d``, ``w' = w - lr * v``. Delay compensation applies to the
-  loss gradient only; weight decay is evaluated at the current weights, which
-  the server knows exactly, so it needs no compensation.
-* The schedule counts updates applied by this rule. At each milestone the
-  learning rate is multiplied by ``lr_decay`` and lambda by ``lam_growth``
-  (§5: "increased by ten times when learning rate changes").
-* The adaptive variant is DC-ASGD-a of the ICML 2017 version of the paper:
-  lambda is divided element-wise by ``sqrt(MeanSquare + eps)`` with
-  ``MeanSquare <- m * MeanSquare + (1 - m) * g * g``, updated with the
-  current gradient before it is used (so the first step never divides by a
-  zero mean square), and without bias correction.
-* Rules never modify their inputs: ``apply`` returns new tensors, so a
-  server may hand out a weight tensor as a snapshot without copying it.
+``apply(weights, grad, backup) -> new_weights`` is the server's update for one
+push, usable without a server. It never modifies its inputs, so a server may
+hand out a weight tensor as a snapshot without copying it. Where DC-ASGD
+(Zheng et al.) leaves room: momentum and weight decay (footnote 7) follow
+``torch.optim.SGD``, with delay compensation on the loss gradient only (the
+decay is taken at the current weights, which the server knows); milestones
+count this rule's updates and multiply lr by ``lr_decay`` and lambda by
+``lam_growth`` (§5); the adaptive variant is DC-ASGD-a (ICML 2017): lambda over
+``sqrt(MeanSquare + eps)``, the mean square updated with the current gradient
+first (never a division by zero) and without bias correction.
 """
 
 from __future__ import annotations

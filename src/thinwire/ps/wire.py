@@ -1,20 +1,13 @@
 """What a push carries: a dense fp32 gradient, or per-tensor compressed payload bytes.
 
-A push travels as one tensor. Uncompressed (scheme ``"dense"``), it is the
-flat gradient itself. Compressed, it is the concatenation of each parameter's
-``payload.to_bytes()`` in :class:`~thinwire.ps.layout.Layout` order, every
-segment padded to 4 bytes so values can be viewed in place; the Meter records
-each segment's exact bytes and the padding as layer ``"(padding)"``.
-
-The worker keeps the error-feedback memory (DCT Alg. 1 lines 3 and 11): it
-compensates, compresses, and stores what the payload left out. Several
-hogwild threads of one worker share one codec and so one error buffer (DCT
-§3.3, Remark 2); races between them may drop or repeat part of the residual,
-which is the behaviour the paper describes, and the stochastic drain of
-:class:`~thinwire.feedback.Residual` (``drain_every``) bounds its growth.
-
-A gradient that is not finite is never compressed (it would poison the
-threshold and the residual): it is pushed dense, as is, for the server to
+A push travels as one tensor: the flat gradient (scheme ``"dense"``), or each
+parameter's ``payload.to_bytes()`` in :class:`~thinwire.ps.layout.Layout`
+order, each segment padded to 4 bytes so values can be viewed in place (the
+Meter records the padding as layer ``"(padding)"``). The worker keeps the error
+memory (DCT Alg. 1 lines 3, 11); hogwild threads of one worker share one codec
+and so one error buffer (DCT §3.3, Remark 2), whose races the stochastic drain
+(``drain_every``) bounds. A gradient that is not finite is pushed dense, never
+compressed (it would poison the threshold and the residual), for the server to
 reject and count.
 """
 
