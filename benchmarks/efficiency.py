@@ -188,6 +188,11 @@ def section(records: list[tuple[dict[str, Any], Path]]) -> str:
                      f" per worker | " + " | ".join(cells)
                      + f" | {record['compute_ms_per_step']:.1f} | "
                      + ("yes" if good else f"**no**: {why}") + " |")
+    measured = {record["workload"] for record, _ in records}
+    missing = [name for name in sorted(workloads.WORKLOADS) if name not in measured]
+    if missing:
+        lines += ["", "Not measured yet: " + ", ".join(missing)
+                  + " (`python -m benchmarks.efficiency --workload NAME`)."]
     lines += ["", "Sources: " + "; ".join(
         f"`{path.as_posix()}` (`{record['command']}`, {record['seeds']} seeds, evaluated "
         f"every {record['eval_every']} steps, load average {record['load']})"
