@@ -228,6 +228,19 @@ def section(records: list[tuple[dict[str, Any], Path]], figures: Path, docs: Pat
                                else f"{cell['time_s']:.1f} s")
             row.append(" / ".join(str(steps.get((n, name)) or "-") for n in counts))
             lines.append("| " + " | ".join(row) + " |")
+        runs = [r for n in counts for r in record["cells"][n]["runs"]]
+        missed = [f"{r['scheme']} ({r['test_score']:.2f} {record['metric']} after its "
+                  f"{record['recipe']['steps']} steps)" for r in runs
+                  if r["steps_to_target"] is None and r.get("test_score") is not None]
+        probes = sorted({round(r["probe_compute_ms"], 1) for r in runs
+                         if r.get("probe_compute_ms") is not None})
+        lines += ["", "Codec ms per step as measured in the run (inside the load it ran "
+                  "under): " + ", ".join(f"{r['scheme']} {r['overhead_ms_per_step']:.1f}"
+                                          for r in runs) + "."
+                  + (f" Not reached: {', '.join(missed)}." if missed else "")
+                  + (f" The compute step is `--compute-ms`; the run's own probe read "
+                     f"{', '.join(map(str, probes))} ms on the busy machine." if probes
+                     else "")]
         even = record.get("break_even_bps", {})
         lines += ["", "Link rate above which a scheme reaches the target before the lone "
                   "worker (the fast links' delay): " + "; ".join(
