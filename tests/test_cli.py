@@ -256,7 +256,10 @@ def test_one_vocabulary_and_no_old_spellings(command: str) -> None:
     flags = {flag for a in _subcommand(command)._actions for flag in a.option_strings
              if a.help != argparse.SUPPRESS}  # old spellings are hidden errors
     assert set(VOCABULARY[command]) | {"--out", "--json", "--timeout"} <= flags
-    assert not flags & set(OLD_SPELLINGS)
+    # dad once counted its workers with --sites; compare and train take it for sites of
+    # sharded workers (thinwire.fsdp)
+    old = set(OLD_SPELLINGS) - ({"--sites"} if command in ("compare", "train") else set())
+    assert not flags & old
 
 
 @pytest.mark.parametrize(("old", "new"), [(["pipeline", "--dp-opt", "ratio=0.1"], "--dp-option"),

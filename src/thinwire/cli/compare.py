@@ -92,10 +92,20 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
                              "in DIR/<scheme> (needs the tensorboard package)")
 
 
+def add_sites(parser: argparse.ArgumentParser) -> None:
+    """``--sites S``: FSDP2 inside each of S sites, the scheme across them."""
+    parser.add_argument("--sites", type=int, default=None, metavar="S",
+                        help="shard the model with FSDP2 inside each of S sites (shards per "
+                             "site = workers / S) and send each shard's gradient across sites "
+                             "through the scheme (thinwire.fsdp); the scheme native-hsdp is "
+                             "then torch's own HSDP. Default: no sharding (DDP)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                         help="comma-separated scheme names, from thinwire schemes")
     parser.add_argument("--workers", type=int, default=4, help="local worker processes")
+    add_sites(parser)
     add_recipe_options(parser)
     add_scheme_options(parser)
     parser.add_argument("--bandwidth", default="100mbit",
@@ -135,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         board.writer_class()
     bandwidth_bps = parse_bandwidth(args.bandwidth)
     results = compare(names, args.workers, options, bandwidth_bps, args.sparsity,
-                      args.life_span, args.option, args.timeout)
+                      args.life_span, args.option, args.timeout, sites=args.sites)
     dense = next((r for r in results if r["scheme"] == "dense"), None)
     lone = (dense if args.workers == 1 else lone_worker(options, args.timeout)
             if args.lone else None)
@@ -151,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
         f"{'default' if options.weight_decay is None else options.weight_decay}, "
         f"{clipping(options)}, {options.precision}, "
         f"coupled {options.couple}), target {metric} "
-        f"{results[0]['target']}; {args.workers} workers, {options.steps} steps, "
+        f"{results[0]['target']}; {args.workers} workers"
+        f"{'' if args.sites is None else f' in {args.sites} sites (FSDP2 inside each)'}, "
+        f"{options.steps} steps, "
         f"sparsity {args.sparsity}, life-span {args.life_span}; a step's compute "
         f"{results[0]['compute_ms_per_step']:.2f} ms (one probe for every scheme).\n\n"
         f"{table}\n\nlone worker: dense with the same recipe on one worker, no "

@@ -1,6 +1,7 @@
 """Train one scheme as one rank of a real job launched by torchrun.
 
     torchrun --nproc-per-node 4 -m thinwire train --scheme dct-dp --sparsity 0.99
+    torchrun --nproc-per-node 4 -m thinwire train --scheme topk --sites 2   # FSDP2 in 2 sites
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 -m thinwire train ...
 
 Rendezvous, multi-node included, is torchrun's; this only reads its environment.
@@ -21,16 +22,18 @@ import torch
 import torch.distributed as dist
 
 from thinwire import schemes
-from thinwire.cli.compare import add_recipe_options, add_scheme_options, run_options
+from thinwire.cli.compare import add_recipe_options, add_scheme_options, add_sites, run_options
 from thinwire.jobs import board, common
 from thinwire.jobs.compare import parse_options, plot, scheme_config
 from thinwire.jobs.dataparallel import run_scheme
+from thinwire.jobs.sharded import NATIVE, check_sites, run_sharded
 from thinwire.launch import RankFailed, add_timeout, current_phase
 from thinwire.progress import StepBar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheme", default="dct-dp", help="a name from thinwire schemes")
+    add_sites(parser)
     add_recipe_options(parser)
     add_scheme_options(parser)
     parser.add_argument("--device", default=None,
@@ -50,9 +53,15 @@ def run(args: argparse.Namespace) -> int:
     options = run_options(args)
     if options.tensorboard is not None:
         board.writer_class()
-    parse_options(args.option, [args.scheme])
-    config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
-    schemes.build(args.scheme, **config)  # validate before joining the job
+    sites = args.sites
+    if sites is not None:  # validate before joining the job
+        check_sites(sites, int(os.environ.get("WORLD_SIZE", "1")))
+    native = args.scheme == NATIVE and sites is not None
+    config: dict[str, Any] = {}
+    if not native:
+        parse_options(args.option, [args.scheme])
+        config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
+        schemes.build(args.scheme, **config)
     device = rank_device(args.device)
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
@@ -66,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         bar = StepBar(options.steps, show=rank == 0)
         try:
-            result = run_scheme(args.scheme, config, options, progress=bar.update)
+            result = (run_scheme(args.scheme, config, options, progress=bar.update)
+                      if sites is None else
+                      run_sharded(args.scheme, config, options, sites, progress=bar.update))
         except RuntimeError as error:  # a collective's timeout names neither rank nor step
             raise RankFailed(f"rank {rank} failed during {current_phase()!r} "
                              f"(--timeout {args.timeout:g} s): {error}") from error
@@ -74,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
         weights = result.pop("weights")
         if rank == 0:
-            dense_bytes = sum(w.numel() * w.element_size() for w in weights)
+            dense_bytes = result.pop("dense_shard_bytes", None) or sum(  # sharded: the shard's
+                w.numel() * w.element_size() for w in weights)
             result.update(workers=world_size, dense_bytes_per_step=dense_bytes,
                           compression_ratio=dense_bytes / max(result["bytes_sent_per_step"],
                                                               1e-9))

