@@ -8,7 +8,7 @@ package and from floors below, and packages side by side do not import each othe
     schemes
     optim
     ddp                          (front door 1)
-    pipeline | autodiff | ps     (front doors 2-4)
+    pipeline | autodiff | ps | local   (front doors 2-5; local: DiLoCo)
     models | data
     jobs
     cli
@@ -17,8 +17,8 @@ The contracts in pyproject.toml (``[tool.importlinter]``) hold this and forbid i
 cycles inside packages; the tests run them.
 """
 
-from thinwire import compress, ddp, feedback, optim, schemes
+from thinwire import compress, ddp, feedback, local, optim, schemes
 from thinwire._version import __version__
 from thinwire.comm import Meter
 
-__all__ = ["Meter", "__version__", "compress", "ddp", "feedback", "optim", "schemes"]
+__all__ = ["Meter", "__version__", "compress", "ddp", "feedback", "local", "optim", "schemes"]

@@ -11,6 +11,7 @@ import textwrap
 
 from thinwire import schemes
 from thinwire.jobs.common import field_comments
+from thinwire.jobs.local_run import DiLoCoOptions
 from thinwire.pipeline import boundary_config_class, boundary_kinds
 
 
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     print("Schemes. Set an option with --option KEY=VALUE (thinwire compare, train), "
           "--dp-option (pipeline) or --push-option (async).\n")
     print("\n\n".join(describe(name, schemes.config_class(name)) for name in schemes.names()))
+    print("\n\nLocal updates (thinwire compare --schemes diloco,diloco+SCHEME): every H steps "
+          "the pseudo-gradients are averaged through SCHEME (dense alone). Set an option with "
+          "--option KEY=VALUE, as the scheme's own.\n")
+    print(describe("diloco", DiLoCoOptions))
     print("\n\nPipeline boundaries (thinwire pipeline --boundary KIND). Set an option with "
           "--boundary-option KEY=VALUE.\n")
     print("\n\n".join(describe(kind, boundary_config_class(kind)) for kind in boundary_kinds()))

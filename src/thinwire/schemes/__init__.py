@@ -5,6 +5,7 @@ Floor: above the core (compress, feedback, comm); below optim and the front door
 
 from thinwire.schemes import builtin as _builtin  # noqa: F401  (registers the schemes)
 from thinwire.schemes import powersgd as _powersgd  # noqa: F401
+from thinwire.schemes import quantised as _quantised  # noqa: F401
 from thinwire.schemes import scalecom as _scalecom  # noqa: F401
 from thinwire.schemes.base import CompressedScheme, Scheme
 from thinwire.schemes.registry import build, config_class, fingerprint, names, register

@@ -1,0 +1,268 @@
+"""One local-update run (``diloco``, ``diloco+SCHEME``) of a workload, as ``run_scheme`` does DDP.
+
+``diloco`` averages dense pseudo-gradients; ``diloco+SCHEME`` averages them
+through any registered scheme (``diloco+int4``, ``diloco+dct-dp``,
+``diloco+topk+int2``). The local options (:class:`DiLoCoOptions`) and the
+scheme's own are both set by ``--option KEY=VALUE``. Accuracy is measured on
+the global weights (what every worker shares after a sync), so steps to
+target fall on sync points; the result's keys are :func:`run_scheme`'s, so a
+compare table holds both families alike.
+
+A sync's exchange is launched at the step that lands it (delay 0) or ``delay``
+steps before: the meter charges its bytes to the launching step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from thinwire import schemes
+from thinwire.comm import Meter
+from thinwire.data.digits import batches
+from thinwire.jobs import workloads
+from thinwire.jobs.board import MeterBoard
+from thinwire.jobs.dataparallel import (
+    PRECISIONS,
+    RunOptions,
+    recipe,
+    run_scheme,
+    step_seconds,
+    threshold_trace,
+    traffic_per_collective,
+)
+from thinwire.launch import phase
+from thinwire.local import LocalConfig, LocalUpdates, nesterov
+
+PREFIX = "diloco"
+
+
+@dataclass(frozen=True)
+class DiLoCoOptions:
+    every: int = 50  # H, inner steps between a fragment's syncs
+    fragments: int = 1  # Streaming DiLoCo's F, parts synced at staggered steps
+    delay: int = 0  # tau, inner steps a fragment's exchange overlaps, < every // fragments
+    mix: float = 0.0  # weight of the local weights when a fragment lands, in [0, 1)
+    outer_lr: float = 0.7  # the outer Nesterov SGD's learning rate, > 0
+    outer_momentum: float = 0.9  # its momentum, in [0, 1); 0: plain SGD
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr)
+                and self.outer_lr > 0):
+            raise ValueError(f"outer_lr={self.outer_lr!r} must be a finite number > 0")
+        if not (isinstance(self.outer_momentum, (int, float))
+                and 0.0 <= self.outer_momentum < 1.0):
+            raise ValueError(f"outer_momentum={self.outer_momentum!r} is outside the allowed "
+                             "range [0, 1)")
+
+
+def is_local(name: str) -> bool:
+    """Whether ``name`` spells a local-update run (``diloco`` or ``diloco+SCHEME``)."""
+    return name == PREFIX or name.startswith(PREFIX + "+")
+
+
+def inner_scheme(name: str) -> str:
+    """The scheme that averages the pseudo-gradients of ``diloco+SCHEME`` (dense alone)."""
+    return name[len(PREFIX) + 1:] if name.startswith(PREFIX + "+") else "dense"
+
+
+def config_classes(name: str) -> dict[str, type]:
+    """The config dataclasses whose fields a run of ``name`` takes, by a label for messages.
+
+    Raises:
+        ValueError: an unknown scheme (after ``diloco+``, too).
+    """
+    if not is_local(name):
+        return {name: schemes.config_class(name)}
+    return {PREFIX: DiLoCoOptions, inner_scheme(name): schemes.config_class(inner_scheme(name))}
+
+
+def fields(name: str) -> set[str]:
+    """Every option a run of ``name`` takes."""
+    return {f.name for config in config_classes(name).values() for f in dataclasses.fields(config)}
+
+
+def parts(name: str, config: dict[str, Any]) -> tuple[DiLoCoOptions, dict[str, Any]]:
+    """``config`` split into the local options and the scheme's own (validated)."""
+    local = {f.name for f in dataclasses.fields(DiLoCoOptions)}
+    options = DiLoCoOptions(**{k: v for k, v in config.items() if k in local})
+    scheme = {k: v for k, v in config.items() if k not in local}
+    return options, scheme
+
+
+def validate(name: str, config: dict[str, Any]) -> None:
+    """Build what a run of ``name`` builds, so bad options fail before anything is spawned."""
+    if not is_local(name):
+        schemes.build(name, **config)
+        return
+    options, scheme = parts(name, config)
+    schemes.build(inner_scheme(name), **scheme)
+    LocalConfig(options.every, options.fragments, options.delay, options.mix)
+
+
+def run(name: str, config: dict[str, Any], options: RunOptions,
+        progress: Callable[[int], None] | None = None,
+        group: dist.ProcessGroup | None = None,
+        compute_s: float | None = None) -> dict[str, Any]:
+    """:func:`run_local` for a local-update name, else :func:`run_scheme`."""
+    runner = run_local if is_local(name) else run_scheme
+    return runner(name, config, options, progress=progress, group=group, compute_s=compute_s)
+
+
+def _global_copy(model: nn.Module, updates: LocalUpdates) -> nn.Module:
+    """A copy of ``model`` holding the global weights (for evaluation)."""
+    probe = copy.deepcopy(model)
+    params = dict(probe.named_parameters())
+    with torch.no_grad():
+        for key, value in updates.global_state().items():
+            params[key].copy_(value)
+    return probe
+
+
+def run_local(name: str, config: dict[str, Any], options: RunOptions,
+              progress: Callable[[int], None] | None = None,
+              group: dist.ProcessGroup | None = None,
+              compute_s: float | None = None) -> dict[str, Any]:
+    """Train ``options.workload`` with local updates in the current process group.
+
+    The inner optimiser is the user's (``options.optimizer``, ``lr``,
+    ``momentum``); the outer one Nesterov SGD (``outer_lr``, ``outer_momentum``).
+    Every rank calls this with the same arguments.
+
+    Returns:
+        :func:`~thinwire.jobs.dataparallel.run_scheme`'s keys, plus ``local``: the
+        local options and the syncs landed.
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    phase(f"{name} setup")
+    local_options, scheme_config = parts(name, config)
+    device = torch.device(options.device)
+    work = workloads.load(options.workload, seed=options.seed,
+                          hidden=options.hidden).to(device)
+    shard = work.train.shard(rank, world_size)
+    model = work.model(options.seed)
+    if compute_s is None:
+        compute_s = step_seconds(model, work, shard, options.batch_size)
+    meter = Meter(rank, world_size)
+    scheme = schemes.build(inner_scheme(name), **scheme_config)
+    inner = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
+                                options.momentum, options.weight_decay)
+    updates = LocalUpdates(model, inner, scheme, every=local_options.every,
+                           fragments=local_options.fragments, delay=local_options.delay,
+                           mix=local_options.mix,
+                           outer=nesterov(local_options.outer_lr, local_options.outer_momentum),
+                           group=group, meter=meter)
+    dtype = PRECISIONS[options.precision]
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    stream = batches(shard, options.batch_size, seed=options.seed * 1000 + rank)
+    curve: list[tuple[int, float, float]] = []
+    losses: list[float] = []
+    board = (MeterBoard(Path(options.tensorboard) / name,
+                        sum(p.numel() * p.element_size() for p in model.parameters()))
+             if options.tensorboard is not None and rank == 0 else None)
+    syncs, moved, score = 0, False, math.nan
+    steps_to_target = None
+    start = time.perf_counter()
+    for step in range(1, options.steps + 1):
+        phase(f"{name} step {step}")
+        batch = shard.rows(next(stream))
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = work.loss(model(batch.inputs, **batch.side), batch.targets)
+        inner.zero_grad()
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(inner)
+        if options.max_norm is not None:  # each worker's own gradient: nothing is averaged
+            torch.nn.utils.clip_grad_norm_(model.parameters(), options.max_norm)
+        if scaler is None:
+            inner.step()
+        else:
+            scaler.step(inner)
+            scaler.update()
+        landed = updates.step()
+        syncs += len(landed)
+        moved = moved or bool(landed)
+        meter.next_step()
+        losses.append(float(loss.detach()))
+        if board is not None:
+            board.step(meter, losses[-1])
+        if not math.isfinite(losses[-1]):
+            break
+        if step % options.eval_every == 0 or step == options.steps:
+            handed = meter.bytes_per_step().get("total", 0.0) * meter.step
+            if moved or not curve:  # the global weights change only when a sync lands
+                score = work.score(_global_copy(model, updates), options.eval_rows)
+                moved = False
+            curve.append((step, handed, score))
+            if board is not None:
+                board.accuracy(step, score)
+            if steps_to_target is None and work.reached(score):
+                steps_to_target = step
+            if options.until_target and _anyone(steps_to_target is not None, group, device):
+                break
+        if progress is not None:
+            progress(1)
+    updates.finish()
+    wall_s = time.perf_counter() - start
+    if board is not None:
+        board.close()
+    final = _global_copy(model, updates)
+    tail = losses[-options.eval_every:]
+    trace = threshold_trace(scheme)
+    return {
+        "scheme": name,
+        "workload": work.name,
+        "optimizer": options.optimizer,
+        "device": str(device),
+        "coupled": False,
+        "target": work.target,
+        "metric": work.metric,
+        "lower_is_better": work.lower_is_better,
+        "recipe": recipe(options),
+        "steps_to_target": steps_to_target,
+        "config": {**asdict(local_options),
+                   **asdict(schemes.config_class(inner_scheme(name))(**scheme_config))},
+        "local": {**asdict(local_options), "syncs": syncs},
+        "test_accuracy": work.accuracy(final),
+        "test_score": work.score(final),
+        "final_loss": statistics.fmean(tail),
+        **meter.summary(),
+        "traffic_per_collective": traffic_per_collective(meter),
+        # collectives of a step that launches an exchange: each a latency on the link
+        "collectives_per_step": max(Counter(r.step for r in meter.records).values(),
+                                    default=0),
+        "overhead_ms_per_step": 1000.0 * scheme.overhead_s / max(1, meter.step),
+        "compute_ms_per_step": 1000.0 * compute_s,
+        "wall_s": wall_s,
+        "skipped_steps": scheme.skipped,
+        "clipped_steps": None,
+        "grad_norm_after_backward": None,
+        "overflow_steps": None,
+        "precision": options.precision,
+        "curve": curve,
+        "weights": [p.detach().to("cpu", copy=True) for p in final.parameters()],
+        "density_per_layer": {key: statistics.fmean(d for _, _, d in points)
+                              for key, points in trace.items() if points},
+        "captured_energy_per_layer": {},
+        "threshold_trace": trace,
+    }
+
+
+def _anyone(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    vote = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+    return bool(vote.item())

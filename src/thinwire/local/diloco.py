@@ -1,0 +1,254 @@
+"""DiLoCo and Streaming DiLoCo around any module: inner steps apart, a compressed outer step.
+
+Each worker trains its replica with its own inner optimiser; every ``every`` =
+H steps the pseudo-gradient ``delta = x_global - x_local`` (DiLoCo, Douillard
+et al. 2023, Alg. 1) is averaged through a thinwire scheme over the group, the
+outer optimiser steps the global weights with it, and the replica restarts
+from them. Streaming DiLoCo (Douillard et al. 2025) cuts the parameters into
+``fragments`` synced at staggered steps; a fragment's exchange is launched as
+a future and lands ``delay`` (tau) inner steps later, its local weights then
+``mix * local + (1 - mix) * global``.
+
+Parameters only: buffers (batch-norm statistics) stay each worker's own. A
+DTensor parameter (FSDP2) is worked on through its local shard, exchanged
+over ``group`` (the replicate group of a 2-D mesh). The schedule depends on
+the step count alone, so every rank launches the same exchanges in the same
+order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from thinwire._version import __version__
+from thinwire.comm import Meter
+from thinwire.comm.collectives import Future, Group, done
+from thinwire.comm.fingerprint import check_peers
+from thinwire.schemes import Scheme, build, fingerprint
+
+OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def nesterov(lr: float = 0.7, momentum: float = 0.9) -> OuterFactory:
+    """DiLoCo's outer optimiser: SGD with Nesterov momentum (the paper's lr 0.7, momentum 0.9)."""
+    def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    return make
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    every: int = 50  # H, inner steps between a fragment's syncs, >= fragments
+    fragments: int = 1  # F, parts of the parameters synced at staggered steps, >= 1
+    delay: int = 0  # tau, inner steps an exchange overlaps before it lands, < every // fragments
+    mix: float = 0.0  # weight of the local weights when a fragment lands, in [0, 1)
+
+    def __post_init__(self) -> None:
+        for name, low in (("every", 1), ("fragments", 1), ("delay", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        if self.fragments > self.every:
+            raise ValueError(f"fragments={self.fragments!r} must be <= every={self.every!r} "
+                             "(each fragment syncs at its own step of the cycle)")
+        if self.delay >= self.every // self.fragments:
+            raise ValueError(f"delay={self.delay!r} must be < every // fragments = "
+                             f"{self.every // self.fragments} (Streaming DiLoCo's tau < H / F: "
+                             "each fragment's first exchange starts after step 0)")
+        if not (isinstance(self.mix, (int, float)) and 0.0 <= self.mix < 1.0):
+            raise ValueError(f"mix={self.mix!r} is outside the allowed range [0, 1)")
+
+    def offset(self, fragment: int) -> int:
+        """The step of the cycle, in [1, every], at which ``fragment`` lands."""
+        return (fragment + 1) * self.every // self.fragments
+
+
+def split(sizes: list[int], fragments: int) -> list[list[int]]:
+    """Positions of ``sizes`` (parameter numels, in order) in ``fragments`` contiguous runs of
+    about equal total size, none empty.
+
+    Raises:
+        ValueError: fewer parameters than fragments.
+    """
+    if len(sizes) < fragments:
+        raise ValueError(f"fragments={fragments} exceeds the {len(sizes)} trained parameters")
+    total = max(sum(sizes), 1)
+    runs: list[list[int]] = [[] for _ in range(fragments)]
+    passed, last = 0, 0
+    for position, size in enumerate(sizes):
+        left = len(sizes) - position  # parameters still to place, this one included
+        # the run this parameter's middle falls in, neither skipping a run nor leaving
+        # too few parameters for the runs after it
+        wanted = min(int((passed + size / 2) * fragments / total), fragments - 1)
+        last = min(max(wanted, fragments - left, last), last + 1 if runs[last] else last)
+        runs[last].append(position)
+        passed += size
+    return runs
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (in place edits reach the DTensor); any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+class LocalUpdates:
+    """Local-update data parallelism (DiLoCo, Streaming DiLoCo) for any ``nn.Module``.
+
+    Call :meth:`step` after each ``inner.step()``::
+
+        updates = LocalUpdates(model, inner, thinwire.schemes.build("int4"), every=50)
+        for batch in data:
+            loss(model(batch)).backward(); inner.step(); inner.zero_grad()
+            updates.step()
+
+    Construction is a collective over ``group`` (the peer check).
+
+    Args:
+        module: the replica; its trained parameters are synchronised.
+        inner: the user's optimiser of ``module``'s parameters (never reset).
+        scheme: averages the pseudo-gradients; default ``build("dense")``.
+        every, fragments, delay, mix: see :class:`LocalConfig`.
+        outer: builds the outer optimiser from the global weights; default
+            :func:`nesterov` ``()``.
+        group: the process group the workers exchange over; None: the default.
+        meter: records the bytes handed to torch.distributed; attached to the scheme.
+
+    Raises:
+        ValueError: a bad option, or more fragments than trained parameters.
+        PeerMismatchError: another rank differs in H, fragments, delay, mix, the
+            outer optimiser, the scheme or the parameters (on every rank alike).
+    """
+
+    def __init__(self, module: nn.Module, inner: torch.optim.Optimizer,
+                 scheme: Scheme | None = None, *, every: int = 50, fragments: int = 1,
+                 delay: int = 0, mix: float = 0.0, outer: OuterFactory | None = None,
+                 group: Group = None, meter: Meter | None = None) -> None:
+        self.config = LocalConfig(every, fragments, delay, mix)
+        self.module = module
+        self.inner = inner
+        self.scheme = scheme if scheme is not None else build("dense")
+        if meter is not None:
+            self.scheme.meter = meter
+        self.group = group
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in named]
+        self.params = dict(named)
+        with torch.no_grad():
+            self.globals = {name: _local(p).detach().clone() for name, p in named}
+        self.outer = (outer or nesterov())(list(self.globals.values()))
+        self.fragments = [[self.names[i] for i in run] for run in
+                          split([_local(p).numel() for _, p in named], fragments)]
+        self.steps = 0  # inner steps taken
+        self.pending: dict[int, tuple[int, Future[Any]]] = {}  # fragment -> (lands at, result)
+        device = _local(named[0][1]).device if named else None
+        check_peers({**fingerprint(self.scheme), "local": dataclasses.asdict(self.config),
+                     "outer": _describe(self.outer),
+                     "parameters": {name: f"{tuple(_local(p).shape)} {p.dtype}"
+                                    for name, p in named},
+                     "thinwire": __version__}, "local updates", group, device)
+
+    def step(self) -> list[int]:
+        """Count one inner step; launch and land the fragments the schedule names.
+
+        Returns:
+            The fragments that landed at this step (their weights are the global ones,
+            mixed with the local when ``mix`` > 0).
+        """
+        self.steps += 1
+        config = self.config
+        landed = []
+        for fragment in range(config.fragments):
+            phase = (self.steps - config.offset(fragment) + config.delay) % config.every
+            if phase == 0:
+                self._launch(fragment, self.steps + config.delay)
+            pending = self.pending.get(fragment)
+            if pending is not None and pending[0] == self.steps:
+                self._land(fragment)
+                landed.append(fragment)
+        return landed
+
+    def _launch(self, fragment: int, lands: int) -> None:
+        """Start averaging the fragment's pseudo-gradients (``x_global - x_local``)."""
+        with torch.no_grad():
+            deltas = {name: self.globals[name] - _local(self.params[name])
+                      for name in self.fragments[fragment]}
+        self.pending[fragment] = (lands, self.scheme.launch(deltas, self.group))
+
+    def _land(self, fragment: int) -> None:
+        """The outer step on the fragment's global weights, then the local weights."""
+        _, future = self.pending.pop(fragment)
+        averaged: Mapping[str, torch.Tensor] = future.wait()
+        names = self.fragments[fragment]
+        for name in names:  # the outer optimiser skips parameters without a gradient
+            self.globals[name].grad = averaged[name].to(self.globals[name].dtype)
+        self.outer.step()
+        with torch.no_grad():
+            for name in names:
+                self.globals[name].grad = None
+                local = _local(self.params[name])
+                if self.config.mix == 0.0:
+                    local.copy_(self.globals[name])
+                else:
+                    local.lerp_(self.globals[name], 1.0 - self.config.mix)
+
+    def finish(self) -> None:
+        """Land every exchange in flight now (at the end of training)."""
+        for fragment in sorted(self.pending):
+            self._land(fragment)
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The global weights by parameter name (local shards of DTensors): what every worker
+        shares after a sync, for evaluation."""
+        return dict(self.globals)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Module, inner, outer and scheme state together, with the exchanges in flight.
+
+        Waits for the exchanges in flight (no new collective), so it is taken at
+        the same step on every rank; a run resumed from it is bit-identical.
+        """
+        return {"steps": self.steps, "config": dataclasses.asdict(self.config),
+                "module": {k: v.clone() for k, v in self.module.state_dict().items()},
+                "inner": self.inner.state_dict(), "outer": self.outer.state_dict(),
+                "globals": {name: g.clone() for name, g in self.globals.items()},
+                "scheme": self.scheme.state_dict(),
+                "pending": {fragment: (lands, {k: v.clone() for k, v in future.wait().items()})
+                            for fragment, (lands, future) in self.pending.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state (the options must match).
+
+        Raises:
+            ValueError: the state was saved under other options.
+        """
+        if state["config"] != dataclasses.asdict(self.config):
+            raise ValueError(f"the state was saved with {state['config']}, these local updates "
+                             f"run with {dataclasses.asdict(self.config)}")
+        self.module.load_state_dict(state["module"])
+        self.inner.load_state_dict(state["inner"])
+        with torch.no_grad():
+            for name, tensor in state["globals"].items():
+                self.globals[name].copy_(tensor)
+        self.outer.load_state_dict(state["outer"])
+        self.scheme.load_state_dict(state["scheme"])
+        self.steps = state["steps"]
+        self.pending = {fragment: (lands, done(result))
+                        for fragment, (lands, result) in state["pending"].items()}
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimiser's class and hyperparameters, for the peer check."""
+    groups = [{key: value for key, value in group.items() if key != "params"}
+              for group in optimizer.param_groups]
+    return {"class": type(optimizer).__name__,
+            "groups": [{k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v)
+                        for k, v in group.items()} for group in groups]}
+
+
