@@ -9,6 +9,7 @@ every scheme. The flags that drive it are in :mod:`thinwire.cli.compare`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
