@@ -38,7 +38,7 @@ import thinwire
 from benchmarks.machine import CpuWatch, cpu_model
 from benchmarks.netem import net
 from benchmarks.netem.anchors import ANCHORS
-from benchmarks.netem.summary import derive, fmt_seconds, median_runs
+from benchmarks.netem.summary import derive, fmt_seconds, median_runs, reference_rows
 from benchmarks.netem.worker import label_of
 from thinwire import schemes
 from thinwire.jobs.common import split_option
@@ -63,6 +63,7 @@ QUICK = {"rates": "100mbit", "workers": "2", "cap_s": 8.0, "reference_cap_s": 8.
          "max_steps": 200}
 
 DCT_LIFE_SPAN = schemes.config_class("dct-dp")().life_span  # dct-dp's own default
+LONE = {"name": "torch-dense", "config": {}}  # run on one worker: the lone-worker row
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -409,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = args.out / stamp
     folder.mkdir(parents=True, exist_ok=True)
     options = worker_options(args)
-    total = len(args.rate_list) * len(args.worker_list) * len(entries) * args.rounds
+    total = len(args.rate_list) * len(args.worker_list) * len(entries) * args.rounds + 1
     per_rate = len(args.worker_list) * len(entries) * args.rounds
     bound = per_rate * (args.reference_cap_s + (len(args.rate_list) - 1) * args.cap_s
                         + 8 * len(args.rate_list))
@@ -441,6 +442,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         topology.build()
         record["tcp_congestion_control"] = topology.congestion_control()
         with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
+            # The lone worker: dense with the same recipe on one worker, no link to wait on.
+            lone = launcher.run(1, [LONE], {**options, "cap_s": args.reference_cap_s},
+                                "lone", progress)
+            record["lone"] = lone[0] if lone else None
             for index, (rate, rate_bps) in enumerate(zip(args.rate_list, args.rate_bps)):
                 # The first rate's runs establish the steps to target: give them longer.
                 cap = args.reference_cap_s if index == 0 else args.cap_s
@@ -477,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record["load_after"] = list(os.getloadavg())
     record["others_cpu_share"] = watch.others_share()
     record["runs"] = derive(runs)
+    record["references"] = reference_rows(median_runs(record["runs"]), record.get("lone"))
     # An interrupted run is kept for inspection but never taken for the results page.
     path = folder / ("results.json" if status == 0 else "results-incomplete.json")
     path.write_text(json.dumps(record, indent=2))

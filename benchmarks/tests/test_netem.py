@@ -20,7 +20,14 @@ from benchmarks import overhead, report
 from benchmarks.machine import CpuWatch, busy_seconds
 from benchmarks.netem import harness, net
 from benchmarks.netem.anchors import ANCHORS, powersgd_bytes
-from benchmarks.netem.summary import derive, floor_s, median_runs, same_trajectory, speedups
+from benchmarks.netem.summary import (
+    derive,
+    floor_s,
+    median_runs,
+    reference_rows,
+    same_trajectory,
+    speedups,
+)
 from benchmarks.netem.worker import WireMeter, label_of, shaper_bytes, task, train, window_traffic
 from thinwire import schemes
 from thinwire.comm import Meter
@@ -267,6 +274,31 @@ def test_time_to_target_is_measured_or_projected_from_the_same_schemes_steps() -
     assert ("100mbit", 2, "topk") not in ratios
     assert same_trajectory([1.0, 2.0], [1.0, 2.0, 3.0])
     assert not same_trajectory([1.0, 2.5], [1.0, 2.0]) and not same_trajectory([], [1.0])
+
+
+def test_reference_rows_come_from_dense_alone_and_dense_with_free_links() -> None:
+    recipe = {"workload": "demo", "optimizer": "sgd", "lr": 0.05, "momentum": 0.9,
+              "batch_size": 32, "seed": 0, "target": 0.95, "hidden": 2048, "depth": 2}
+    runs = derive([{**run, "recipe": recipe} for run in _runs()])
+    lone = {**_run("torch-dense", "-", 1.0, 1, 0.02, 0, 90, 90, [1.0]), "recipe": recipe}
+    rows = reference_rows(runs, lone)
+    assert {(r["scheme"], r["rate"]) for r in rows} == {
+        (name, rate) for name in ("lone worker", "compute-only bound")
+        for rate in ("1gbit", "100mbit")}
+    for row in rows:  # the same recipe and seed as the schemes beside them
+        assert row["recipe"] == recipe == runs[0]["recipe"]
+    bound = {r["rate"]: r for r in rows if r["scheme"] == "compute-only bound"}
+    # dense's steps at 2 workers (projected at 100mbit from 1gbit's) x the compute step
+    assert bound["1gbit"]["time_to_target_s"] == pytest.approx(50 * 0.02)
+    assert bound["100mbit"]["time_to_target_s"] == pytest.approx(50 * 0.02)
+    assert bound["1gbit"]["bound_multiple"] == 1.0
+    alone = next(r for r in rows if r["scheme"] == "lone worker")
+    assert (alone["workers"], alone["time_to_target_s"]) == (1, pytest.approx(90 * 0.02))
+    dct_slow = runs[3]
+    assert dct_slow["bound_multiple"] == pytest.approx(200 * 0.06 / (50 * 0.02))
+    assert runs[4]["bound_multiple"] is None  # topk never reached the target
+    for row in reference_rows(runs, None):  # no lone run: its row has no time
+        assert row["scheme"] == "compute-only bound" or row["time_to_target_s"] is None
 
 
 def test_rounds_collapse_to_each_schemes_median_run() -> None:

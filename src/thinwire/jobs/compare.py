@@ -87,8 +87,8 @@ def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
 
 
 def lone_worker(options: RunOptions, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Dense under ``options`` on one worker: the same recipe, seed and probe, no peers.
-    It logs nothing to TensorBoard, whose ``dense`` run is the dense row's."""
+    """Dense under ``options`` on one worker: the same recipe, seed and probe, no peers
+    (and no TensorBoard events: those are the compared runs')."""
     alone = dataclasses.replace(options, tensorboard=None)
     result: dict[str, Any] = spawn(_worker, 1, [("dense", {})], alone,
                                    timeout_s=timeout_s)[0][0]
