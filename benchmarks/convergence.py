@@ -72,7 +72,7 @@ def measure(workload: str, workers: int, seed: int, schemes: list[str],
                              workload=workload, optimizer=recipe["optimizer"], couple=couple,
                              until_target=True)
         extra = sparse_options(names)
-        for result in compare(names, workers, options, 100e6, sparsity=0.99, life_span=1000,
+        for result in compare(names, workers, options, 100e6, ratio=0.01, life_span=1000,
                               extra=extra):
             densities = list(density_ratios(workload, result["density_per_layer"]).values())
             energy = result.get("captured_energy_per_layer", {})

@@ -49,11 +49,16 @@ from thinwire.jobs.dct_mp import TASKS, RunConfig, Task, train_engine, train_loc
 TABLE1 = {2: (0.75, 0.9, 0.95, 0.98), 3: (0.75, 0.9, 0.95)}  # stages -> sparsities (Table 1)
 TABLE3 = (0.75, 0.9, 0.95)  # Table 3 sparsities (both DCT-DP and DCT-MP)
 PROBE = (0.75, 0.9, 0.95)  # Fig. 5 sparsities
-FC_LAYERS = ("bottom.*", "top.*")  # DLRM's 8 FC layers: Table 3 compresses only these (§3.2)
+EMBEDDING = ("interact.*",)  # dense: Table 3 compresses only DLRM's 8 FC layers (§3.2)
+
+
+def _kept(sparsity: float) -> float:
+    """The ``ratio`` option for one of the paper's sparsities (the fraction kept)."""
+    return round(1.0 - sparsity, 9)
 
 
 def _mp(sparsity: float, **extra: Any) -> dict[str, Any]:
-    return {"sparsity": sparsity, **extra}
+    return {"ratio": _kept(sparsity), **extra}
 
 
 def _row(label: str, result: dict[str, Any], baseline: dict[str, Any] | None,
@@ -132,7 +137,8 @@ def bytes_table(bench: Bench, bar: tqdm) -> list[dict[str, Any]]:
 
 
 def table1(bench: Bench, bar: tqdm) -> list[dict[str, Any]]:
-    baseline = bench.run("baseline", stages=2, boundary_options=_mp(0.0), probe=PROBE)
+    baseline = bench.run("baseline", stages=2, boundary_options=_mp(0.0),
+                         probe=tuple(map(_kept, PROBE)))
     bar.update()
     rows = [_row("0% (baseline)", baseline, baseline, None)]
     for stages, sparsities in TABLE1.items():
@@ -140,7 +146,7 @@ def table1(bench: Bench, bar: tqdm) -> list[dict[str, Any]]:
         for sparsity in sparsities:
             label = f"{stages} stages {sparsity:.0%}"
             result = bench.run(label, stages=stages, boundary_options=_mp(sparsity),
-                               probe=(sparsity,))
+                               probe=(_kept(sparsity),))
             row = _row(label, result, baseline, dense)
             row["stages"] = stages
             rows.append(row)
@@ -158,8 +164,8 @@ def table3(bench: Bench, bar: tqdm, life_span: int) -> list[dict[str, Any]]:
         label = f"hybrid {sparsity:.0%}"
         result = bench.run(label, stages=3, replicas=2, boundary_options=_mp(sparsity),
                            dp_scheme="dct-dp",
-                           dp_options={"sparsity": sparsity, "life_span": life_span,
-                                       "include": FC_LAYERS})
+                           dp_options={"ratio": _kept(sparsity), "life_span": life_span,
+                                       "exclude": EMBEDDING})
         row = _row(label, result, baseline, dense)
         row["W_grad_ratio"] = dense["W_grad"] / result["bytes_per_entity"]["W_grad"]
         rows.append(row)
@@ -200,7 +206,7 @@ def negative_table(bench: Bench, bar: tqdm) -> list[dict[str, Any]]:
     for sparsity in (0.5, 0.75, 0.9):
         label = f"xgrad-topk+EF {sparsity:.0%}"
         result = bench.run(label, stages=2, boundary="xgrad-topk",
-                           boundary_options={"sparsity": sparsity})
+                           boundary_options={"ratio": _kept(sparsity)})
         rows.append(_row(label, result, baseline, dense))
         bar.update()
     return rows
@@ -210,7 +216,7 @@ def engine_check(bench: Bench, steps: int) -> dict[str, Any]:
     """Real processes: bytes per step of X_act / X_grad equal the one-process count."""
     config = dataclasses.replace(bench.base, stages=2, replicas=2, schedule="1f1b",
                                  boundary_options=_mp(0.9), dp_scheme="dct-dp",
-                                 dp_options={"sparsity": 0.9, "life_span": 50},
+                                 dp_options={"ratio": 0.1, "life_span": 50},
                                  max_steps=steps, train_size=min(bench.base.train_size, 4096),
                                  test_size=min(bench.base.test_size, 1024))
     engine = train_engine(config, timeout_s=600)
@@ -240,11 +246,11 @@ def plot_fig5(bench: Bench, out: Path) -> Path:
     baseline = bench.results["baseline"]["thresholds"]
     window = 20
     for sparsity in PROBE:
-        axis.plot(smooth(baseline[str(sparsity)], window), color=colours[sparsity],
+        axis.plot(smooth(baseline[str(_kept(sparsity))], window), color=colours[sparsity],
                   label=f"{sparsity:.0%}, no DCT-MP")
         with_mp = bench.results.get(f"2 stages {sparsity:.0%}")
         if with_mp is not None:
-            axis.plot(smooth(with_mp["thresholds"][str(sparsity)], window), "--",
+            axis.plot(smooth(with_mp["thresholds"][str(_kept(sparsity))], window), "--",
                       color=colours[sparsity], label=f"{sparsity:.0%}, DCT-MP")
     axis.set_xlabel("iteration")
     axis.set_ylabel("mean top-k threshold at the split")

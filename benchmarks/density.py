@@ -36,7 +36,7 @@ def run(steps: int, config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     net = torch.nn.Sequential(torch.nn.Linear(SIZES[0], SIZES[1]), torch.nn.ReLU(),
                               torch.nn.Linear(SIZES[1], SIZES[2]), torch.nn.ReLU(),
                               torch.nn.Linear(SIZES[2], SIZES[3]))
-    scheme = schemes.build("dct-dp", **{"sparsity": 0.99, **config})
+    scheme = schemes.build("dct-dp", **{"ratio": 0.01, **config})
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     optim.couple(optimizer, scheme)
     generator = torch.Generator().manual_seed(seed)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     start = time.time()
     lone = compare(["dense"], 1, options, 100e6)[0]
-    sharded = compare(names, WORKERS, options, 100e6, sparsity=0.99, life_span=1000,
+    sharded = compare(names, WORKERS, options, 100e6, ratio=0.01, life_span=1000,
                       extra=sparse, sites=SITES)
     compute_s = sharded[0]["compute_ms_per_step"] / 1000.0
     rows = []
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                        "sites": SITES, "shards_per_site": WORKERS // SITES,
                        "options": {k: getattr(options, k) for k in (
                            "optimizer", "lr", "momentum", "batch_size", "steps", "eval_every")},
-                       "sparse_options": ["sparsity=0.99", *sparse],
+                       "sparse_options": ["ratio=0.01", *sparse],
                        "compute_ms_per_step": 1000.0 * compute_s,
                        "lone_compute_ms_per_step": lone["compute_ms_per_step"],
                        "load_before": load, "load_after": os.getloadavg(),

@@ -45,7 +45,7 @@ H_VALUES = (10, 25, 50, 100)
 RATES = {"10mbit": 10e6, "100mbit": 100e6}
 COMPRESSED = ("diloco+int8", "diloco+int4", "diloco+topk+int2", "diloco+topk",
               "diloco+dct-dp")
-SPARSITY = 0.99  # sparsifiers keep 1 % of every tensor (min_numel 0), in a room of exactly k
+RATIO = 0.01  # sparsifiers keep 1 % of every tensor (min_numel 0), in a room of exactly k
 SPARSE = ("min_numel=0", "capacity=1.0")
 
 
@@ -91,7 +91,7 @@ def run(names: list[str], options: RunOptions, extra: list[str],
     """``compare`` on ``names``, with the options of ``extra`` that one of them takes."""
     known = set().union(*(local_run.fields(name) for name in names))
     extra = [text for text in extra if text.split("=", 1)[0] in known]
-    return compare(names, workers, options, RATES["10mbit"], sparsity=SPARSITY, extra=extra,
+    return compare(names, workers, options, RATES["10mbit"], ratio=RATIO, extra=extra,
                    timeout_s=600)
 
 
@@ -99,13 +99,13 @@ def density_over_syncs(result: dict[str, Any], numels: dict[str, int]) -> dict[s
     """Entries a reused threshold sent per sync against exact top-k's k, over every layer.
 
     Read from the threshold trace (each layer's density per call, a call per
-    sync); exact top-k sends ``keep_count(numel, 1 - SPARSITY)`` of each layer.
+    sync); exact top-k sends ``keep_count(numel, RATIO)`` of each layer.
     """
     sent: dict[int, float] = {}
     for key, points in result["threshold_trace"].items():
         for call, _, density in points:
             sent[call] = sent.get(call, 0.0) + density * numels[key]
-    exact = sum(keep_count(n, 1.0 - SPARSITY) for n in numels.values())
+    exact = sum(keep_count(n, RATIO) for n in numels.values())
     calls = sorted(sent)
     return {"syncs": calls, "sent_over_topk": [sent[c] / exact for c in calls]}
 
@@ -118,7 +118,7 @@ def threshold_reuse(workload: str, options: RunOptions) -> dict[str, Any]:
     reuse_options = dataclasses.replace(options, until_target=False,
                                         steps=min(options.steps, 40 * 10))
     numels = {name: p.numel() for name, p in load(workload, seed=0).model(0).named_parameters()}
-    out: dict[str, Any] = {"setting": "diloco+dct-dp, H=10, sparsity 0.99, life_span 1000 "
+    out: dict[str, Any] = {"setting": "diloco+dct-dp, H=10, ratio 0.01, life_span 1000 "
                                       "(one threshold for the run), capacity 4 k"}
     for gain in ("None", "0.05"):
         reuse = run(["diloco+dct-dp"], reuse_options, ["every=10", "min_numel=0",

@@ -108,7 +108,7 @@ def interleaved(rows: dict[str, Step], repeats: int,
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def codec_rows(grad: torch.Tensor, sparsity: float, life_span: int) -> dict[str, Step]:
+def codec_rows(grad: torch.Tensor, ratio: float, life_span: int) -> dict[str, Step]:
     """compress + decompress of one tensor by each codec (no error feedback)."""
     info = TensorInfo.of("w", grad)
 
@@ -119,23 +119,23 @@ def codec_rows(grad: torch.Tensor, sparsity: float, life_span: int) -> dict[str,
         return run
 
     options = {"min_numel": 0}
-    dct = DCTThreshold(sparsity, life_span=life_span, **options)  # type: ignore[arg-type]
+    dct = DCTThreshold(ratio, life_span=life_span, **options)  # type: ignore[arg-type]
     dct.compress(grad, info)  # tau now set: the next life_span - 1 calls reuse it
-    k = keep_count(grad.numel(), 1 - sparsity)
+    k = keep_count(grad.numel(), ratio)
     return {
         "dense": step(Dense()),
-        "topk": step(TopK(1 - sparsity, **options)),  # type: ignore[arg-type]
+        "topk": step(TopK(ratio, **options)),  # type: ignore[arg-type]
         "dct_reuse": step(dct),
         "dct_refresh_extra": lambda: dct._refresh(grad.abs(), "w", k),
-        "laplace": step(LaplaceThreshold(sparsity, **options)),  # type: ignore[arg-type]
+        "laplace": step(LaplaceThreshold(ratio, **options)),  # type: ignore[arg-type]
     }
 
 
-def codec_floors(grad: torch.Tensor, sparsity: float, tau: float) -> dict[str, Step]:
+def codec_floors(grad: torch.Tensor, ratio: float, tau: float) -> dict[str, Step]:
     """The same work as :func:`codec_rows`, written directly in plain torch ops."""
     numel = grad.numel()
-    k = keep_count(numel, 1 - sparsity)
-    scale = -math.log1p(-sparsity)
+    k = keep_count(numel, ratio)
+    scale = -math.log(ratio)
 
     def scatter(indices: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(grad)
@@ -154,14 +154,14 @@ def codec_floors(grad: torch.Tensor, sparsity: float, tau: float) -> dict[str, S
     }
 
 
-def measure(numel: int, sparsity: float, life_span: int, repeats: int,
+def measure(numel: int, ratio: float, life_span: int, repeats: int,
             device: torch.device = CPU) -> dict[str, float]:
     """Median seconds per step of each codec and its floor on a Gaussian gradient."""
     grad = torch.randn(numel, device=device)
-    rows = codec_rows(grad, sparsity, life_span)
-    k = keep_count(numel, 1 - sparsity)
+    rows = codec_rows(grad, ratio, life_span)
+    k = keep_count(numel, ratio)
     tau = float(torch.kthvalue(grad.abs(), numel - k + 1).values)
-    rows.update(codec_floors(grad, sparsity, tau))
+    rows.update(codec_floors(grad, ratio, tau))
     seconds = interleaved(rows, repeats, sync=synchronizer(device))
     for prefix in ("", "floor "):
         seconds[f"{prefix}dct_L{life_span}"] = (seconds[f"{prefix}dct_reuse"]
@@ -189,7 +189,7 @@ def scheme_available(name: str) -> str | None:
     return None
 
 
-def scheme_step(name: str, grad: torch.Tensor, bucket: torch.Tensor, sparsity: float,
+def scheme_step(name: str, grad: torch.Tensor, bucket: torch.Tensor, ratio: float,
                 life_span: int, rank: int) -> Step:
     """One step of scheme ``name`` in one process (no collectives), as the DDP hook runs
     it: :meth:`~thinwire.schemes.base.Scheme.launch_flat` on ``bucket``, which the caller
@@ -198,12 +198,12 @@ def scheme_step(name: str, grad: torch.Tensor, bucket: torch.Tensor, sparsity: f
     from thinwire.compress import TensorInfo
     from thinwire.jobs.compare import scheme_config
 
-    scheme = schemes.build(name, **scheme_config(name, sparsity, life_span, [f"rank={rank}"]))
+    scheme = schemes.build(name, **scheme_config(name, ratio, life_span, [f"rank={rank}"]))
     infos = [TensorInfo.of("w", grad)]
     return lambda: scheme.launch_flat(bucket, infos).wait()
 
 
-def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> Step | None:
+def scheme_floor(name: str, grad: torch.Tensor, ratio: float, rank: int) -> Step | None:
     """The work of one step of scheme ``name``, written directly in plain torch ops.
 
     The non-finite check at the cost of one reduction (what the library's
@@ -218,7 +218,7 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     """
     shape = tuple(grad.shape)
     numel = grad.numel()
-    k = keep_count(numel, 1 - sparsity)
+    k = keep_count(numel, ratio)
     error = torch.zeros(numel, device=grad.device)
     out, scratch = torch.empty_like(error), torch.empty_like(error)
 
@@ -274,7 +274,7 @@ def scheme_floor(name: str, grad: torch.Tensor, sparsity: float, rank: int) -> S
     return None
 
 
-def measure_schemes(names: list[str], numel: int, sparsity: float, life_span: int, rank: int,
+def measure_schemes(names: list[str], numel: int, ratio: float, life_span: int, rank: int,
                     repeats: int, device: torch.device = CPU) -> dict[str, float]:
     """Median seconds of one step of each scheme and of its floor, interleaved.
 
@@ -285,19 +285,19 @@ def measure_schemes(names: list[str], numel: int, sparsity: float, life_span: in
     rows: dict[str, Step] = {}
     prepare: dict[str, Step] = {}
     for name in names:
-        rows[f"scheme {name}"] = scheme_step(name, grad, bucket, sparsity, life_span, rank)
+        rows[f"scheme {name}"] = scheme_step(name, grad, bucket, ratio, life_span, rank)
         prepare[f"scheme {name}"] = lambda: bucket.copy_(grad.normal_().reshape(-1))
-        floor = scheme_floor(name, grad, sparsity, rank)
+        floor = scheme_floor(name, grad, ratio, rank)
         if floor is not None:
             rows[f"floor scheme {name}"] = floor
             prepare[f"floor scheme {name}"] = grad.normal_
     return interleaved(rows, repeats, prepare, synchronizer(device))
 
 
-def measure_scheme(name: str, numel: int, sparsity: float, life_span: int, rank: int,
+def measure_scheme(name: str, numel: int, ratio: float, life_span: int, rank: int,
                    repeats: int) -> float:
     """Median seconds of one step of scheme ``name`` in one process (no collectives)."""
-    return measure_schemes([name], numel, sparsity, life_span, rank, repeats)[f"scheme {name}"]
+    return measure_schemes([name], numel, ratio, life_span, rank, repeats)[f"scheme {name}"]
 
 
 def floor_ratios(seconds: dict[str, float]) -> dict[str, float]:
@@ -310,7 +310,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
-    parser.add_argument("--sparsity", type=float, default=0.99)
+    parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--life-span", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rank", type=int, default=2, help="rank of low-rank schemes")
@@ -329,11 +329,11 @@ def main() -> None:
             print(f"note: skipping scheme {name!r}: {scheme_available(name)}")
     rows = {}
     for numel in tqdm(args.sizes, desc="sizes"):
-        rows[numel] = measure(numel, args.sparsity, args.life_span, args.repeats, args.device)
-        rows[numel].update(measure_schemes(timed, numel, args.sparsity, args.life_span,
+        rows[numel] = measure(numel, args.ratio, args.life_span, args.repeats, args.device)
+        rows[numel].update(measure_schemes(timed, numel, args.ratio, args.life_span,
                                            args.rank, args.repeats, args.device))
     dct_key = f"dct_L{args.life_span}"
-    print(f"median ms per step (compress + decompress), sparsity {args.sparsity}")
+    print(f"median ms per step (compress + decompress), ratio {args.ratio}")
     print(f"{'codec':>20s} " + " ".join(f"{n:>14,d}" for n in args.sizes))
     for codec in rows[args.sizes[0]]:
         print(f"{codec:>20s} " + " ".join(f"{1000 * rows[n][codec]:14.2f}" for n in args.sizes))

@@ -39,7 +39,7 @@ def run(rank: int, world_size: int, variant: str, steps: int) -> dict[str, Any]:
     # after the first step unless it searches for unused parameters).
     wrapped = DistributedDataParallel(model, bucket_cap_mb=0.001, find_unused_parameters=True)
     if variant == "thinwire":
-        ddp.register(wrapped, schemes.build("powersgd", rank=1, start_iter=2))
+        ddp.register(wrapped, schemes.build("powersgd", rank=1, warmup_steps=2))
     else:
         state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                              start_powerSGD_iter=2)

@@ -24,8 +24,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import convergence, step, wire_format
-from benchmarks.netem.summary import FRAME_OVERHEAD, fmt_seconds, median_runs, speedups
+from benchmarks import convergence, efficiency, linkmodel, step, wire_format
+from benchmarks.netem.summary import (
+    FRAME_OVERHEAD,
+    REFERENCE_ROWS,
+    fmt_seconds,
+    median_runs,
+    reference_rows,
+    speedups,
+)
 
 BASELINES = ("torch-dense", "torch-powersgd")  # time-to-target ratios are taken against these
 SHARED = 0.1  # share of all cores other processes used during a run: above, it is provisional
@@ -108,8 +115,9 @@ def netem_section(record: dict[str, Any], source: Path, figures: Path, docs: Pat
         f"Model: MLP 64-{'-'.join([str(opts['hidden'])] * opts['depth'])}-10 "
         f"({dense_bytes // 4:,d} parameters, {dense_bytes / 1e6:.1f} MB in fp32) on "
         f"scikit-learn's digits, {opts['batch_size']} samples per worker per step, SGD lr "
-        f"{opts['lr']} momentum {opts['momentum']}, seed {opts['seed']}; sparsity "
-        f"{record['sparsity']}, DCT life-span {record['life_span']}, low rank {opts['rank']}. "
+        f"{opts['lr']} momentum {opts['momentum']}, seed {opts['seed']}; ratio "
+        f"{record.get('ratio', 1 - record.get('sparsity', 0.99)):g}, DCT life-span "
+        f"{record['life_span']}, low rank {opts['rank']}. "
         f"Target: {opts['target']:.0%} test accuracy, checked every {opts['eval_every']} steps "
         "(evaluation time is not counted). A run stops at the first check past the target "
         f"(after at least {opts.get('min_steps', '-')} steps) or at its first check after "
@@ -200,6 +208,24 @@ def time_to_target_table(record: dict[str, Any], runs: list[dict[str, Any]]) -> 
             row.append(f"{fmt_seconds(r['time_to_target_s'])} {kind} "
                        f"@{r['steps_to_target']} ({vs})")
         lines.append("| " + " | ".join(row) + " |")
+    references = reference_rows(runs, record.get("lone"))  # sets each run's bound_multiple
+    for name in REFERENCE_ROWS:
+        row = [f"**{name}**"]
+        for rate, w in cells:
+            ref = next((r for r in references if (r["scheme"], r["rate"]) == (name, rate)
+                        and (name == "lone worker" or r["workers"] == w)), None)
+            row.append("not measured" if ref is None or ref["time_to_target_s"] is None else
+                       f"{fmt_seconds(ref['time_to_target_s'])} "
+                       f"{'m' if ref['time_to_target_kind'] == 'measured' else 'c'} "
+                       f"@{ref['steps_to_target']}")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "**lone worker**: torch-dense with the same recipe and seed on one worker, no "
+              "link (`m`: measured; not measured in runs from before the harness ran it); "
+              "**compute-only bound**: torch-dense's steps at n workers x the median compute "
+              "step (`c`: computed), the limit of synchronous training. Each scheme's time as "
+              "a multiple of the bound: " + ", ".join(
+                  f"{r['scheme']} {r['rate']} {r['workers']}w {r['bound_multiple']:.2f}x"
+                  for r in runs if r.get("bound_multiple")) + "."]
     mismatched = [f"{r['scheme']} at {r['rate']}, {r['workers']} workers" for r in runs
                   if r.get("trajectory_matches") is False]
     lines.append("")
@@ -527,6 +553,26 @@ def pieces_section(records: list[tuple[dict[str, Any], Path]]) -> str:
     return "\n".join(lines)
 
 
+def pays_section(docs: Path, figures: Path) -> list[str]:
+    """Where distributing pays: every workload's scaling efficiency, then the modelled time
+    to target against link rate with the lone worker and the compute-only bound."""
+    scaling = [(json.loads(path.read_text()), path)
+               for path in sorted((docs / "data").glob("efficiency-*.json"))]
+    modelled = [(json.loads(path.read_text()), path)
+                for path in sorted((docs / "data").glob("linkmodel-*.json"))]
+    if not scaling and not modelled:
+        return []
+    parts = ["## Where distributing pays", "",
+             "Before any scheme: does the workload gain from more workers at all? A scheme "
+             "can at best reach the compute-only bound; where a lone worker beats the bound, "
+             "do not distribute.", ""]
+    if scaling:
+        parts.append(efficiency.section(scaling))
+    if modelled:
+        parts.append(linkmodel.section(modelled, figures, docs))
+    return parts
+
+
 def render(netem: tuple[dict[str, Any], Path] | None,
            overhead: tuple[dict[str, Any], Path] | None, docs: Path) -> str:
     """The whole page; writes the figures under ``docs/figures``."""
@@ -537,6 +583,7 @@ def render(netem: tuple[dict[str, Any], Path] | None,
              "from the results files named in each section. How the numbers are taken: "
              "[bench.md](bench.md); what they mean for choosing a scheme: "
              "[choosing.md](choosing.md).", ""]
+    parts += pays_section(docs, figures)
     if netem is None:
         parts += ["## Shaped links", "", "No results yet. Run `sudo python -m benchmarks.netem` "
                   "(root: network namespaces and tc), then this command again.", ""]

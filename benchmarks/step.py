@@ -71,11 +71,11 @@ SIZES = (64, 2048, 2048, 10)
 BATCH = 32
 SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {  # thinwire variant -> (scheme, options)
     "dense": ("dense", {}),
-    "dct-dp": ("dct-dp", {"sparsity": 0.99}),
-    "dct-dp-whole": ("dct-dp", {"sparsity": 0.99, "piece": 0}),  # one payload, no pieces
+    "dct-dp": ("dct-dp", {"ratio": 0.01}),
+    "dct-dp-whole": ("dct-dp", {"ratio": 0.01, "piece": 0}),  # one payload, no pieces
     "topk": ("topk", {"ratio": 0.01}),
     "clt-k": ("clt-k", {"ratio": 0.01}),
-    "powersgd": ("powersgd", {"rank": 2, "start_iter": 2}),
+    "powersgd": ("powersgd", {"rank": 2, "warmup_steps": 2}),
 }
 VARIANTS = ("compute", "hook-noop", "hook-sync", "ddp", *SCHEMES, "floor-dct-dp",
             "floor-powersgd", "torch-powersgd", "torch-fp16")

@@ -105,7 +105,7 @@ def measure(seed: int, workers: int, steps: int | None) -> list[dict[str, Any]]:
         name = "dense" if fmt is None else "dct-dp"
         extra = [] if fmt is None else [f"{key}={value}" for key, value in
                                         {**fmt, "indices": METERED}.items()]
-        result = compare([name], workers, options, 100e6, sparsity=0.99, life_span=1000,
+        result = compare([name], workers, options, 100e6, ratio=0.01, life_span=1000,
                          extra=extra)[0]
         row = {"seed": seed, "workers": workers, "scheme": name, "format": fmt,
                "steps": options.steps, "target": result["target"],
@@ -117,7 +117,7 @@ def measure(seed: int, workers: int, steps: int | None) -> list[dict[str, Any]]:
         if fmt is not None:
             row["bytes_by_indices"] = {}
             for indices in INDICES:
-                scheme = schemes.build("dct-dp", sparsity=0.99, indices=indices, **fmt)
+                scheme = schemes.build("dct-dp", ratio=0.01, indices=indices, **fmt)
                 assert isinstance(scheme, CompressedScheme)
                 computed = step_bytes(scheme, [[TensorInfo(f"p{i}", shape)
                                                 for i, shape in enumerate(shapes)]])
@@ -138,7 +138,7 @@ def shaped_link() -> list[dict[str, Any]]:
     out = []
     for fmt in formats():
         for indices in INDICES:
-            scheme = schemes.build("dct-dp", sparsity=0.99, indices=indices, **fmt)
+            scheme = schemes.build("dct-dp", ratio=0.01, indices=indices, **fmt)
             assert isinstance(scheme, CompressedScheme)
             nbytes = step_bytes(scheme, buckets(SHAPED_LINK))
             out.append({**fmt, "indices": indices, "bytes_per_step": nbytes,

@@ -204,3 +204,30 @@ def test_couple_installs_both_for_adamw_through_a_hook_state() -> None:
     bare = optim.couple(torch.optim.AdamW([nn.Parameter(torch.ones(2))]),
                         schemes.build("topk"))
     assert bare.coupled and bare.adam is None  # no model: Adam steps as before
+
+
+@pytest.mark.parametrize(("name", "ratio"), [("clt-k", 0.05), ("local-topk", 0.05),
+                                             ("topk", 0.05), ("dct-dp", 0.02),
+                                             ("laplace", 0.25)])
+def test_the_ratio_a_user_sets_reaches_the_coupling(name: str, ratio: float) -> None:
+    """AgedAdam's horizon is the mean wait at the scheme's own density, ``1 / ratio``."""
+    net = nn.Linear(40, 25)
+    scheme = schemes.build(name, ratio=ratio)
+    assert scheme.density == ratio
+    adam = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    state = ddp.hook_state(net, scheme, optimizer=adam)  # coupled in the same call
+    assert state.coupling is not None and state.coupling.adam is not None
+    assert state.coupling.adam.horizon == round(1 / ratio)
+    assert state.scheme.error_memory is state.coupling.adam.memory
+
+
+def test_the_scheme_contract_states_what_coupling_needs() -> None:
+    for name in ("dense", "fp16", "powersgd"):
+        scheme = schemes.build(name)
+        assert scheme.density is None and scheme.error_memory is None
+        with pytest.raises(TypeError, match="no error memory"):
+            scheme.couple_memory(Residual())
+    assert schemes.build("clt-k").shared_indices
+    assert not any(schemes.build(name).shared_indices
+                   for name in ("topk", "dct-dp", "laplace", "local-topk"))
+    assert schemes.build("topk", error_feedback=False).error_memory is None

@@ -34,17 +34,16 @@ def test_parse_bandwidth() -> None:
 
 
 def test_shared_knobs_map_onto_each_schemes_options() -> None:
-    assert scheme_config("dct-dp", 0.9, 10, []) == {"sparsity": 0.9, "life_span": 10}
-    assert scheme_config("topk", 0.9, 10, ["values=fp16"]) == {"ratio": pytest.approx(0.1),
-                                                                "values": "fp16"}
-    assert scheme_config("dense", 0.9, 10, ["rank=2"]) == {}
+    assert scheme_config("dct-dp", 0.1, 10, []) == {"ratio": 0.1, "life_span": 10}
+    assert scheme_config("topk", 0.1, 10, ["values=fp16"]) == {"ratio": 0.1, "values": "fp16"}
+    assert scheme_config("dense", 0.1, 10, ["rank=2"]) == {}
 
 
 def test_compare_writes_results_and_the_json_summary(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     summary = tmp_path / "summary.json"
     code = main(["compare", "--schemes", "dense,dct-dp", "--workers", "2", "--steps", "40",
-                 "--sparsity", "0.9", "--life-span", "10", "--hidden", "32", "--lr", "0.2",
+                 "--ratio", "0.1", "--life-span", "10", "--hidden", "32", "--lr", "0.2",
                  "--out", str(tmp_path / "run"), "--json", str(summary)])
     assert code == 0
     assert summary.read_text() == (tmp_path / "run" / "results.json").read_text()
@@ -92,8 +91,26 @@ def test_compare_writes_results_and_the_json_summary(tmp_path: Path,
 def test_bad_input_is_a_clear_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compare", "--schemes", "nope", "--workers", "2"]) == 2
     assert "unknown scheme 'nope'" in capsys.readouterr().err
-    assert main(["compare", "--sparsity", "1.5", "--schemes", "dct-dp"]) == 2
-    assert "sparsity=1.5" in capsys.readouterr().err
+    assert main(["compare", "--ratio", "1.5", "--schemes", "dct-dp"]) == 2
+    assert "ratio=1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["compare", "--sparsity", "0.9"],
+                                  ["train", "--sparsity", "0.9"],
+                                  ["pipeline", "--sparsity", "0.9"]])
+def test_the_old_sparsity_flag_is_an_error_naming_ratio(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    assert "--sparsity is spelled --ratio (the fraction kept" in capsys.readouterr().err
+
+
+def test_an_old_option_key_is_an_error_naming_the_new_one(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compare, "spawn", _no_spawn)
+    assert main(["compare", "--schemes", "dct-dp", "--option", "sparsity=0.9"]) == 2
+    assert "'sparsity' is spelled 'ratio' now" in capsys.readouterr().err
 
 
 def test_train_outside_torchrun_explains_how_to_launch(capsys: pytest.CaptureFixture[str],
@@ -137,7 +154,7 @@ def test_compare_rejects_unknown_or_malformed_options_before_spawning(
     err = capsys.readouterr().err
     assert expected in err
     if "valid keys" in expected:
-        assert "life_span" in err and "sparsity" in err
+        assert "life_span" in err and "ratio" in err
 
 
 def test_option_for_one_of_several_schemes_is_accepted() -> None:
@@ -401,7 +418,7 @@ def test_dct_dp_defaults_are_the_schemes_own() -> None:
 
     for command in ("compare", "train"):
         args = _subcommand(command).parse_args([])
-        assert (args.sparsity, args.life_span) == (DCTConfig.sparsity, DCTConfig.life_span)
+        assert (args.ratio, args.life_span) == (DCTConfig.ratio, DCTConfig.life_span)
 
 
 def _refuse(*args: object, **kwargs: object) -> None:
@@ -412,7 +429,7 @@ def _refuse(*args: object, **kwargs: object) -> None:
     (["compare", "--schemes", "dense", "--option", "bogus=1"],
      "--option 'bogus' is not an option of dense; valid keys: nonfinite"),
     (["train", "--scheme", "topk", "--option", "bogus=1"],
-     "--option 'bogus' is not an option of topk; valid keys: error_feedback, indices, "),
+     "--option 'bogus' is not an option of topk; valid keys: error_feedback, exclude, "),
     (["pipeline", "--boundary", "sketch", "--boundary-option", "bogus=1"],
      "--boundary-option 'bogus' is not an option of sketch; valid keys: compression"),
     (["pipeline", "--replicas", "2", "--dp-scheme", "powersgd", "--dp-option", "bogus=1"],
@@ -439,13 +456,13 @@ def test_option_values_are_python_literals_in_any_case() -> None:
     assert common.split_option("values=fp16") == ("values", "fp16")
     assert common.split_option("refresh_above=None") == ("refresh_above", None)
     assert common.split_option("warm_start=false") == ("warm_start", False)
-    assert common.split_option("include=('0.*',)") == ("include", ("0.*",))
+    assert common.split_option("exclude=('0.*',)") == ("exclude", ("0.*",))
 
 
 def test_schemes_lists_each_options_meaning_and_range(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schemes"]) == 0
     printed = capsys.readouterr().out
-    assert "fraction of each tensor's entries dropped, in [0, 1)" in printed  # dct-dp sparsity
+    assert "fraction of each tensor's entries kept, in (0, 1]" in printed  # dct-dp ratio
     assert "life_span=1000 (int)" in printed
     assert "r, columns of the factors P and Q, >= 1" in printed  # powersgd rank
     assert "ratio=0.01 (float)" in printed and "local-topk" in printed  # inherited comments

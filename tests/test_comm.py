@@ -168,7 +168,7 @@ def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
     generator = torch.Generator().manual_seed(10 + rank)
     grads = {"w": torch.randn(32, 8, generator=generator, dtype=torch.float64),
              "b": torch.randn(8, generator=generator, dtype=torch.float64)}
-    options = {"sparsity": 0.9, "life_span": 1, "min_numel": 0, "capacity": 1.25,
+    options = {"ratio": 0.1, "life_span": 1, "min_numel": 0, "capacity": 1.25,
                "scope": "layer"}
     scheme = build(name, **options) if name == "dct-dp" else build(name)
     scheme.meter = Meter(rank, 2)
@@ -207,13 +207,13 @@ def test_scheme_reduce_averages_what_each_rank_sent(runs: list[dict[str, Any]],
 
 
 def test_fingerprint_fields_flatten_and_a_mismatch_names_each_differing_field() -> None:
-    ranks = [flatten({"scheme": "dct-dp", "config": {"sparsity": 0.9, "life_span": 10}}),
-             flatten({"scheme": "dct-dp", "config": {"sparsity": 0.99, "life_span": 10}})]
-    assert ranks[0] == {"scheme": '"dct-dp"', "config.sparsity": "0.9", "config.life_span": "10"}
+    ranks = [flatten({"scheme": "dct-dp", "config": {"ratio": 0.1, "life_span": 10}}),
+             flatten({"scheme": "dct-dp", "config": {"ratio": 0.01, "life_span": 10}})]
+    assert ranks[0] == {"scheme": '"dct-dp"', "config.ratio": "0.1", "config.life_span": "10"}
     assert digest(ranks[0]) != digest(ranks[1])
     assert digest(ranks[0]) == digest(dict(reversed(ranks[0].items())))  # order-free
     message = describe(ranks, "the DDP hook")
-    assert "'config.sparsity' is 0.9 on rank 0, 0.99 on rank 1" in message
+    assert "'config.ratio' is 0.1 on rank 0, 0.01 on rank 1" in message
     assert "life_span" not in message
     many = [flatten({f"f{i}": i for i in range(7)}), flatten({f"f{i}": -i for i in range(7)})]
     assert describe(many, "x").count(" is ") == 4 and "and 2 more field(s)" in describe(many, "x")

@@ -51,7 +51,7 @@ def test_topk_keeps_exactly_the_largest_magnitudes() -> None:
 
 
 def test_dct_with_life_span_one_equals_topk_with_error_feedback() -> None:
-    dct, topk = DCTThreshold(0.9, life_span=1, min_numel=0), TopK(1 - 0.9, min_numel=0)
+    dct, topk = DCTThreshold(0.1, life_span=1, min_numel=0), TopK(1 - 0.9, min_numel=0)
     memory_dct, memory_topk = Residual(), Residual()
     for _ in range(20):
         grad = torch.randn(257)  # continuous values: no ties
@@ -69,7 +69,7 @@ def test_dct_with_life_span_one_equals_topk_with_error_feedback() -> None:
 
 @pytest.mark.parametrize("steps,life_span", [(10, 3), (9, 3), (1, 5), (12, 1)])
 def test_dct_recomputes_threshold_ceil_steps_over_l_times(steps: int, life_span: int) -> None:
-    dct = DCTThreshold(0.9, life_span=life_span, min_numel=0)
+    dct = DCTThreshold(0.1, life_span=life_span, min_numel=0)
     taus = []
     for _ in range(steps):
         grad = torch.randn(100)
@@ -93,13 +93,13 @@ def test_dct_reused_threshold_masks_by_magnitude() -> None:
 
 def test_ties_at_threshold_are_all_kept() -> None:
     grad = torch.tensor([1.0, 2.0, 2.0, 2.0, 0.5])
-    payload = DCTThreshold(0.8, life_span=1, min_numel=0,
+    payload = DCTThreshold(0.2, life_span=1, min_numel=0,
                            capacity=3.0).compress(grad, info_of(grad))  # k = 1
     assert sorted(payload.indices.tolist()) == [1, 2, 3]
 
 
-@pytest.mark.parametrize("compressor", [DCTThreshold(0.9, 1, min_numel=0), TopK(0.1, min_numel=0),
-                                        LaplaceThreshold(0.9, min_numel=0)])
+@pytest.mark.parametrize("compressor", [DCTThreshold(0.1, 1, min_numel=0), TopK(0.1, min_numel=0),
+                                        LaplaceThreshold(0.1, min_numel=0)])
 def test_all_zero_tensor_sends_nothing(compressor: TopK) -> None:
     grad = torch.zeros(300)
     payload = compressor.compress(grad, info_of(grad))
@@ -118,15 +118,15 @@ def test_topk_sends_only_the_nonzero_entries_among_its_k_largest() -> None:
     assert topk.compress(grad, info_of(grad)).count == 10 and topk.trace["w"][-1][1] == 990.0
 
 
-def test_small_tensors_sparsity_zero_and_empty_tensors() -> None:
+def test_small_tensors_ratio_one_and_empty_tensors() -> None:
     small = torch.randn(10)
-    assert isinstance(DCTThreshold(0.9, 1, min_numel=11).compress(small, info_of(small)),
+    assert isinstance(DCTThreshold(0.1, 1, min_numel=11).compress(small, info_of(small)),
                       DensePayload)
-    dense = DCTThreshold(0.0, 1).compress(small, info_of(small))
+    dense = DCTThreshold(1.0, 1).compress(small, info_of(small))
     assert isinstance(dense, DensePayload) and torch.equal(dense.values, small)
     empty = torch.zeros(0)
-    for compressor in (TopK(0.5, min_numel=0), DCTThreshold(0.9, 1, min_numel=0),
-                       LaplaceThreshold(0.9, min_numel=0)):
+    for compressor in (TopK(0.5, min_numel=0), DCTThreshold(0.1, 1, min_numel=0),
+                       LaplaceThreshold(0.1, min_numel=0)):
         payload = compressor.compress(empty, info_of(empty))  # header only
         assert payload.nbytes == 4 and decode(payload, info_of(empty)).numel() == 0
     assert TopK(0.5, min_numel=1).compress(empty, info_of(empty)).nbytes == 0  # dense
@@ -135,11 +135,11 @@ def test_small_tensors_sparsity_zero_and_empty_tensors() -> None:
     one = TopK(0.01).compress(small, info_of(small))
     assert isinstance(one, SparsePayload) and one.count == 1
     assert one.indices.tolist() == [int(small.abs().argmax())]
-    assert isinstance(LaplaceThreshold(0.99).compress(small, info_of(small)), DensePayload)
+    assert isinstance(LaplaceThreshold(0.01).compress(small, info_of(small)), DensePayload)
 
 
 def test_laplace_records_achieved_density() -> None:
-    laplace = LaplaceThreshold(0.99)
+    laplace = LaplaceThreshold(0.01)
     grad = torch.distributions.Laplace(0.0, 1.0).sample((100_000,))
     payload = laplace.compress(grad, info_of(grad))
     _, tau, density = laplace.trace["w"][0]
@@ -156,11 +156,11 @@ def test_fp16_values_halve_value_bytes() -> None:
 
 
 def test_dct_state_dict_resumes_threshold() -> None:
-    dct = DCTThreshold(0.9, life_span=4, min_numel=0)
+    dct = DCTThreshold(0.1, life_span=4, min_numel=0)
     grads = [torch.randn(50) for _ in range(8)]
     for grad in grads[:3]:
         dct.compress(grad, info_of(grad))
-    resumed = DCTThreshold(0.9, life_span=4, min_numel=0)
+    resumed = DCTThreshold(0.1, life_span=4, min_numel=0)
     resumed.load_state_dict(dct.state_dict())
     for grad in grads[3:]:
         a, b = dct.compress(grad, info_of(grad)), resumed.compress(grad, info_of(grad))
@@ -169,7 +169,7 @@ def test_dct_state_dict_resumes_threshold() -> None:
 
 
 @pytest.mark.parametrize("make", [lambda: TopK(0.0), lambda: TopK(1.5), lambda: TopK(float("nan")),
-                                  lambda: DCTThreshold(1.0), lambda: DCTThreshold(-0.1),
+                                  lambda: DCTThreshold(0.0), lambda: DCTThreshold(-0.1),
                                   lambda: DCTThreshold(0.5, life_span=0),
                                   lambda: LaplaceThreshold(1.2),
                                   lambda: TopK(0.1, values="int8")])
@@ -255,7 +255,7 @@ def test_candidate_selection_refuses_k_out_of_range() -> None:
 
 
 def test_threshold_trace_keeps_a_bounded_window() -> None:
-    dct = DCTThreshold(0.9, life_span=1, min_numel=0)
+    dct = DCTThreshold(0.1, life_span=1, min_numel=0)
     grad = torch.randn(20)
     for _ in range(TRACE_LENGTH + 5):
         dct.compress(grad, info_of(grad))
@@ -287,12 +287,12 @@ def _run(compressor: DCTThreshold, grads: list[torch.Tensor]) -> float:
 def test_dct_density_control_holds_the_target_with_one_selection_per_life_span(
         capacity: float) -> None:
     grads = _drifting_grads(600)
-    controlled = DCTThreshold(0.99, life_span=1000, gain=0.05, capacity=capacity)
-    stale = DCTThreshold(0.99, life_span=1000, capacity=100.0)
+    controlled = DCTThreshold(0.01, life_span=1000, gain=0.05, capacity=capacity)
+    stale = DCTThreshold(0.01, life_span=1000, capacity=100.0)
     assert abs(_run(controlled, grads) / 0.01 - 1) <= 0.25
     assert abs(_run(stale, grads) / 0.01 - 1) > 0.25  # the sequence defeats a fixed tau
     assert controlled.refreshes["w"] == 1  # no selection beyond the life-span's first
-    resumed = DCTThreshold(0.99, life_span=1000, gain=0.05, capacity=capacity)
+    resumed = DCTThreshold(0.01, life_span=1000, gain=0.05, capacity=capacity)
     resumed.load_state_dict(controlled.state_dict())
     grad = grads[0]
     assert torch.equal(resumed.compress(grad, info_of(grad)).indices,
@@ -301,7 +301,7 @@ def test_dct_density_control_holds_the_target_with_one_selection_per_life_span(
 
 
 def test_dct_density_control_targets_what_a_sparse_gradient_can_send() -> None:
-    dct = DCTThreshold(0.9, life_span=1000, gain=0.05, min_numel=0)
+    dct = DCTThreshold(0.1, life_span=1000, gain=0.05, min_numel=0)
     grad = torch.zeros(1000)
     grad[:20] = torch.arange(1.0, 21.0)  # 20 non-zeros against k = 100
     for _ in range(5):
@@ -310,7 +310,7 @@ def test_dct_density_control_targets_what_a_sparse_gradient_can_send() -> None:
 
 
 def test_dct_reused_zero_threshold_is_recomputed() -> None:
-    dct = DCTThreshold(0.9, life_span=1000, min_numel=0)
+    dct = DCTThreshold(0.1, life_span=1000, min_numel=0)
     dct.compress(torch.zeros(1000), info_of(torch.zeros(1000)))  # tau = 0
     grad = torch.randn(1000)
     assert dct.compress(grad, info_of(grad)).count == 100
@@ -320,7 +320,7 @@ def test_dct_reused_zero_threshold_is_recomputed() -> None:
 def test_dct_density_control_rejects_a_bad_gain() -> None:
     for bad in (0.0, 1.5, -0.5, float("nan")):
         with pytest.raises(ValueError, match="gain"):
-            DCTThreshold(0.9, gain=bad)
+            DCTThreshold(0.1, gain=bad)
 
 
 def _picks(compressor: DCTThreshold, parts: dict[str, torch.Tensor]) -> dict[str, list[int]]:
@@ -338,12 +338,12 @@ def test_bucket_scope_selects_again_in_the_groups_it_last_used() -> None:
         return {key: torch.rand(n, generator=generator) * scale
                 for key, n, scale in (("a", 1000, 1.0), ("b", 3000, 2.0), ("c", 2000, 1.0))}
 
-    straight = DCTThreshold(0.99, life_span=3, min_numel=0, scope="bucket")
+    straight = DCTThreshold(0.01, life_span=3, min_numel=0, scope="bucket")
     for seed in range(2):  # DDP's rebuilt buckets: (a, b) and (c)
         magnitudes = step(seed)
         _picks(straight, {"a": magnitudes["a"], "b": magnitudes["b"]})
         _picks(straight, {"c": magnitudes["c"]})
-    resumed = DCTThreshold(0.99, life_span=3, min_numel=0, scope="bucket")
+    resumed = DCTThreshold(0.01, life_span=3, min_numel=0, scope="bucket")
     resumed.load_state_dict(straight.state_dict())
     magnitudes = step(2)
     expected = {**_picks(straight, {"a": magnitudes["a"], "b": magnitudes["b"]}),

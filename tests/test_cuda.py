@@ -40,8 +40,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "dense": {},
     "fp16": {},
     "topk": {"ratio": 0.1, "min_numel": 20},
-    "dct-dp": {"sparsity": 0.9, "life_span": 2, "min_numel": 20},
-    "laplace": {"sparsity": 0.9, "min_numel": 20, "capacity": 1.5},
+    "dct-dp": {"ratio": 0.1, "life_span": 2, "min_numel": 20},
+    "laplace": {"ratio": 0.1, "min_numel": 20, "capacity": 1.5},
     "powersgd": {"rank": 2},
     "clt-k": {"ratio": 0.1, "min_numel": 20},
     "local-topk": {"ratio": 0.1, "min_numel": 20},
@@ -226,7 +226,7 @@ def test_boundary_on_the_gpu_matches_the_cpu(threshold: str) -> None:
     results = []
     for device in (torch.device("cpu"), GPU):
         x = acts.to(device, copy=True).requires_grad_()
-        values, indices = compact(x, 0.75, threshold=threshold)
+        values, indices = compact(x, 0.25, threshold=threshold)
         out = expand(values, indices, 40)
         out.backward(torch.arange(out.numel(), dtype=out.dtype, device=device).view_as(out))
         assert x.grad is not None

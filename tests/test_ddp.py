@@ -19,7 +19,7 @@ from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import DensePayload, TensorInfo
 from thinwire.ddp.hold import Stage
 from thinwire.launch import spawn
-from thinwire.schemes import base, build
+from thinwire.schemes import build, streaming
 from thinwire.schemes.base import CompressedScheme
 
 STEPS = 6
@@ -69,23 +69,26 @@ def _ddp_run(rank: int, world_size: int, scheme: str | None, config: dict[str, A
              virtual: bool = True, adamw: bool = False,
              bucket_view: bool = False, max_norm: float | None = None,
              clip_after: float | None = None, amp: bool = False,
-             skip: int | None = None, via_hook_state: bool = False) -> dict[str, Any]:
+             skip: int | None = None, via_hook_state: bool = False,
+             one_call: bool = False) -> dict[str, Any]:
+    """``one_call``: the optimiser is coupled by ``register``/``hook_state`` themselves."""
     model = _model()
     net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
                                   gradient_as_bucket_view=bucket_view)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if amp else None
-    state = None
-    if scheme is not None and via_hook_state:  # as Lightning's strategy registers it
-        state = ddp.hook_state(model, build(scheme, **config), max_norm=max_norm,
-                               scaler=scaler)
-        net.register_comm_hook(state, ddp.comm_hook)
-    elif scheme is not None:
-        state = ddp.register(net, build(scheme, **config), meter=Meter(rank, world_size),
-                             max_norm=max_norm, scaler=scaler)
     optimizer: torch.optim.Optimizer = (
         torch.optim.AdamW(net.parameters(), lr=0.01) if adamw
         else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
-    if couple:
+    given = optimizer if one_call else None
+    state = None
+    if scheme is not None and via_hook_state:  # as Lightning's strategy registers it
+        state = ddp.hook_state(model, build(scheme, **config), max_norm=max_norm,
+                               scaler=scaler, optimizer=given)
+        net.register_comm_hook(state, ddp.comm_hook)
+    elif scheme is not None:
+        state = ddp.register(net, build(scheme, **config), meter=Meter(rank, world_size),
+                             max_norm=max_norm, scaler=scaler, optimizer=given)
+    if couple and not one_call:
         optim.couple(optimizer, state, feedback=feedback, virtual=virtual)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -184,7 +187,7 @@ def _resume_run(rank: int, world_size: int, split: int,
     """
     name = "topk" if adamw else "dct-dp"
     config = config or ({"ratio": 0.1, "min_numel": 0} if adamw
-                        else {"sparsity": 0.8, "life_span": 4})
+                        else {"ratio": 0.2, "life_span": 4})
 
     def build_all(model: nn.Module) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
         net = DistributedDataParallel(model, bucket_cap_mb=0.001)
@@ -211,10 +214,10 @@ def _resume_run(rank: int, world_size: int, split: int,
     return [p.detach().clone() for p in model.parameters()]
 
 
-DCT = {"sparsity": 0.9, "life_span": 3}
+DCT = {"ratio": 0.1, "life_span": 3}
 # Per pair, what each of two ranks registers: (name, config) for rank 0 and rank 1.
 MISMATCHES: dict[str, tuple[tuple[str, dict[str, Any]], tuple[str, dict[str, Any]]]] = {
-    "sparsity": (("dct-dp", {"sparsity": 0.9}), ("dct-dp", {"sparsity": 0.99})),
+    "ratio": (("dct-dp", {"ratio": 0.1}), ("dct-dp", {"ratio": 0.01})),
     "scheme": (("dct-dp", {}), ("topk", {})),
     "dense-vs-sparse": (("dense", {}), ("dct-dp", {})),
     "values": (("dct-dp", {}), ("dct-dp", {"values": "fp16"})),
@@ -236,7 +239,7 @@ def _mismatch_run(rank: int, pair: str) -> str:
 def _mismatch_at_first_call(rank: int) -> str:
     """Frameworks that register the hook themselves (``hook_state``): the peers are
     compared at the hook's first call, inside backward."""
-    name, config = MISMATCHES["sparsity"][rank]
+    name, config = MISMATCHES["ratio"][rank]
     model = _model()
     net = DistributedDataParallel(model)
     net.register_comm_hook(ddp.hook_state(model, build(name, **config)), ddp.comm_hook)
@@ -253,10 +256,10 @@ FLAT = {
     "topk": ("topk", {"ratio": 0.1, **LAYER}),
     "topk-no-feedback": ("topk", {"ratio": 0.1, "error_feedback": False, **LAYER}),
     "topk-fp16": ("topk", {"ratio": 0.1, "values": "fp16", **LAYER}),
-    "dct-dp": ("dct-dp", {"sparsity": 0.9, "life_span": 2, **LAYER}),
-    "dct-dp-drain": ("dct-dp", {"sparsity": 0.9, "life_span": 2, "drain_every": 2, **LAYER}),
-    "laplace": ("laplace", {"sparsity": 0.9, "min_numel": 20, "capacity": 1.5}),
-    "dct-dp-delta16": ("dct-dp", {"sparsity": 0.97, "life_span": 2, "indices": "delta16",
+    "dct-dp": ("dct-dp", {"ratio": 0.1, "life_span": 2, **LAYER}),
+    "dct-dp-drain": ("dct-dp", {"ratio": 0.1, "life_span": 2, "drain_every": 2, **LAYER}),
+    "laplace": ("laplace", {"ratio": 0.1, "min_numel": 20, "capacity": 1.5}),
+    "dct-dp-delta16": ("dct-dp", {"ratio": 0.03, "life_span": 2, "indices": "delta16",
                                   **LAYER}),
 }
 PAIRED = ("topk", "dct-dp-delta16", "laplace")  # also run with the two-rank broadcasts
@@ -264,15 +267,15 @@ PAIRED = ("topk", "dct-dp-delta16", "laplace")  # also run with the two-rank bro
 # every entry (10 x k at 90 % sparsity) no part can pass more than its room, so the bits
 # must agree.
 PIECED = {
-    "roomy": ({"sparsity": 0.9, "life_span": 2, "capacity": 10.0, **LAYER}, False),
-    "roomy-coupled": ({"sparsity": 0.9, "life_span": 3, "capacity": 10.0, **LAYER}, True),
-    "roomy-drain": ({"sparsity": 0.9, "life_span": 2, "capacity": 10.0, "drain_every": 2,
+    "roomy": ({"ratio": 0.1, "life_span": 2, "capacity": 10.0, **LAYER}, False),
+    "roomy-coupled": ({"ratio": 0.1, "life_span": 3, "capacity": 10.0, **LAYER}, True),
+    "roomy-drain": ({"ratio": 0.1, "life_span": 2, "capacity": 10.0, "drain_every": 2,
                      **LAYER}, False),
-    "tight": ({"sparsity": 0.9, "life_span": 3, "capacity": 1.0, **LAYER}, True),
+    "tight": ({"ratio": 0.1, "life_span": 3, "capacity": 1.0, **LAYER}, True),
 }
 CLIPPED = {"ratio": 0.1, "min_numel": 0, "scope": "layer"}
 # Sparse tensors in several buckets, which DDP builds anew after its first step.
-DRAIN = {"sparsity": 0.8, "life_span": 4, "min_numel": 20, "drain_every": 2,
+DRAIN = {"ratio": 0.2, "life_span": 4, "min_numel": 20, "drain_every": 2,
          "scope": "bucket"}
 
 
@@ -296,37 +299,38 @@ def _with_pairs(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def _counting_pieces(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run``, its ``"pieced"`` counting the launches that went in pieces."""
-    launch = CompressedScheme._launch_pieces
+    launch = streaming.Streaming.launch
     pieced = []
 
-    def counted(self: CompressedScheme, *args: Any, **kwargs: Any) -> Any:
+    def counted(self: streaming.Streaming, *args: Any, **kwargs: Any) -> Any:
         pieced.append(True)
         return launch(self, *args, **kwargs)
 
-    CompressedScheme._launch_pieces = counted  # type: ignore[method-assign]
+    streaming.Streaming.launch = counted  # type: ignore[method-assign]
     try:
         return {**run(), "pieced": len(pieced)}
     finally:
-        CompressedScheme._launch_pieces = launch  # type: ignore[method-assign]
+        streaming.Streaming.launch = launch  # type: ignore[method-assign]
 
 
 def _auto_pieces(rank: int, world_size: int) -> dict[str, Any]:
     """dct-dp with ``stream="auto"``, one trial round, and a rule that always says pieces pay."""
-    saved = base.TRIALS, base.pay
-    base.TRIALS, base.pay = 1, lambda wire_s, codec_s: True
+    saved = streaming.TRIALS, streaming.pay
+    streaming.TRIALS, streaming.pay = 1, lambda wire_s, codec_s: True
     try:
         return _counting_pieces(lambda: _ddp_run(
             rank, world_size, "dct-dp", {**PIECED["tight"][0], "piece": 64}, 0.001, couple=True))
     finally:
-        base.TRIALS, base.pay = saved
+        streaming.TRIALS, streaming.pay = saved
 
 
 def _agreed(rank: int) -> dict[str, bool]:
     """The stream choice from trials that differ by rank (see the test)."""
     scheme = build("dct-dp")
-    assert isinstance(scheme, CompressedScheme)
-    return {"quick-link": scheme._agree([[(0.010, 0.030)], [(0.020, 0.005)]][rank], None),
-            "slow-link": scheme._agree([[(0.010, 0.030), (0.012, 0.040), (0.011, 0.035)],
+    assert isinstance(scheme, CompressedScheme) and scheme.pieces is not None
+    pieces = scheme.pieces
+    return {"quick-link": pieces._agree([[(0.010, 0.030)], [(0.020, 0.005)]][rank], None),
+            "slow-link": pieces._agree([[(0.010, 0.030), (0.012, 0.040), (0.011, 0.035)],
                                         []][rank], None)}
 
 
@@ -355,6 +359,14 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
                                       couple=True),
         "clt-k-coupled": _ddp_run(rank, world_size, "clt-k", {"ratio": 0.1, "min_numel": 0},
                                   0.001, couple=True),
+        **{f"{name}-{how}": _ddp_run(rank, world_size, scheme, {"ratio": 0.1, "min_numel": 0},
+                                     0.001, couple=True, adamw=adamw, one_call=how == "one-call",
+                                     via_hook_state=hook)
+           for name, scheme, adamw, hook in (("topk", "topk", False, False),
+                                             ("clt-k", "clt-k", False, False),
+                                             ("adamw", "topk", True, False),
+                                             ("hook-state", "dct-dp", False, True))
+           for how in ("one-call", "two-calls")},
         "clt-k-all-ef21": _ddp_run(rank, world_size, "clt-k", {"ratio": 1.0}, 0.001,
                                    couple=True, feedback="ef21"),
         "clt-k-ef21": _ddp_run(rank, world_size, "clt-k", {"ratio": 0.1, "min_numel": 0},
@@ -420,6 +432,17 @@ def _all_scenarios(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
     return spawn(_all_scenarios, 2)
+
+
+@pytest.mark.parametrize("name", ["topk", "clt-k", "adamw", "hook-state"])
+def test_register_with_the_optimizer_equals_register_then_couple_bit_for_bit(
+        runs: list[dict[str, Any]], name: str) -> None:
+    for rank in runs:
+        one, two = rank[f"{name}-one-call"], rank[f"{name}-two-calls"]
+        for a, b in zip(one["params"], two["params"]):
+            assert torch.equal(a, b)
+        assert one["warnings"] == two["warnings"]
+        assert not torch.equal(one["params"][0], _model()[0].weight)  # it trained
 
 
 def test_dense_hook_is_bit_identical_to_ddp_without_hook(runs: list[dict[str, Any]]) -> None:
@@ -763,7 +786,7 @@ def test_register_rejects_a_plain_module() -> None:
         ddp.register(_model(), build("dense"))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("pair", "field"), [("sparsity", "'config.sparsity'"),
+@pytest.mark.parametrize(("pair", "field"), [("ratio", "'config.ratio'"),
                                              ("scheme", "'scheme'"),
                                              ("dense-vs-sparse", "'scheme'"),
                                              ("values", "'config.values'")])
@@ -782,4 +805,4 @@ def test_hook_state_users_get_the_mismatch_at_the_first_backward(
         runs: list[dict[str, Any]]) -> None:
     for r in runs:
         assert "peers of the DDP hook disagree" in r["mismatch-at-first-call"]
-        assert "'config.sparsity' is 0.9 on rank 0, 0.99 on rank 1" in r["mismatch-at-first-call"]
+        assert "'config.ratio' is 0.1 on rank 0, 0.01 on rank 1" in r["mismatch-at-first-call"]

@@ -47,7 +47,7 @@ def test_nonfinite_policy() -> None:
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_nan_gradient_leaves_error_memory_finite(policy: str) -> None:
-    scheme = build("dct-dp", sparsity=0.9, life_span=2, nonfinite=policy, min_numel=0)
+    scheme = build("dct-dp", ratio=0.1, life_span=2, nonfinite=policy, min_numel=0)
     scheme.reduce({"w": torch.randn(100)})
     before = scheme.state_dict()
     bad = torch.randn(100)

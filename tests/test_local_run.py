@@ -21,11 +21,11 @@ def test_options_reach_the_local_run_and_its_scheme_alike() -> None:
     assert parse_options(["every=20", "chunk=64"], names) == {"every": 20, "chunk": 64}
     with pytest.raises(ValueError, match="'nothing' is not an option of dense, diloco"):
         parse_options(["nothing=1"], names)
-    config = scheme_config("diloco+dct-dp", 0.9, 10, ["every=20", "chunk=64"])
-    assert config == {"sparsity": 0.9, "life_span": 10, "every": 20}
-    assert scheme_config("dense", 0.9, 10, ["every=20"]) == {}
+    config = scheme_config("diloco+dct-dp", 0.1, 10, ["every=20", "chunk=64"])
+    assert config == {"ratio": 0.1, "life_span": 10, "every": 20}
+    assert scheme_config("dense", 0.1, 10, ["every=20"]) == {}
     options, scheme = local_run.parts("diloco+dct-dp", config)
-    assert options.every == 20 and scheme == {"sparsity": 0.9, "life_span": 10}
+    assert options.every == 20 and scheme == {"ratio": 0.1, "life_span": 10}
 
 
 @pytest.mark.parametrize(("name", "config", "match"), [

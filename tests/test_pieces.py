@@ -13,8 +13,9 @@ from thinwire import schemes
 from thinwire.compress import TensorInfo
 from thinwire.compress.pieces import TRIALS, cut, pay
 from thinwire.feedback import MomentumCorrection
-from thinwire.schemes import base
+from thinwire.schemes import streaming
 from thinwire.schemes.base import CompressedScheme
+from thinwire.schemes.streaming import Streaming
 
 SHAPES = {"w": (40, 30), "v": (900,), "b": (30,)}  # b travels dense (min_numel)
 
@@ -23,13 +24,13 @@ SHAPES = {"w": (40, 30), "v": (900,), "b": (30,)}  # b travels dense (min_numel)
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Yields the number of piece-wise launches so far."""
     calls = [0]
-    launch = CompressedScheme._launch_pieces
+    launch = Streaming.launch
 
-    def counted(self: CompressedScheme, *args: Any, **kwargs: Any) -> Any:
+    def counted(self: Streaming, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return launch(self, *args, **kwargs)
 
-    monkeypatch.setattr(CompressedScheme, "_launch_pieces", counted)
+    monkeypatch.setattr(Streaming, "launch", counted)
     yield calls
 
 
@@ -41,7 +42,7 @@ def _grads(step: int) -> dict[str, torch.Tensor]:
 
 
 def _scheme(momentum: bool = False, **config: Any) -> CompressedScheme:
-    scheme = schemes.build("dct-dp", **{"sparsity": 0.95, "life_span": 3, "min_numel": 100,
+    scheme = schemes.build("dct-dp", **{"ratio": 0.05, "life_span": 3, "min_numel": 100,
                                         "piece": 100, "stream": "always", **config})
     assert isinstance(scheme, CompressedScheme) and scheme.memory is not None
     if momentum:
@@ -83,8 +84,11 @@ def test_which_buckets_go_in_pieces(config: dict[str, Any], pieces: int) -> None
     scheme = _scheme(**{"piece": 1000, **config})
     grads = _grads(0)
     infos = [TensorInfo.of(key, grads[key]) for key in ("w", "v")]
-    cuts = scheme._cuts(torch.zeros(2100), infos)
-    assert (len(scheme._cut(infos)) if cuts else 0) == pieces
+    assert scheme.pieces is not None  # dct-dp's threshold streams
+    cuts = scheme.pieces.cuts(torch.zeros(2100), infos)
+    assert (len(scheme.pieces.cut(infos)) if cuts else 0) == pieces
+    assert all(other.pieces is None for other in (schemes.build("topk"),
+                                                  schemes.build("laplace")))
     with pytest.raises(ValueError, match="piece=-1"):
         schemes.build("dct-dp", piece=-1)
 
@@ -95,7 +99,7 @@ def test_streamed_pieces_equal_the_tensors_absorbed_whole_first(
     """Reuse calls stream part by part; refresh calls absorb whole first: same bits."""
     streamed = _run(_scheme(momentum))
     assert small_pieces[0] == 7
-    monkeypatch.setattr(CompressedScheme, "_streams", lambda *_: False)
+    monkeypatch.setattr(Streaming, "streams", lambda *_: False)
     whole = _run(_scheme(momentum))
     for a, b in zip(streamed, whole):
         for key in a:
@@ -189,7 +193,7 @@ def test_auto_stream_times_one_payload_then_keeps_the_choice(
         asked.append((wire_s, codec_s))
         return True
 
-    monkeypatch.setattr(base, "pay", always)
+    monkeypatch.setattr(streaming, "pay", always)
     scheme = _scheme(stream="auto")
     _run(scheme, TRIALS + 4)
     assert small_pieces[0] == 3  # one payload for TRIALS + 1 rounds, then pieces
@@ -203,10 +207,10 @@ def test_auto_stream_times_one_payload_then_keeps_the_choice(
 
 def test_auto_stream_that_finds_no_gain_trains_as_one_payload(
         small_pieces: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(base, "pay", lambda wire_s, codec_s: False)
+    monkeypatch.setattr(streaming, "pay", lambda wire_s, codec_s: False)
     auto, whole = _scheme(momentum=True, stream="auto"), _scheme(momentum=True, piece=0)
     for a, b in zip(_run(auto, 10), _run(whole, 10)):
         assert all(torch.equal(a[key], b[key]) for key in SHAPES)
     assert small_pieces[0] == 0
     assert auto.state_dict()["streaming"] == [[["w", "v"], False]]
-    assert not auto._trials  # nothing more is timed once the choice is made
+    assert auto.pieces is not None and not auto.pieces.trials  # nothing more is timed

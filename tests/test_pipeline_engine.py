@@ -1,5 +1,5 @@
 """DCT-MP on torch.distributed.pipelining across gloo processes: GPipe and 1F1B are
-transparent at sparsity 0, equal the one-process split model otherwise, and send
+transparent at ratio 1, equal the one-process split model otherwise, and send
 exactly the payload; hybrid stages × replicas keeps replicas identical."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from thinwire.pipeline import Pipeline, build_schedule, build_stage, split
 
 MICROBATCHES = 4
 ROWS = 16
-# (schedule, boundary kind, options); sparsity 0 must reproduce the unsplit model.
+# (schedule, boundary kind, options); ratio 1 must reproduce the unsplit model.
 CASES: list[tuple[str, str, dict[str, Any]]] = [
-    ("gpipe", "dct-mp", {"sparsity": 0.0}), ("1f1b", "dct-mp", {"sparsity": 0.0}),
-    ("gpipe", "dct-mp", {"sparsity": 0.75}), ("1f1b", "dct-mp", {"sparsity": 0.75}),
+    ("gpipe", "dct-mp", {"ratio": 1.0}), ("1f1b", "dct-mp", {"ratio": 1.0}),
+    ("gpipe", "dct-mp", {"ratio": 0.25}), ("1f1b", "dct-mp", {"ratio": 0.25}),
     ("1f1b", "sketch", {"compression": 0.75}),
 ]
 
@@ -51,10 +51,10 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _reference(model: nn.Module, boundary: str,
                options: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Microbatch by microbatch in one process, accumulated and scaled as the schedule does;
-    the unsplit model itself at sparsity 0."""
+    the unsplit model itself at ratio 1."""
     dense, side, labels = _batch()
     net: nn.Module = model
-    if options.get("sparsity", 1.0):
+    if options.get("ratio", 0.0) < 1:
         net = Pipeline(split(model, ["bottom.3"], dense, side=side, boundary=boundary,
                              **options))
     for chunk in range(MICROBATCHES):
@@ -84,7 +84,7 @@ def _pipeline_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
         results.append({"grads": grads, "reference": {k: reference[k] for k in grads},
                         "records": [(r.entity, r.layer, r.collective, r.nbytes)
                                     for r in meter.records]})
-    stages = split(_model(), ["bottom.3"], dense, side=side, sparsity=[0.5, 0.75][rank])
+    stages = split(_model(), ["bottom.3"], dense, side=side, ratio=[0.5, 0.25][rank])
     try:
         build_stage(stages, rank, dense, MICROBATCHES, side=side)
         results.append({"mismatch": ""})
@@ -123,11 +123,11 @@ def test_each_crossing_sends_exactly_the_payload(pipeline_runs: list[list[dict[s
         m = keep_count(width, 1 - options["compression"])
         expected_forward = [("X_act", "bottom.3", "send", rows * m * 4)]
         expected_backward = [("X_grad", "bottom.3", "send", rows * m * 4)]
-    elif options["sparsity"] == 0:
+    elif options["ratio"] == 1:
         expected_forward = [("X_act", "bottom.3", "send", rows * width * 4)]
         expected_backward = [("X_grad", "bottom.3", "send", rows * width * 4)]
     else:
-        k = keep_count(width, 1 - options["sparsity"])
+        k = keep_count(width, options["ratio"])
         expected_forward = [("X_act", "bottom.3", "send", rows * k * 4),  # fp32 values
                             ("X_act", "bottom.3", "send", rows * k * 1)]  # uint8 indices
         expected_backward = [("X_grad", "bottom.3", "send", rows * k * 4)]  # values only
@@ -139,7 +139,7 @@ def test_stages_split_with_different_boundaries_raise_the_same_error_on_both_ran
         pipeline_runs: list[list[dict[str, Any]]]) -> None:
     errors = [pipeline_runs[rank][-1]["mismatch"] for rank in range(2)]
     assert errors[0] == errors[1] and "the pipeline stages" in errors[0]
-    assert "sparsity=0.5" in errors[0] and "sparsity=0.75" in errors[0]
+    assert "ratio=0.5" in errors[0] and "ratio=0.25" in errors[0]
 
 
 def test_hybrid_two_stages_by_two_replicas_runs_from_the_cli(
@@ -147,8 +147,8 @@ def test_hybrid_two_stages_by_two_replicas_runs_from_the_cli(
     out = tmp_path / "hybrid.json"
     code = main(["pipeline", "--task", "breast-cancer", "--stages", "2", "--replicas", "2",
                  "--schedule", "1f1b", "--microbatches", "2", "--batch-size", "16",
-                 "--steps", "3", "--sparsity", "0.9", "--dp-scheme", "dct-dp",
-                 "--dp-option", "sparsity=0.9", "--dp-option", "life_span=2",
+                 "--steps", "3", "--ratio", "0.1", "--dp-scheme", "dct-dp",
+                 "--dp-option", "ratio=0.1", "--dp-option", "life_span=2",
                  "--out", str(tmp_path / "run"), "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out

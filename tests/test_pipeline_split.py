@@ -50,37 +50,37 @@ def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
         assert torch.equal(got[name], want[name]), name
 
 
-@pytest.mark.parametrize("sparsity", [0.0, 0.01])  # 0.01 keeps all 12: the top-k path
+@pytest.mark.parametrize("ratio", [1.0, 0.99])  # 0.99 keeps all 12: the top-k path
 @pytest.mark.parametrize("at", [("bottom.3",), ("bottom.3", "top.3"), ("bottom",)])
-def test_sparsity_zero_is_transparent(sparsity: float, at: tuple[str, ...]) -> None:
+def test_ratio_one_is_transparent(ratio: float, at: tuple[str, ...]) -> None:
     model = _tiny_dlrm()
     reference = copy.deepcopy(model)
     dense, side, _ = _dlrm_batch()
-    stages = split(model, at, dense, side=side, sparsity=sparsity)
+    stages = split(model, at, dense, side=side, ratio=ratio)
     assert len(stages) == len(at) + 1
-    if sparsity:
-        assert keep_count(12, 1 - sparsity) == 12
+    if ratio < 1:
+        assert keep_count(12, ratio) == 12
     _assert_identical(_dlrm_step(Pipeline(stages), model), _dlrm_step(reference, reference))
 
 
-def test_transformer_ffn_split_is_transparent_at_sparsity_zero() -> None:
+def test_transformer_ffn_split_is_transparent_at_ratio_one() -> None:
     model = encoder(layers=2, seed=1)
     reference = copy.deepcopy(model)
     tokens = torch.rand(6, 8, 8)
     labels = torch.arange(6) % 10
-    stages = split(model, ["layer0.ffn_relu", "layer1.ffn_relu"], tokens, sparsity=0.0)
+    stages = split(model, ["layer0.ffn_relu", "layer1.ffn_relu"], tokens, ratio=1.0)
     for net in (Pipeline(stages), reference):
         nn.functional.cross_entropy(net(tokens), labels).backward()
     _assert_identical(_grads(model), _grads(reference))
 
 
-def _masked_reference(model: nn.Module, name: str, sparsity: float) -> Any:
+def _masked_reference(model: nn.Module, name: str, ratio: float) -> Any:
     """The unsplit model with Algorithm 2's mask inserted as a layer after ``name``."""
     module = dict(model.named_modules())[name]
 
     def hook(_: nn.Module, __: Any, out: Any) -> Any:
         acts = out[-1] if isinstance(out, tuple) else out
-        mask = torch.zeros_like(acts, dtype=torch.bool).scatter_(-1, select(acts, sparsity),
+        mask = torch.zeros_like(acts, dtype=torch.bool).scatter_(-1, select(acts, ratio),
                                                                   True)
         masked = torch.where(mask, acts, 0.0)
         return (*out[:-1], masked) if isinstance(out, tuple) else masked
@@ -88,14 +88,14 @@ def _masked_reference(model: nn.Module, name: str, sparsity: float) -> Any:
     return module.register_forward_hook(hook)
 
 
-@pytest.mark.parametrize("sparsity", [0.5, 0.75, 0.9])
-def test_split_model_is_sgd_on_the_masked_network(sparsity: float) -> None:
+@pytest.mark.parametrize("ratio", [0.5, 0.25, 0.1])
+def test_split_model_is_sgd_on_the_masked_network(ratio: float) -> None:
     model = _tiny_dlrm()
     reference = copy.deepcopy(model)
     dense, side, _ = _dlrm_batch()
-    stages = split(model, ["bottom.3", "top.3"], dense, side=side, sparsity=sparsity)
-    _masked_reference(reference, "bottom.3", sparsity)
-    _masked_reference(reference, "top.3", sparsity)
+    stages = split(model, ["bottom.3", "top.3"], dense, side=side, ratio=ratio)
+    _masked_reference(reference, "bottom.3", ratio)
+    _masked_reference(reference, "top.3", ratio)
     _assert_identical(_dlrm_step(Pipeline(stages), model), _dlrm_step(reference, reference))
 
 
@@ -104,8 +104,8 @@ def test_transformer_split_is_sgd_on_the_masked_network_per_token() -> None:
     reference = copy.deepcopy(model)
     tokens = torch.rand(6, 8, 8)
     labels = torch.arange(6) % 10
-    stages = split(model, ["layer1.ffn_relu"], tokens, sparsity=0.9)
-    _masked_reference(reference, "layer1.ffn_relu", 0.9)
+    stages = split(model, ["layer1.ffn_relu"], tokens, ratio=0.1)
+    _masked_reference(reference, "layer1.ffn_relu", 0.1)
     for net in (Pipeline(stages), reference):
         nn.functional.cross_entropy(net(tokens), labels).backward()
     _assert_identical(_grads(model), _grads(reference))
@@ -114,7 +114,7 @@ def test_transformer_split_is_sgd_on_the_masked_network_per_token() -> None:
 def test_stage_metadata_marks_values_differentiable_and_indices_not() -> None:
     model = _tiny_dlrm()
     dense, side, _ = _dlrm_batch()
-    stages = split(model, ["bottom.3"], dense, side=side, sparsity=0.75)
+    stages = split(model, ["bottom.3"], dense, side=side, ratio=0.25)
     inputs, outputs = stage_metadata(stages, 0, dense, 2, side)
     k = keep_count(12, 0.25)
     assert [(tuple(t.shape), t.dtype, t.requires_grad) for t in outputs] == [
@@ -158,9 +158,11 @@ def test_bad_boundary_options_are_rejected() -> None:
     with pytest.raises(ValueError, match="unknown boundary kind"):
         split(model, ["bottom.3"], dense, side=side, boundary="zip")
     with pytest.raises(ValueError, match="no option"):
-        split(model, ["bottom.3"], dense, side=side, ratio=0.1)
-    with pytest.raises(ValueError, match="sparsity="):
-        split(model, ["bottom.3"], dense, side=side, sparsity=1.0)
+        split(model, ["bottom.3"], dense, side=side, rato=0.1)
+    with pytest.raises(ValueError, match="sparsity was renamed: pass ratio=1-x"):
+        split(model, ["bottom.3"], dense, side=side, sparsity=0.9)
+    with pytest.raises(ValueError, match="ratio="):
+        split(model, ["bottom.3"], dense, side=side, ratio=0.0)
     with pytest.raises(ValueError, match="side input"):
         split(model, ["top.3"], dense)
 
@@ -202,7 +204,7 @@ def test_gaussian_sketch_sends_x_s_and_returns_the_exact_sketched_gradient() -> 
 
 
 def test_xgrad_topk_keeps_the_error_feedback_invariant_and_resumes() -> None:
-    receiver = XGradTopKReceiver(0.75, name="cut", meter=Meter())
+    receiver = XGradTopKReceiver(0.25, name="cut", meter=Meter())
     first = torch.randn(4, 16, dtype=torch.float64)
     sent = receiver.compress_grad(first)
     assert torch.equal((sent != 0).sum(-1), torch.full((4,), 4))
@@ -214,7 +216,7 @@ def test_xgrad_topk_keeps_the_error_feedback_invariant_and_resumes() -> None:
     assert torch.equal(compensated, sent2 + receiver.memory.buffers[key])
     assert [r.nbytes for r in receiver.meter.records] == [4 * 4 * (8 + 1)] * 2
     # The residual is in the module's state_dict and resumes exactly.
-    clone = XGradTopKReceiver(0.75, name="cut")
+    clone = XGradTopKReceiver(0.25, name="cut")
     clone.load_state_dict(receiver.state_dict())
     third = torch.randn(4, 16, dtype=torch.float64)
     assert torch.equal(clone.compress_grad(third), receiver.compress_grad(third))
@@ -223,7 +225,7 @@ def test_xgrad_topk_keeps_the_error_feedback_invariant_and_resumes() -> None:
 def test_xgrad_topk_trains_in_one_process_but_no_pipeline_can_carry_it() -> None:
     model = _tiny_dlrm()
     dense, side, _ = _dlrm_batch()
-    stages = split(model, ["bottom.3"], dense, side=side, boundary="xgrad-topk", sparsity=0.5)
+    stages = split(model, ["bottom.3"], dense, side=side, boundary="xgrad-topk", ratio=0.5)
     grads = _dlrm_step(Pipeline(stages), model)
     assert all(torch.isfinite(g).all() for g in grads.values())
     with pytest.raises(ValueError, match="runs only in one process"):

@@ -76,9 +76,9 @@ def test_simulated_replicas_with_dense_average_the_shards() -> None:
 
 
 def test_train_local_meters_the_payload_and_reports_metrics() -> None:
-    config = RunConfig(task="breast-cancer", stages=3, boundary_options={"sparsity": 0.9},
+    config = RunConfig(task="breast-cancer", stages=3, boundary_options={"ratio": 0.1},
                        batch_size=32, max_steps=3, replicas=2, dp_scheme="dct-dp",
-                       dp_options={"sparsity": 0.9, "life_span": 2})
+                       dp_options={"ratio": 0.1, "life_span": 2})
     result = train_local(config)
     assert result["steps"] == 3 and result["splits"] == ["bottom.3", "top.3"]
     k = keep_count(256, 0.1)
@@ -105,7 +105,7 @@ def test_cli_local_transformer_run_reports_bytes(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run.json"
     code = main(["pipeline", "--local", "--task", "digits", "--stages", "3", "--steps", "2",
-                 "--batch-size", "32", "--sparsity", "0.9", "--json", str(out),
+                 "--batch-size", "32", "--ratio", "0.1", "--json", str(out),
                  "--out", str(tmp_path / "run")])
     assert code == 0
     assert "X_act B/step" in capsys.readouterr().out
@@ -121,12 +121,12 @@ def test_cli_local_transformer_run_reports_bytes(tmp_path: Path,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--sparsity", "1.5"], "sparsity=1.5"),
+    (["--ratio", "-0.5"], "ratio=-0.5"),
     (["--splits", "bottom.99"], "no module named 'bottom.99'"),
     (["--stages", "3", "--splits", "bottom.3"], "split names"),
     (["--boundary-option", "oops"], "KEY=VALUE"),
     (["--boundary-option", "bogus=1"],
-     "--boundary-option 'bogus' is not an option of dct-mp; valid keys: sparsity, threshold"),
+     "--boundary-option 'bogus' is not an option of dct-mp; valid keys: ratio, threshold"),
     (["--replicas", "2", "--dp-option", "bogus=1"],
      "--dp-option 'bogus' is not an option of dense; valid keys: nonfinite"),
 ])

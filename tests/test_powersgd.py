@@ -209,7 +209,7 @@ def test_matches_the_independent_reference_step_by_step(warm_start: bool) -> Non
 
 def test_tensors_that_do_not_compress_and_early_steps_travel_dense() -> None:
     assert not compressible((8, 8), 2) and compressible((20, 30), 2)
-    scheme = schemes.build("powersgd", rank=2, start_iter=2)
+    scheme = schemes.build("powersgd", rank=2, warmup_steps=2)
     for step in range(3):
         grads = {**_grads(step), "small": torch.randn(8, 8, dtype=torch.float64)}
         out = scheme.reduce(grads)
@@ -257,10 +257,10 @@ def test_nonfinite_steps_are_skipped_and_keep_the_error() -> None:
 
 
 def test_state_dict_resumes_exactly() -> None:
-    scheme = schemes.build("powersgd", rank=2, start_iter=1)
+    scheme = schemes.build("powersgd", rank=2, warmup_steps=1)
     for step in range(3):
         scheme.reduce(_grads(step))
-    resumed = schemes.build("powersgd", rank=2, start_iter=1)
+    resumed = schemes.build("powersgd", rank=2, warmup_steps=1)
     resumed.load_state_dict(copy.deepcopy(scheme.state_dict()))
     for step in range(3, 6):
         got, expected = resumed.reduce(_grads(step)), scheme.reduce(_grads(step))
@@ -269,7 +269,7 @@ def test_state_dict_resumes_exactly() -> None:
 
 
 @pytest.mark.parametrize("option,value", [
-    ("rank", 0), ("rank", -2), ("rank", 1.5), ("start_iter", -1), ("seed", "a"),
+    ("rank", 0), ("rank", -2), ("rank", 1.5), ("warmup_steps", -1), ("seed", "a"),
     ("warm_start", "yes"), ("error_feedback", 1), ("nonfinite", "ignore"),
 ])
 def test_bad_config_is_a_value_error(option: str, value: object) -> None:
@@ -282,7 +282,7 @@ def test_bad_config_is_a_value_error(option: str, value: object) -> None:
 
 
 STEPS = 4
-START_ITER = 1
+WARMUP_STEPS = 1
 
 
 def _model() -> torch.nn.Module:
@@ -302,7 +302,7 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, object]:
     # torch 2.13 rebuilds a small model into one bucket after the first step unless it
     # looks for unused parameters; then the small cap keeps several buckets every step.
     wrapped = DistributedDataParallel(model, bucket_cap_mb=0.001, find_unused_parameters=True)
-    scheme = schemes.build("powersgd", rank=2, start_iter=START_ITER, seed=3)
+    scheme = schemes.build("powersgd", rank=2, warmup_steps=WARMUP_STEPS, seed=3)
     launches: list[list[str]] = []
     lasts: list[bool] = []
     launch = scheme.launch_flat
@@ -361,7 +361,7 @@ def test_ddp_matches_the_single_process_reference(ddp_runs: list[dict[str, objec
             local.append({name: p.grad.clone() for name, p in model.named_parameters()})
         for name, param in model.named_parameters():
             worker_grads = [local[rank][name] for rank in range(2)]
-            if step >= START_ITER and compressible(tuple(param.shape), 2):
+            if step >= WARMUP_STEPS and compressible(tuple(param.shape), 2):
                 mean = torch.from_numpy(reference.step(name, [g.numpy() for g in worker_grads]))
             else:
                 mean = (worker_grads[0] + worker_grads[1]) / 2

@@ -102,7 +102,7 @@ def test_ssgd_sparse_hogwild_pushes_then_restart_from_checkpoint(tmp_path: objec
     path = os.path.join(str(tmp_path), "server.ckpt")
     config = AsyncConfig(method="ssgd", workers=2, threads_per_worker=2, passes=1,
                          rule={"lr": 0.1}, push="dct-dp",
-                         push_options={"sparsity": 0.9, "life_span": 4, "drain_every": 3,
+                         push_options={"ratio": 0.1, "life_span": 4, "drain_every": 3,
                                        "min_numel": 0},
                          checkpoint=path, timeout_s=600)
     task = ClassifierTask(SPEC)

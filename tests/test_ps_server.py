@@ -158,7 +158,7 @@ def test_hogwild_threads_and_workers_in_one_process(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "server.ckpt")
     config = AsyncConfig(method="dc-asgd", workers=2, threads_per_worker=2, passes=2,
                          rule={"lr": 0.1, "lam": 0.04}, push="dct-dp",
-                         push_options={"sparsity": 0.9, "life_span": 5, "drain_every": 3,
+                         push_options={"ratio": 0.1, "life_span": 5, "drain_every": 3,
                                            "min_numel": 0},
                          checkpoint=path, checkpoint_every=5)
     task, server = _local_server(config)
@@ -201,15 +201,15 @@ def test_run_configuration_errors_name_the_value() -> None:
         AsyncConfig(method="asgd", rule={"lam": 0.04})
     with pytest.raises(ValueError, match="milestones"):
         AsyncConfig(milestones=(3.0, 1.0))
-    with pytest.raises(ValueError, match="sparsity=1.5"):
-        AsyncConfig(push="dct-dp", push_options={"sparsity": 1.5})
+    with pytest.raises(ValueError, match="ratio=1.5"):
+        AsyncConfig(push="dct-dp", push_options={"ratio": 1.5})
     with pytest.raises(ValueError, match="does not compress tensor by tensor"):
         AsyncConfig(push="powersgd")
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
-    (["--push", "dct", "--push-option", "sparsity=1.5"], "unknown scheme 'dct'"),
-    (["--push", "dct-dp", "--push-option", "sparsity=1.5"], "sparsity=1.5"),
+    (["--push", "dct", "--push-option", "ratio=1.5"], "unknown scheme 'dct'"),
+    (["--push", "dct-dp", "--push-option", "ratio=1.5"], "ratio=1.5"),
     (["--push", "dct-dp", "--push-option", "bogus=1"],
      "--push-option 'bogus' is not an option of dct-dp; valid keys: capacity, "),
     (["--workers", "2", "--kill-after", "9:5"], "worker 9 is outside the run; workers: 0..1"),

@@ -24,8 +24,8 @@ def _bytes(meter: Meter, collective: str) -> int:
 
 
 SCHEMES = [("dense", {}), ("fp16", {}), ("topk", {"ratio": 0.1}),
-           ("dct-dp", {"sparsity": 0.9, "life_span": 3, "min_numel": 10}),
-           ("dct-dp", {"sparsity": 0.99, "values": "fp16"}), ("laplace", {"sparsity": 0.8})]
+           ("dct-dp", {"ratio": 0.1, "life_span": 3, "min_numel": 10}),
+           ("dct-dp", {"ratio": 0.01, "values": "fp16"}), ("laplace", {"ratio": 0.2})]
 
 
 @pytest.mark.parametrize("scheme,options", SCHEMES)
@@ -64,7 +64,7 @@ def test_fp16_odd_tensor_is_padded_and_the_padding_metered() -> None:
 
 
 def test_error_feedback_keeps_what_the_payload_left_out() -> None:
-    codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=2, min_numel=0)
+    codec = PushCodec(LAYOUT, "dct-dp", ratio=0.1, life_span=2, min_numel=0)
     grad = _grad()
     encoded = codec.encode(grad)
     assert codec.memory is not None
@@ -78,7 +78,7 @@ def test_error_feedback_keeps_what_the_payload_left_out() -> None:
 
 
 def test_nonfinite_gradient_is_pushed_raw_and_leaves_state_untouched() -> None:
-    codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=5)
+    codec = PushCodec(LAYOUT, "dct-dp", ratio=0.1, life_span=5)
     codec.encode(_grad())
     state = codec.state_dict()
     poisoned = _grad(1)
@@ -147,7 +147,7 @@ def _in_threads(push: Callable[[int], None], steps: int, threads: int = 4) -> No
 def test_hogwild_threads_share_one_buffer_and_the_drain_empties_it() -> None:
     """Threads encode concurrently through one codec (DCT §3.3): nothing breaks, every call
     is counted, and with drain_every=1 every update empties the shared buffer."""
-    codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=4, drain_every=1, min_numel=0)
+    codec = PushCodec(LAYOUT, "dct-dp", ratio=0.1, life_span=4, drain_every=1, min_numel=0)
 
     def push(seed: int) -> None:
         assert codec.encode(_grad(seed)).sent.isfinite().all()
@@ -165,7 +165,7 @@ def test_concurrent_streams_lose_no_gradient_and_keep_the_density_control() -> N
     The threshold and its density control are read-modify-write state per tensor: streams
     racing on them once raised ``KeyError``.
     """
-    codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=3, gain=0.05,
+    codec = PushCodec(LAYOUT, "dct-dp", ratio=0.1, life_span=3, gain=0.05,
                       drain_every=10**6, min_numel=0)
     pushed: list[torch.Tensor] = []
     sent: list[torch.Tensor] = []
@@ -184,10 +184,10 @@ def test_concurrent_streams_lose_no_gradient_and_keep_the_density_control() -> N
 
 
 def test_codec_state_round_trips() -> None:
-    codec = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=3, drain_every=2)
+    codec = PushCodec(LAYOUT, "dct-dp", ratio=0.1, life_span=3, drain_every=2)
     for seed in range(4):
         codec.encode(_grad(seed))
-    copy = PushCodec(LAYOUT, "dct-dp", sparsity=0.9, life_span=3, drain_every=2)
+    copy = PushCodec(LAYOUT, "dct-dp", ratio=0.1, life_span=3, drain_every=2)
     copy.load_state_dict(codec.state_dict())
     for seed in range(4, 8):
         assert torch.equal(codec.encode(_grad(seed)).data, copy.encode(_grad(seed)).data)

@@ -38,7 +38,7 @@ import thinwire
 from benchmarks.machine import CpuWatch, cpu_model
 from benchmarks.netem import net
 from benchmarks.netem.anchors import ANCHORS
-from benchmarks.netem.summary import derive, fmt_seconds, median_runs
+from benchmarks.netem.summary import derive, fmt_seconds, median_runs, reference_rows
 from benchmarks.netem.worker import label_of
 from thinwire import schemes
 from thinwire.jobs.common import split_option
@@ -63,6 +63,7 @@ QUICK = {"rates": "100mbit", "workers": "2", "cap_s": 8.0, "reference_cap_s": 8.
          "max_steps": 200}
 
 DCT_LIFE_SPAN = schemes.config_class("dct-dp")().life_span  # dct-dp's own default
+LONE = {"name": "torch-dense", "config": {}}  # run on one worker: the lone-worker row
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="first steps left out of medians and bytes per step")
     parser.add_argument("--min-steps", type=int, default=20,
                         help="steps timed at least, even once the target is reached")
-    parser.add_argument("--sparsity", type=float, default=0.99,
-                        help="fraction dropped by sparsifiers (ratio = 1 - sparsity)")
+    parser.add_argument("--ratio", type=float, default=0.01,
+                        help="fraction of the entries sparsifiers keep, in (0, 1]")
     parser.add_argument("--life-span", type=int, default=DCT_LIFE_SPAN,
                         help=f"DCT threshold life-span (default {DCT_LIFE_SPAN}, dct-dp's own)")
     parser.add_argument("--rank", type=int, default=2,
@@ -198,7 +199,7 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
             if unknown:
                 raise ValueError(f"{label!r}: {name} has no option {', '.join(unknown)} "
                                  f"(it has {', '.join(sorted(fields))})")
-            config = scheme_config(name, args.sparsity, args.life_span, [*options, *variant])
+            config = scheme_config(name, args.ratio, args.life_span, [*options, *variant])
             schemes.build(name, **config)  # a bad option fails here, before any namespace
             entries.append({"name": name, "config": config, **({"label": label} if variant
                                                                  else {})})
@@ -409,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = args.out / stamp
     folder.mkdir(parents=True, exist_ok=True)
     options = worker_options(args)
-    total = len(args.rate_list) * len(args.worker_list) * len(entries) * args.rounds
+    total = len(args.rate_list) * len(args.worker_list) * len(entries) * args.rounds + 1
     per_rate = len(args.worker_list) * len(entries) * args.rounds
     bound = per_rate * (args.reference_cap_s + (len(args.rate_list) - 1) * args.cap_s
                         + 8 * len(args.rate_list))
@@ -424,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
         "load_before": list(os.getloadavg()), "quick": args.quick,
         "options": {**options, "reference_cap_s": args.reference_cap_s},
-        "sparsity": args.sparsity, "life_span": args.life_span, "rates": args.rate_list,
+        "ratio": args.ratio, "life_span": args.life_span, "rates": args.rate_list,
         "workers": args.worker_list, "rounds": args.rounds, "notes": notes,
         "tbf": {rate: vars(net.tbf_for(bps)) for rate, bps in zip(args.rate_list,
                                                                   args.rate_bps)},
@@ -441,6 +442,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         topology.build()
         record["tcp_congestion_control"] = topology.congestion_control()
         with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
+            # The lone worker: dense with the same recipe on one worker, no link to wait on.
+            lone = launcher.run(1, [LONE], {**options, "cap_s": args.reference_cap_s},
+                                "lone", progress)
+            record["lone"] = lone[0] if lone else None
             for index, (rate, rate_bps) in enumerate(zip(args.rate_list, args.rate_bps)):
                 # The first rate's runs establish the steps to target: give them longer.
                 cap = args.reference_cap_s if index == 0 else args.cap_s
@@ -477,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record["load_after"] = list(os.getloadavg())
     record["others_cpu_share"] = watch.others_share()
     record["runs"] = derive(runs)
+    record["references"] = reference_rows(median_runs(record["runs"]), record.get("lone"))
     # An interrupted run is kept for inspection but never taken for the results page.
     path = folder / ("results.json" if status == 0 else "results-incomplete.json")
     path.write_text(json.dumps(record, indent=2))

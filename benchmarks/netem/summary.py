@@ -7,6 +7,7 @@ without root or namespaces.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable
 from typing import Any
 
@@ -131,3 +132,50 @@ def fmt_seconds(value: float | None) -> str:
     if value is None or not math.isfinite(value):
         return "-"
     return f"{value:.2f}" if value < 100 else f"{value:.0f}"
+
+
+# The rows every time-to-target table carries beside the schemes.
+REFERENCE_ROWS = ("lone worker", "compute-only bound")
+DENSE = ("torch-dense", "dense")  # whose steps at n workers make the compute-only bound
+
+
+def reference_rows(runs: list[dict[str, Any]],
+                   lone: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Per (rate, workers) cell, the lone worker and compute-only bound, and each run's
+    ``bound_multiple`` (``runs`` modified in place).
+
+    * lone worker: dense with the same recipe on one worker and no link (``lone``, a
+      worker's result; its measured training time to the target), the same in every cell;
+    * compute-only bound: the cell's dense run's steps to target x the cell's median
+      compute step: n workers with free communication.
+
+    A row carries the recipe (``recipe``) of the run it is built from; None where the
+    lone run or the cell's dense run is missing or did not reach the target.
+    """
+    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        if run.get("status") == "ok":
+            cells.setdefault((run["rate"], run["workers"]), []).append(run)
+    rows = []
+    reached = lone is not None and lone.get("status") == "ok" and lone["reached_step"]
+    for (rate, workers), group in cells.items():
+        dense = next((r for r in group if r["scheme"] in DENSE), None)
+        compute_s = statistics.median(r["compute_s"] for r in group)
+        steps = None if dense is None else dense.get("steps_to_target")
+        bound = {"scheme": "compute-only bound", "rate": rate, "workers": workers,
+                 "reference": True, "recipe": (dense or group[0]).get("recipe"),
+                 "compute_s": compute_s, "steps_to_target": steps,
+                 "time_to_target_s": None if steps is None else steps * compute_s,
+                 "time_to_target_kind": "modelled"}
+        alone = {"scheme": "lone worker", "rate": rate, "workers": 1, "reference": True,
+                 "recipe": None if lone is None else lone.get("recipe"),
+                 "compute_s": None if lone is None else lone.get("compute_s"),
+                 "steps_to_target": lone["reached_step"] if reached and lone else None,
+                 "time_to_target_s": lone["reached_train_s"] if reached and lone else None,
+                 "time_to_target_kind": "measured"}
+        for row in [*group, alone, bound]:
+            seconds = row.get("time_to_target_s")
+            row["bound_multiple"] = (seconds / bound["time_to_target_s"]
+                                     if seconds and bound["time_to_target_s"] else None)
+        rows += [alone, bound]
+    return rows

@@ -218,6 +218,7 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     return {
         "scheme": label_of(entry),
         "kind": "torch" if entry["name"] in ANCHORS else "thinwire",
+        "recipe": {key: options.get(key) for key in RECIPE},
         "config": entry["config"],
         "status": status,
         "note": note,
@@ -241,6 +242,11 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         "dense_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         **installed.details(),
     }
+
+
+# What makes two runs the same recipe: the reference rows must agree with the schemes on these.
+RECIPE = ("workload", "optimizer", "lr", "momentum", "batch_size", "seed", "target", "hidden",
+          "depth")
 
 
 def _quantile(values: list[float], q: float) -> float:

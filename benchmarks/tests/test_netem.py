@@ -20,7 +20,14 @@ from benchmarks import overhead, report
 from benchmarks.machine import CpuWatch, busy_seconds
 from benchmarks.netem import harness, net
 from benchmarks.netem.anchors import ANCHORS, powersgd_bytes
-from benchmarks.netem.summary import derive, floor_s, median_runs, same_trajectory, speedups
+from benchmarks.netem.summary import (
+    derive,
+    floor_s,
+    median_runs,
+    reference_rows,
+    same_trajectory,
+    speedups,
+)
 from benchmarks.netem.worker import WireMeter, label_of, shaper_bytes, task, train, window_traffic
 from thinwire import schemes
 from thinwire.comm import Meter
@@ -180,16 +187,16 @@ def test_without_root_it_explains_and_exits_non_zero(monkeypatch: pytest.MonkeyP
 
 def test_unregistered_schemes_are_skipped_with_a_note() -> None:
     entries, notes = harness.plan(_args("--schemes", "torch-dense,dct-dp,no-such-scheme",
-                                        "--sparsity", "0.9"))
+                                        "--ratio", "0.1"))
     assert [e["name"] for e in entries] == ["torch-dense", "dct-dp"]
-    assert entries[1]["config"] == {"sparsity": 0.9, "life_span": 1000}  # dct-dp's own
+    assert entries[1]["config"] == {"ratio": 0.1, "life_span": 1000}  # dct-dp's own
     assert len(notes) == 1 and "no-such-scheme" in notes[0]
     tuned, _ = harness.plan(_args("--schemes", "dct-dp", "--option", "life_span=7"))
     assert tuned[0]["config"]["life_span"] == 7
     every, _ = harness.plan(_args("--schemes", "all"))
     assert [e["name"] for e in every] == [*ANCHORS, *schemes.names()]  # new ones join as is
-    with pytest.raises(ValueError, match="sparsity="):  # bad options fail before any namespace
-        harness.plan(_args("--schemes", "dct-dp", "--sparsity", "1.5"))
+    with pytest.raises(ValueError, match="ratio="):  # bad options fail before any namespace
+        harness.plan(_args("--schemes", "dct-dp", "--ratio", "1.5"))
 
 
 def test_a_variant_runs_a_scheme_with_its_own_options_under_its_label() -> None:
@@ -269,6 +276,31 @@ def test_time_to_target_is_measured_or_projected_from_the_same_schemes_steps() -
     assert not same_trajectory([1.0, 2.5], [1.0, 2.0]) and not same_trajectory([], [1.0])
 
 
+def test_reference_rows_come_from_dense_alone_and_dense_with_free_links() -> None:
+    recipe = {"workload": "demo", "optimizer": "sgd", "lr": 0.05, "momentum": 0.9,
+              "batch_size": 32, "seed": 0, "target": 0.95, "hidden": 2048, "depth": 2}
+    runs = derive([{**run, "recipe": recipe} for run in _runs()])
+    lone = {**_run("torch-dense", "-", 1.0, 1, 0.02, 0, 90, 90, [1.0]), "recipe": recipe}
+    rows = reference_rows(runs, lone)
+    assert {(r["scheme"], r["rate"]) for r in rows} == {
+        (name, rate) for name in ("lone worker", "compute-only bound")
+        for rate in ("1gbit", "100mbit")}
+    for row in rows:  # the same recipe and seed as the schemes beside them
+        assert row["recipe"] == recipe == runs[0]["recipe"]
+    bound = {r["rate"]: r for r in rows if r["scheme"] == "compute-only bound"}
+    # dense's steps at 2 workers (projected at 100mbit from 1gbit's) x the compute step
+    assert bound["1gbit"]["time_to_target_s"] == pytest.approx(50 * 0.02)
+    assert bound["100mbit"]["time_to_target_s"] == pytest.approx(50 * 0.02)
+    assert bound["1gbit"]["bound_multiple"] == 1.0
+    alone = next(r for r in rows if r["scheme"] == "lone worker")
+    assert (alone["workers"], alone["time_to_target_s"]) == (1, pytest.approx(90 * 0.02))
+    dct_slow = runs[3]
+    assert dct_slow["bound_multiple"] == pytest.approx(200 * 0.06 / (50 * 0.02))
+    assert runs[4]["bound_multiple"] is None  # topk never reached the target
+    for row in reference_rows(runs, None):  # no lone run: its row has no time
+        assert row["scheme"] == "compute-only bound" or row["time_to_target_s"] is None
+
+
 def test_rounds_collapse_to_each_schemes_median_run() -> None:
     losses = [2.3, 1.9]
     rounds = [  # dct-dp reaches the target at 30, never, 10 s; dense at 20, 40 s
@@ -323,7 +355,7 @@ def _train_anchors(rank: int, world_size: int, options: dict[str, Any]) -> list[
     return [train({"name": name, "config": config}, options)
             for name, config in (("torch-dense", {}), ("torch-fp16", {}),
                                  ("torch-powersgd", {}),
-                                 ("dct-dp", {"sparsity": 0.9, "life_span": 5}))]
+                                 ("dct-dp", {"ratio": 0.1, "life_span": 5}))]
 
 
 def test_anchors_train_in_step_and_count_what_their_hooks_send() -> None:
@@ -496,7 +528,7 @@ def test_overhead_times_registered_schemes_and_skips_the_rest() -> None:
     assert overhead.matrix_shape(7) == (1, 7)
     assert overhead.scheme_available("topk") is None
     assert "not registered" in (overhead.scheme_available("no-such-scheme") or "")
-    assert overhead.measure_scheme("dct-dp", 4096, 0.99, 10, 2, repeats=2) > 0
+    assert overhead.measure_scheme("dct-dp", 4096, 0.01, 10, 2, repeats=2) > 0
 
 
 def test_report_falls_back_to_the_data_the_page_ships(tmp_path: Path) -> None:

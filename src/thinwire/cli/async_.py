@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     push.add_argument("--push", default=AsyncConfig.push,
                       help="push scheme: dense, fp16, topk, dct-dp, laplace")
     push.add_argument("--push-option", action="append", default=[], metavar="KEY=VALUE",
-                      help="option of the push scheme, e.g. sparsity=0.99")
+                      help="option of the push scheme, e.g. ratio=0.01")
     task = parser.add_argument_group("task")
     task.add_argument("--dataset", choices=sorted(IMAGE_SETS), default=TaskSpec.dataset,
                       help="image set")

@@ -32,10 +32,10 @@ from thinwire.launch import add_timeout
 DEFAULT_SCHEMES = ("dense", "fp16", "topk", "dct-dp", "powersgd", "clt-k")
 
 def add_scheme_options(parser: argparse.ArgumentParser) -> None:
-    """``--sparsity``, ``--life-span`` (defaults: dct-dp's own) and ``--option KEY=VALUE``."""
+    """``--ratio``, ``--life-span`` (defaults: dct-dp's own) and ``--option KEY=VALUE``."""
     dct = {f.name: f.default for f in dataclasses.fields(schemes.config_class("dct-dp"))}
-    parser.add_argument("--sparsity", type=float, default=dct["sparsity"],
-                        help="fraction a sparsifier drops (ratio = 1 - sparsity)")
+    parser.add_argument("--ratio", type=float, default=dct["ratio"],
+                        help="fraction of the entries a sparsifier keeps, in (0, 1]")
     parser.add_argument("--life-span", type=int, default=dct["life_span"],
                         help="dct-dp threshold life-span L in steps")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if options.tensorboard is not None:
         board.writer_class()
     bandwidth_bps = parse_bandwidth(args.bandwidth)
-    results = compare(names, args.workers, options, bandwidth_bps, args.sparsity,
+    results = compare(names, args.workers, options, bandwidth_bps, args.ratio,
                       args.life_span, args.option, args.timeout, sites=args.sites)
     dense = next((r for r in results if r["scheme"] == "dense"), None)
     lone = (dense if args.workers == 1 else lone_worker(options, args.timeout)
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         f"{results[0]['target']}; {args.workers} workers"
         f"{'' if args.sites is None else f' in {args.sites} sites (FSDP2 inside each)'}, "
         f"{options.steps} steps, "
-        f"sparsity {args.sparsity}, life-span {args.life_span}; a step's compute "
+        f"ratio {args.ratio}, life-span {args.life_span}; a step's compute "
         f"{results[0]['compute_ms_per_step']:.2f} ms (one probe for every scheme).\n\n"
         f"{table}\n\nlone worker: dense with the same recipe on one worker, no "
         f"communication; compute-only bound: dense's steps to target at {args.workers} "

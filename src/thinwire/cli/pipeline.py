@@ -39,9 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "e.g. bottom.3)")
     parser.add_argument("--boundary", default=RunConfig.boundary, choices=boundary_kinds(),
                         help="what crosses a split")
-    parser.add_argument("--sparsity", type=float, default=None,
-                        help="eta for dct-mp / xgrad-topk, in [0, 1) (default: the boundary's, "
-                             "0.9 for dct-mp)")
+    parser.add_argument("--ratio", type=float, default=None,
+                        help="fraction of each row dct-mp / xgrad-topk keep, in (0, 1] "
+                             "(default: the boundary's, 0.1 for dct-mp)")
     parser.add_argument("--threshold", default=None, choices=list(THRESHOLDS),
                         help="dct-mp row threshold (default: topk)")
     parser.add_argument("--values", default=None, choices=["native", "fp16"],
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-scheme", default=RunConfig.dp_scheme,
                         help="scheme for W_grad across replicas, a name from thinwire schemes")
     parser.add_argument("--dp-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="option of the data-parallel scheme, e.g. sparsity=0.9")
+                        help="option of the data-parallel scheme, e.g. ratio=0.1")
     parser.add_argument("--schedule", default=RunConfig.schedule, choices=sorted(SCHEDULES),
                         help="pipeline schedule")
     parser.add_argument("--microbatches", type=int, default=RunConfig.microbatches,
@@ -93,11 +93,11 @@ def config_from(args: argparse.Namespace) -> RunConfig:
     options = common.parse_options(
         args.boundary_option, {args.boundary: boundary_config_class(args.boundary)},
         "--boundary-option")
-    for name in ("sparsity", "threshold", "values"):
+    for name in ("ratio", "threshold", "values"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.boundary == "dct-mp":
-        options.setdefault("sparsity", 0.9)
+        options.setdefault("ratio", 0.1)
     dp_options = common.parse_options(
         args.dp_option, {args.dp_scheme: schemes.config_class(args.dp_scheme)}, "--dp-option")
     tuned = {name: getattr(args, name) for name in ("batch_size", "epochs", "lr")

@@ -1,6 +1,6 @@
 """Train one scheme as one rank of a real job launched by torchrun.
 
-    torchrun --nproc-per-node 4 -m thinwire train --scheme dct-dp --sparsity 0.99
+    torchrun --nproc-per-node 4 -m thinwire train --scheme dct-dp --ratio 0.01
     torchrun --nproc-per-node 4 -m thinwire train --scheme topk --sites 2   # FSDP2 in 2 sites
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 -m thinwire train ...
 
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     config: dict[str, Any] = {}
     if not native:
         parse_options(args.option, [args.scheme])
-        config = scheme_config(args.scheme, args.sparsity, args.life_span, args.option)
+        config = scheme_config(args.scheme, args.ratio, args.life_span, args.option)
         schemes.build(args.scheme, **config)
     device = rank_device(args.device)
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")

@@ -26,9 +26,18 @@ Future = torch.futures.Future
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class Alone:
+    """This process as a group of its own, whatever process group exists: nothing is
+    exchanged, and the meter still sees what a rank would hand over (simulated replicas,
+    :class:`thinwire.jobs.dct_mp.SimulatedReplicas`)."""
+
+
+ALONE: Any = Alone()
+
+
 def world(group: Group = None) -> tuple[int, int]:
-    """(rank, world size) in ``group``; (0, 1) when not distributed."""
-    if not dist.is_available() or not dist.is_initialized():
+    """(rank, world size) in ``group``; (0, 1) when not distributed or :data:`ALONE`."""
+    if isinstance(group, Alone) or not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
@@ -162,7 +171,7 @@ def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | 
         (this rank's is ``payload`` itself).
     """
     rank, n = world(group)
-    if meter is not None and n > 1:
+    if meter is not None and (n > 1 or isinstance(group, Alone)):
         for layer, nbytes in segments:
             meter.record(entity, layer, "all_gather", nbytes, world_size=n)
     if n == 1:

@@ -29,7 +29,7 @@ class PeerMismatchError(ValueError):
 
 
 def flatten(fields: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested mappings to dotted keys with canonical string values (``config.sparsity``)."""
+    """Nested mappings to dotted keys with canonical string values (``config.ratio``)."""
     flat: dict[str, str] = {}
     for key, value in fields.items():
         name = f"{prefix}{key}"

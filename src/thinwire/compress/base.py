@@ -47,7 +47,7 @@ def check_fraction(name: str, value: float, low: float, high: float, *, closed_l
 def keep_count(numel: int, density: float) -> int:
     """Entries a sparsifier keeps: ceil(numel * density), at least one of a non-empty tensor.
 
-    ``density`` is the kept fraction (1 - sparsity). Every sparsifier uses this
+    ``density`` is the kept fraction (a scheme's ``ratio``). Every sparsifier uses this
     one function so that equal targets give equal k.
     """
     if numel == 0 or density <= 0.0:
@@ -64,6 +64,12 @@ class Compressor(ABC):
     """
 
     value_dtype: torch.dtype = torch.float32  # dtype of sparse payload values on the wire
+    identity = False  # every payload is the tensor itself: the engine all-reduces the buffer
+
+    @property
+    def density(self) -> float | None:
+        """Target fraction of a tensor's entries a payload keeps; None: all (not a sparsifier)."""
+        return None
 
     @abstractmethod
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Payload:

@@ -1,36 +1,16 @@
-"""ScaleCom's CLT-k selection maths: the leader's top-k indices and their wire encoding.
+"""ScaleCom's CLT-k selection maths: the leader's top-k indices and their encoding.
 
-CLT-k (ScaleCom, App. E): at step t the leading worker ``t mod n`` picks the
-top-k indices of its error-feedback gradient ``p = m + g``; every worker
-then sends its own ``p`` at those indices, so the values can be all-reduced.
-Because every worker uses the same index set ``I``,
-``mean_i(p_i[I]) == (mean_i p_i)[I]``: the all-reduced result is exactly
-``CLT_k`` applied to the mean of the workers' ``p``.
-
-Selection (the leader only), per layer of ``N`` entries keeping ``k``:
-
-* ``"chunk"``: the "chunk-wise quasi-sorting" of App. E / Fig. A2, as the
-  appendix draws it.
-  The flat tensor is cut into ``k`` contiguous chunks whose sizes differ by
-  at most one (``N mod k`` chunks of ``ceil(N / k)`` entries, then chunks of
-  ``floor(N / k)``) and the largest ``|p|`` of each chunk is kept (the first
-  one on ties). The appendix does not fix the chunk size; cutting into
-  exactly ``k`` chunks keeps exactly ``k`` entries, so the bytes equal exact
-  top-k's and the two selections compare at the same compression. One
-  vectorised argmax, no sort.
-* ``"exact"`` (default): the exact top-k of ``|p|``, found among the entries
-  above a sampled lower bound of the k-th magnitude, without a sort of ``N``
-  (:func:`~thinwire.compress._select.largest_in_order`). One-per-chunk selection
-  keeps only part of top-k's energy on layers whose large entries cluster
-  (:func:`captured_energy`), and CLT-k then converges far slower
-  (docs/convergence.md), so exact is the default.
-
-Indices are returned ascending, so every rank gathers in the same order.
-An index set travels as ``k`` int32, in the 16-bit code (each index's offset
-in its block of 65536 entries, then an int32 per block: how many indices lie
-before its end) or as a bitmap of ``N`` bits, whichever is smallest; the sizes
-depend only on ``(k, N)``, which every rank knows, so the broadcast needs no
-size round.
+CLT-k (ScaleCom, App. E): the leader ``t mod n`` picks the top-k indices of its
+``p = m + g``; every worker sends its ``p`` there, so the values all-reduce and
+``mean_i(p_i[I]) == (mean_i p_i)[I]``. ``"chunk"``: App. E / Fig. A2's
+chunk-wise quasi-sorting, the largest ``|p|`` of each of exactly ``k``
+near-equal contiguous chunks (the appendix leaves the size open; k chunks keep
+k entries, so the bytes equal exact top-k's). ``"exact"`` (default): the top-k,
+found above a sampled lower bound without a sort; chunks keep only part of
+top-k's energy where large entries cluster (:func:`captured_energy`), and CLT-k
+then converges far slower (docs/convergence.md). Indices are ascending; a set
+travels as int32, the 16-bit code or a bitmap, whichever is smallest, sizes
+depending only on ``(k, N)``, so the broadcast needs no size round.
 """
 
 from __future__ import annotations
@@ -170,14 +150,14 @@ def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
     return indices.to(torch.int32).view(torch.uint8)
 
 
-def decode_indices(wire: torch.Tensor, k: int, numel: int) -> torch.Tensor:
+def decode_indices(encoded: torch.Tensor, k: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`encode_indices`: ``k`` int64 indices, ascending."""
     name, _ = _index_format(k, numel)
     if name == "bitmap":
-        return unpack_bits(wire[: math.ceil(numel / 8)], numel).nonzero().squeeze(1)
+        return unpack_bits(encoded[: math.ceil(numel / 8)], numel).nonzero().squeeze(1)
     if name == "index16":
-        return decode_index16(wire, k, k, numel)
-    return wire.view(torch.int32).to(torch.int64)
+        return decode_index16(encoded, k, k, numel)
+    return encoded.view(torch.int32).to(torch.int64)
 
 
 def _check_k(k: int, numel: int) -> None:

@@ -11,6 +11,8 @@ from thinwire.compress.payload import DensePayload
 class Dense(Compressor):
     """Identity: the tensor travels as it is (the DDP baseline)."""
 
+    identity = True
+
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> DensePayload:
         return DensePayload(tensor.reshape(-1))
 

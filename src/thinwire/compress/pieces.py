@@ -1,30 +1,17 @@
 """Cutting a bucket's sparse tensors into pieces that travel one after another.
 
 DCT-DP reuses a layer's threshold for ``life_span`` steps (DCT KDD'21
-Algorithm 1 line 8), so on a reuse step the threshold is known before the
-gradient is: each entry is kept or not on its own (line 9). A large bucket
-then need not be compressed whole before any of it is sent. The engine
-(:class:`thinwire.schemes.base.CompressedScheme`) cuts the bucket into pieces
-of about :data:`PIECE_ENTRIES` entries, compresses a piece, hands it to
-torch.distributed and goes on with the next while the first is on the wire;
-each piece is decoded as soon as it arrives. On a slow link that hides most
-of the compression under the transfer.
-
-A payload's room is fixed before its entries are known (one collective
+Algorithm 1 line 8), so on a reuse step each entry is kept or not on its own
+(line 9) and a large bucket need not be compressed whole before any of it is
+sent. A payload's room is fixed before its entries are known (one collective
 round, no lengths first), so each piece carries its parts' share of their
-tensors' room: a part of ``[start, stop)`` of a tensor with room ``R`` of
-``N`` entries gets ``R*stop//N - R*start//N``, which add up to ``R``. When a
-part passes more entries than its share, its largest go and the rest wait
-in the error memory, as when a whole tensor passes more than its room.
-
-Pieces pay only where the link is slow next to the codec: each piece is one
-more collective, and its transfer and decoding run beside the next piece's
-compression on the same cores. On the shaped-link MLP with 2 workers they
-shortened the step by 3-5 ms at 100 Mbit/s and lengthened it by about 2 ms at
-1 Gbit/s (``docs/data/netem-pieces.json``, ``docs/data/netem-pieces-auto.json``).
-So by default (``stream="auto"``) a bucket first travels as one payload for
-:data:`TRIALS` rounds, timed, and the ranks then agree once whether pieces pay
-(:func:`pay`).
+tensors' room: a part ``[start, stop)`` of a tensor with room ``R`` of ``N``
+entries gets ``R*stop//N - R*start//N``, which add up to ``R``; what a part
+passes beyond its share waits in the error memory. Pieces pay only where the
+link is slow next to the codec, so by default (``stream="auto"``) a bucket is
+timed as one payload for :data:`TRIALS` rounds before the ranks agree
+(:func:`pay`). The engine's side is :mod:`thinwire.schemes.streaming`;
+measured: docs/notes/engine.md.
 """
 
 from __future__ import annotations
@@ -32,13 +19,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
 
 from thinwire.compress.base import TensorInfo
 
-# Entries per piece. On the 4.35M-parameter MLP at 100 Mbit/s with 2 and 4
-# workers (docs/data/netem-pieces.json), 1M-entry pieces stepped within noise
-# of 0.25M or 0.5M ones with fewer collectives; a piece should carry enough
-# bytes to keep the link busy while the next one is compressed.
+# Entries per piece: enough bytes to keep the link busy while the next piece is
+# compressed, with few collectives (measured: docs/notes/engine.md).
 PIECE_ENTRIES = 1 << 20
 # Rounds of one payload a bucket is timed over before "auto" decides (its first round,
 # which refreshes every threshold, not among them).
@@ -46,21 +34,50 @@ TRIALS = 5
 STREAM_RULES = ("auto", "always")
 
 
-def pay(wire_s: float, codec_s: float) -> bool:
+@runtime_checkable
+class Streams(Protocol):
+    """A compressor that selects each entry on its own once a tensor's threshold is known,
+    so a bucket can be selected and sent part by part (DCT's reused threshold)."""
+
+    value_dtype: torch.dtype  # dtype values travel in
+    index_format: str  # index list of the payload (SparseLayout)
+    stream: str  # when pieces are sent: one of STREAM_RULES
+
+    @property
+    def piece(self) -> int:
+        """Entries per piece; 0: this compressor's buckets travel whole."""
+
+    def capacity(self, numel: int) -> int:
+        """Most entries one payload of a ``numel``-entry tensor carries."""
+
+    def reused(self, info: TensorInfo) -> bool:
+        """Whether this call's threshold is known before ``info``'s magnitudes."""
+
+    def open_call(self, magnitudes: torch.Tensor | None, info: TensorInfo) -> float:
+        """Begin a call on ``info``'s tensor; its threshold (None: a reused one)."""
+
+    def pick(self, magnitudes: torch.Tensor, tau: float,
+             room: int) -> tuple[torch.Tensor, int]:
+        """A part's indices at or above ``tau``, at most ``room``; and how many passed."""
+
+    def close_call(self, magnitudes: torch.Tensor, info: TensorInfo, passed: int,
+                   sent: int) -> None:
+        """End the call :meth:`open_call` began."""
+
+
+def pay(exchange_s: float, codec_s: float) -> bool:
     """Whether pieces pay on this link: the exchange takes at least half as long as the codec.
 
     The overlap pieces win is about the shorter of the two, less the first
     piece's compression; each piece costs a collective and its decoding beside
-    the codec (2-3 ms a step on 2 cores with 4 pieces). On the shaped-link MLP
-    the payload takes about 22 ms at 100 Mbit/s against a 16 ms codec (pieces
-    won 3-5 ms) and about 2 ms at 1 Gbit/s (they lost about 2 ms).
+    the codec (docs/notes/engine.md).
 
     Args:
-        wire_s: the exchange's median time from hand-over to arrival, on the
+        exchange_s: the exchange's median time from hand-over to arrival, on the
             rank that waited least (the others also wait for the later ranks).
         codec_s: the median codec time to hand-over, on the slowest rank.
     """
-    return math.isfinite(wire_s) and wire_s >= codec_s / 2
+    return math.isfinite(exchange_s) and exchange_s >= codec_s / 2
 
 
 @dataclass(frozen=True)

@@ -1,49 +1,17 @@
 """PowerSGD maths (Vogels et al., NeurIPS 2019, Alg. 1), one matrix at a time. No collectives.
 
-One rank-r power-iteration step on worker w's matrix ``M_w`` (n x m):
-
-====  =======================================  ==============================
-line  maths                                    here
-====  =======================================  ==============================
-2     ``P_w = M_w Q``                          :meth:`PowerSGD.left`
-3     ``P = mean_w P_w``                       the caller's all-reduce
-4     ``P_hat = orthonormalize(P)``            :func:`orthonormalize`
-5     ``Q_w = M_w^T P_hat``                    :func:`right`
-6     ``Q = mean_w Q_w``                       the caller's all-reduce
-7     ``G_hat = P_hat Q^T``                    :meth:`PowerSGD.finish`
-====  =======================================  ==============================
-
-so that ``G_hat = P_hat P_hat^T mean_w(M_w)``: the projection of the mean
-onto the span of ``mean_w(M_w) Q``. If the mean has rank at most r (and Q
-is generic) the step reconstructs it exactly.
-
-:class:`PowerSGD` holds the per-key state: Q, warm-started (Q of step t is
-the averaged Q of step t - 1, PowerSGD §3 "warm start") or redrawn each step,
-drawn from a seed that depends only on (key, seed, draw) so every rank starts
-from the same Q without communicating it. Error feedback is the caller's
-(``e_w <- M_w - G_hat``, Alg. 2); :class:`thinwire.feedback.Residual` does it.
-
-Choices where the paper is open:
-
-* A column of the averaged Q that is exactly zero (the mean gradient was
-  zero, or of rank below r) is not kept for the warm start: the previous
-  column stays, so one zero step does not cost the next one its subspace.
-* Q is not orthonormalised between steps (torch's hook does; the paper and
-  its reference code do not). The approximation only depends on span(Q), so
-  this changes nothing but rounding.
-* Orthonormalisation is Householder QR (:func:`thinwire.compress.lowrank.orthonormalize`):
-  a zero or repeated column of P (a zero gradient, or rank below r) gives a
-  valid orthonormal basis instead of the NaN of Gram-Schmidt with eps = 0.
-* Which tensors are compressed is :func:`thinwire.compress.lowrank.compressible`:
-  1-D tensors, and those with ``(n + m) r >= n m / 2``, travel dense.
-
-Typical use for one matrix ``M`` (n x m) under key ``"fc.weight"``::
-
-    codec = PowerSGD(rank=2)
-    p = codec.left("fc.weight", M)          # send p, get p_mean
-    p_hat = orthonormalize(p_mean)
-    q = right(M, p_hat)                     # send q, get q_mean
-    approx = codec.finish("fc.weight", p_hat, q_mean)
+Worker w's (n x m) matrix ``M_w``: ``P_w = M_w Q`` (line 2, :meth:`PowerSGD.left`),
+the caller averages P (line 3), ``P_hat = orthonormalize(P)`` (line 4),
+``Q_w = M_w^T P_hat`` (line 5, :func:`right`), the caller averages Q (line 6),
+``G_hat = P_hat Q^T`` (line 7, :meth:`PowerSGD.finish`): the projection of the
+mean onto the span of ``mean_w(M_w) Q``, exact when the mean has rank <= r.
+:class:`PowerSGD` holds Q per key, warm-started (§3) or redrawn, seeded by
+(key, seed, draw) so every rank starts alike; error feedback (Alg. 2) is the
+caller's. Where the paper is open: a zero column of the averaged Q keeps the
+previous one (one zero step does not cost the next its subspace); Q is not
+orthonormalised between steps (only span(Q) matters); Householder QR gives a
+valid basis for a zero or repeated column of P where Gram-Schmidt gives NaN;
+1-D tensors and those with ``(n + m) r >= n m / 2`` travel dense.
 """
 
 from __future__ import annotations
@@ -104,6 +72,14 @@ def reconstruct(p_hat: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None =
 
 class PowerSGD:
     """Per-key PowerSGD state (Q) and the steps that use it, for one matrix at a time.
+
+    Typical use for one matrix ``M`` (n x m) under key ``"fc.weight"``::
+
+        codec = PowerSGD(rank=2)
+        p = codec.left("fc.weight", M)          # send p, get p_mean
+        p_hat = orthonormalize(p_mean)
+        q = right(M, p_hat)                     # send q, get q_mean
+        approx = codec.finish("fc.weight", p_hat, q_mean)
 
     Args:
         rank: r, columns of P and Q, >= 1.

@@ -2,42 +2,18 @@
 
 Choices every sparsifier here shares (the papers leave them open):
 
-* Zeros are never sent. A threshold of 0 (an all-zero tensor, or a stale
-  threshold above every entry) therefore sends nothing rather than everything.
-* Ties at the threshold are all kept: the mask is the plain comparison
-  ``|x| >= tau`` of Algorithm 1 line 9 and never needs a sort, so the number
-  kept may exceed k when values repeat. The achieved density is recorded.
-* Every tensor is sparsified by default (:data:`MIN_NUMEL` = 0): a small
-  one keeps at least one entry a step. Tensors with fewer than ``min_numel``
-  entries, and ``sparsity == 0``, travel dense. Sending biases and layer
-  norms dense would cost up to 4 KiB each a step: on the transformer and the
-  Fashion-MNIST convnet of docs/convergence.md that put the bytes at 12x and
-  28x fewer than dense instead of the 50x of 99 % sparsity, while with every
-  tensor sparse, momentum coupled and gradients at the virtual iterate the
-  steps to target stayed within 1.25x of dense's (4 workers, 3 seeds, every
-  workload there). The Laplace estimate keeps :data:`LAPLACE_MIN_NUMEL` =
-  1024: its fit passes nothing on a tensor of 1-32 entries. With ``include``
-  (fnmatch patterns of tensor keys, e.g. ``("*fc*",)``) only matching tensors
-  are sparsified, the rest travel dense (DCT KDD'21 §3.3 compresses only the
-  fully connected layers).
-* ``scope="layer"`` (the papers') selects per tensor, each tensor at the
-  target density. ``scope="bucket"`` selects once over all the sparsified
-  tensors a call sees (a DDP bucket, or every gradient of one dtype), so the
-  same total of entries goes where the compensated magnitudes are largest:
-  a small layer whose gradient is large, often the classifier, gets more
-  than its 1 % and a large, quiet one waits. On the digits MLP under SGD
-  momentum 0.9 at 99 % sparsity, coupled topk reached 80 % test accuracy in
-  1.25x dense's steps against 1.50x per layer (16 simulated seeds,
-  ``docs/data/coupling-scope.json``, docs/convergence.md). It is topk's
-  default; dct-dp keeps Algorithm 1's per-layer threshold by default. A
-  group's threshold state and call count are keyed by the group (its first
-  and last keys); the trace records each tensor's share.
-* Payloads have a fixed capacity (:meth:`Sparsifier.capacity`) so that a
-  sparse exchange is one all-gather with no round of lengths first. Exact
-  top-k never exceeds it; a threshold may pass more entries than that (ties,
-  a stale tau, a poor Laplace fit): then the ``capacity`` largest are sent
-  and the rest wait in the error memory for a later step.
-* Empty tensors produce header-only (empty sparse) payloads.
+* Zeros are never sent, and ties at the threshold are all kept (the mask is
+  Algorithm 1 line 9's ``|x| >= tau``, no sort); the achieved density is traced.
+* Every tensor is sparsified by default (:data:`MIN_NUMEL` = 0; Laplace:
+  1024, its fit passes nothing on a few entries); ``exclude`` patterns,
+  smaller tensors and ``ratio == 1`` travel dense (DCT KDD'21 §3.3 compresses
+  only the fully connected layers).
+* ``scope="layer"`` (the papers') selects per tensor; ``scope="bucket"`` once
+  over all the tensors of a call, so the same total goes where ``|p|`` is
+  largest. A group's state is keyed by its first and last keys.
+* Payloads have a fixed capacity (:meth:`Sparsifier.capacity`), so a sparse
+  exchange is one all-gather; what a threshold passes beyond it waits in the
+  error memory. Measured reasons for the defaults: docs/notes/engine.md.
 """
 
 from __future__ import annotations
@@ -58,6 +34,7 @@ from thinwire.compress._select import (
     sparse_nonzero,
 )
 from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
+from thinwire.compress.cltk import SELECTIONS, layer_k
 from thinwire.compress.grouping import regroup, split_ascending
 from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, SparsePayload
 from thinwire.compress.pieces import STREAM_RULES
@@ -84,17 +61,17 @@ class Sparsifier(Compressor):
         indices: index list format of the bucket payload, ``"int32"`` or
             ``"delta16"`` (:class:`~thinwire.compress.payload.SparseLayout`; a
             bitmap replaces either when smaller).
-        include: fnmatch patterns of the keys to sparsify; empty: every tensor.
+        exclude: fnmatch patterns of the keys always sent dense; empty: none.
         scope: ``"layer"`` (each tensor at the target density) or ``"bucket"``
             (one selection over all the tensors of a call; :meth:`select_all`).
     """
 
     def __init__(self, *, min_numel: int = MIN_NUMEL, values: str = "fp32",
                  capacity: float = CAPACITY, indices: str = "int32",
-                 include: tuple[str, ...] = (), scope: str = "layer") -> None:
+                 exclude: tuple[str, ...] = (), scope: str = "layer") -> None:
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel={min_numel!r} must be an integer >= 0")
-        if values not in _VALUE_DTYPES:
+        if values not in (*_VALUE_DTYPES, "native"):
             raise ValueError(f"values={values!r} must be one of {sorted(_VALUE_DTYPES)}")
         if not (isinstance(capacity, (int, float)) and math.isfinite(capacity)
                 and capacity >= 1.0):
@@ -105,9 +82,10 @@ class Sparsifier(Compressor):
             raise ValueError(f"scope={scope!r} must be one of {SCOPES}")
         self.scope = scope
         self.min_numel = min_numel
-        self.include = tuple(include)
+        self.exclude = tuple(exclude)
         self.index_format = indices
-        self.value_dtype = _VALUE_DTYPES[values]
+        self.native_values = values == "native"  # values travel in the tensor's own dtype
+        self.value_dtype = _VALUE_DTYPES.get(values, torch.float32)
         self.capacity_factor = float(capacity)
         # key -> the last TRACE_LENGTH (call index, threshold, achieved density), for
         # plots (DCT Fig. 2); bounded so long runs do not grow it without end.
@@ -120,9 +98,13 @@ class Sparsifier(Compressor):
     def density(self) -> float:
         """Target fraction of entries kept."""
 
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype values of a ``dtype`` tensor travel in."""
+        return dtype if self.native_values else self.value_dtype
+
     def is_dense(self, info: TensorInfo) -> bool:
         """Whether ``info``'s tensor bypasses sparsification (same answer on every rank)."""
-        if self.include and not any(fnmatchcase(info.key, p) for p in self.include):
+        if any(fnmatchcase(info.key, p) for p in self.exclude):
             return True
         return self.density >= 1.0 or info.numel < self.min_numel
 
@@ -132,18 +114,19 @@ class Sparsifier(Compressor):
                                     - 1e-9))
 
     def empty(self, info: TensorInfo) -> Payload:
+        dtype = self.wire_dtype(info.dtype)
         if self.is_dense(info):
-            return DensePayload(torch.zeros(info.numel, dtype=self.value_dtype,
-                                            device=info.device))
+            return DensePayload(torch.zeros(info.numel, dtype=dtype, device=info.device))
         nothing = torch.zeros(0, dtype=torch.int64, device=info.device)
-        return SparsePayload(nothing.to(self.value_dtype), nothing, info.numel)
+        return SparsePayload(nothing.to(dtype), nothing, info.numel)
 
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Payload:
         flat = tensor.reshape(-1)
+        dtype = self.wire_dtype(flat.dtype)
         if self.is_dense(info):
-            return DensePayload(flat.to(self.value_dtype))
+            return DensePayload(flat.to(dtype))
         indices = self.indices(flat.abs(), info)
-        values = flat.index_select(0, indices).to(self.value_dtype)
+        values = flat.index_select(0, indices).to(dtype)
         return SparsePayload(values, indices, flat.numel())
 
     def indices(self, magnitudes: torch.Tensor, info: TensorInfo) -> torch.Tensor:
@@ -253,7 +236,7 @@ class Sparsifier(Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._calls = dict(state["calls"])
-        self.groups = dict(state.get("groups", {}))  # none before scope="bucket" existed
+        self.groups = dict(state.get("groups", {}))  # a checkpoint without groups: none yet
 
 
 def _above(magnitudes: torch.Tensor, tau: float) -> torch.Tensor:
@@ -298,44 +281,22 @@ class TopK(Sparsifier):
 class DCTThreshold(Sparsifier):
     """DCT-DP's reused top-K threshold, per tensor (DCT KDD'21 Algorithm 1).
 
-    Every ``life_span`` calls for a key (Alg. 1 lines 4-6, ``L | k``), tau is
-    recomputed as the k-th largest ``|x|`` with ``k = ceil(N (1 - sparsity))``
-    by exact candidate selection (:func:`~thinwire.compress._select.kth_largest`:
-    a sampled lower bound, then ``kthvalue`` on the few entries above it, or the end
-    of a ``topk`` on a GPU).
-    Algorithm 1 indexes the ascending sort at ``floor(N * eta)``, which keeps
-    one entry more than the target; we index so that exactly k entries survive
-    when there are no ties, which makes ``life_span=1`` identical to
-    :class:`TopK`. Between refreshes tau is reused (line 8) and the mask is
-    ``|x| >= tau`` (line 9).
-
-    Budget guard (off by default): with ``refresh_above=f``, a reused tau
-    that lets more than ``f * k`` entries through is recomputed at once (one
-    selection on the steps where it fires).
-
-    Density control (off by default): with ``gain=g``, every call nudges the
-    reused tau for the next one, ``tau <- tau * exp(g * (sent / k - 1))``
-    (sent / k capped at 16), where sent is what tau passed this call, capped
-    at the payload's room unless it exceeds twice the room. It is an
-    integral controller on the arithmetic mean of sent, so a layer's density
-    averages the target over a run, and it needs no selection: a scalar per
-    call. Why not refresh tau when the density leaves a band: under error
-    feedback the memory piles up just below a reused tau, so the k-th largest
-    ``|p|`` sits right under the old tau whatever the rate at which entries
-    cross it; a refresh then barely moves tau and the layer keeps
-    under-sending (on the shaped-link MLP a +-25 % band refreshed on 30-45 %
-    of tensor-steps and still averaged 0.82-0.90 of the target). Nudging tau
-    releases the pile a little at a time instead. On that MLP (300 steps,
-    room for k), gain 0.05 kept each layer at 0.85-0.93 of the target with
-    one selection per layer (0.3 % of tensor-steps); 0.2 overshoots into
-    bursts that the payload capacity truncates (0.5 of the target). When
-    zeros leave fewer than k entries to send, the target is what can be
-    sent, so an embedding's untouched rows do not drive tau to 0.
-    A reused tau of 0 (a layer whose gradient was all zero at the refresh)
-    that passes more than k entries is recomputed at once.
+    Every ``life_span`` calls for a key (lines 4-6) tau is recomputed as the
+    k-th largest ``|x|``, ``k = ceil(N ratio)``, by exact candidate selection
+    (:func:`~thinwire.compress._select.kth_largest`); between refreshes it is
+    reused (line 8) and the mask is ``|x| >= tau`` (line 9). Algorithm 1 indexes
+    the sort at ``floor(N eta)``, one entry more than the target; we keep
+    exactly k, so ``life_span=1`` is :class:`TopK`. ``refresh_above=f``
+    recomputes a reused tau that passes more than ``f k`` entries. ``gain=g``
+    nudges the reused tau each call, ``tau *= exp(g (sent / k - 1))`` (sent/k
+    capped at 16): an integral controller on the mean of sent that needs no
+    selection, because under error feedback the memory piles up just below a
+    reused tau and a refresh barely moves it (docs/notes/engine.md). When zeros
+    leave fewer than k entries, the target is what can be sent; a reused tau of
+    0 that passes more than k entries is recomputed at once.
 
     Args:
-        sparsity: fraction eta of entries dropped, in [0, 1); 0 sends dense.
+        ratio: fraction ``1 - eta`` of entries kept, in (0, 1]; 1 sends dense.
         life_span: L, calls between threshold refreshes, >= 1.
         refresh_above: recompute a reused tau that keeps more than this many
             times the target count; None (default) never does. Must be > 1.
@@ -352,10 +313,10 @@ class DCTThreshold(Sparsifier):
             (:func:`thinwire.compress.pieces.pay`).
     """
 
-    def __init__(self, sparsity: float, life_span: int = 1000,
+    def __init__(self, ratio: float, life_span: int = 1000,
                  refresh_above: float | None = None, gain: float | None = None,
                  piece: int = 0, stream: str = "always", **kwargs: Any) -> None:
-        check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+        check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
         if not isinstance(life_span, int) or life_span < 1:
             raise ValueError(f"life_span={life_span!r} must be an integer >= 1")
         if refresh_above is not None and not refresh_above > 1.0:
@@ -369,7 +330,7 @@ class DCTThreshold(Sparsifier):
         super().__init__(**kwargs)
         self._piece = piece
         self.stream = stream
-        self.sparsity = sparsity
+        self.ratio = ratio
         self.life_span = life_span
         self.refresh_above = refresh_above
         self.gain = gain
@@ -378,7 +339,7 @@ class DCTThreshold(Sparsifier):
 
     @property
     def density(self) -> float:
-        return 1.0 - self.sparsity
+        return self.ratio
 
     def _select(
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int
@@ -512,33 +473,76 @@ def _nonzero_at_least(magnitudes: torch.Tensor, k: int) -> int:
     return int(torch.count_nonzero(magnitudes))
 
 
+class Selection(Sparsifier):
+    """ScaleCom's local selection: ``k`` entries of each tensor (or group), exact top-k or
+    the largest of each of ``k`` chunks (:data:`~thinwire.compress.cltk.SELECTIONS`).
+
+    Exactly ``k = layer_k(N, ratio, k)`` entries go, zeros included, so the
+    payload's room is k. While :attr:`warming` every tensor travels dense.
+
+    Args:
+        ratio: fraction of entries kept, in (0, 1].
+        k: entries kept per tensor instead of ``ratio`` (capped at its size).
+        selection: ``"exact"`` or ``"chunk"``.
+    """
+
+    def __init__(self, ratio: float, *, k: int | None = None, selection: str = "exact",
+                 **kwargs: Any) -> None:
+        check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection={selection!r} must be one of {sorted(SELECTIONS)}")
+        super().__init__(**kwargs)
+        self.ratio, self.k, self.selection = ratio, k, selection
+        self.warming = False  # set per round by the scheme: warm-up steps travel dense
+
+    @property
+    def density(self) -> float:
+        return self.ratio
+
+    def is_dense(self, info: TensorInfo) -> bool:
+        """Dense while warming, when empty, small or excluded; ``ratio=1`` still selects."""
+        return (self.warming or info.numel == 0 or info.numel < self.min_numel
+                or any(fnmatchcase(info.key, p) for p in self.exclude))
+
+    def capacity(self, numel: int) -> int:
+        """Exactly k."""
+        return layer_k(numel, self.ratio, self.k)
+
+    def _select(
+        self, magnitudes: torch.Tensor, info: TensorInfo, call: int
+    ) -> tuple[torch.Tensor, float]:
+        indices = SELECTIONS[self.selection](magnitudes, self.capacity(magnitudes.numel()))
+        return indices, float(magnitudes.index_select(0, indices).min()) if indices.numel() \
+            else 0.0
+
+
 class LaplaceThreshold(Sparsifier):
     """O(N) threshold from a Laplace fit of the entries (DCT MLSys §2.2, App. B).
 
     The paper fits a Laplace law to the entries and reads tau off its quantile
     function. We threshold magnitudes, so we fit the zero-centred Laplace whose
     magnitude is exponential with maximum-likelihood scale ``b = mean(|x|)``;
-    then ``P(|X| >= tau) = 1 - eta`` gives ``tau = b * ln(1 / (1 - eta))``.
+    then ``P(|X| >= tau) = ratio`` gives ``tau = b * ln(1 / ratio)``.
     One pass over the tensor, no selection. The achieved density drifts from
     the target as the fit does (the paper's Fig. 6b); it is in :attr:`trace`.
 
     Args:
-        sparsity: target fraction eta of entries dropped, in [0, 1).
+        ratio: target fraction ``1 - eta`` of entries kept, in (0, 1].
     """
 
-    def __init__(self, sparsity: float, **kwargs: Any) -> None:
-        check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+    def __init__(self, ratio: float, **kwargs: Any) -> None:
+        check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
         kwargs.setdefault("min_numel", LAPLACE_MIN_NUMEL)
         super().__init__(**kwargs)
-        self.sparsity = sparsity
+        self.ratio = ratio
 
     @property
     def density(self) -> float:
-        return 1.0 - self.sparsity
+        return self.ratio
 
     def threshold(self, magnitudes: torch.Tensor) -> float:
         """The Laplace estimate of tau for these magnitudes."""
-        return float(magnitudes.mean()) * -math.log1p(-self.sparsity)
+        return float(magnitudes.mean()) * -math.log(self.ratio)
 
     def _select(
         self, magnitudes: torch.Tensor, info: TensorInfo, call: int

@@ -1,24 +1,15 @@
 """fp16 autocast with a ``GradScaler``: the loss scale kept out of the scheme's state.
 
-``GradScaler`` multiplies the loss by ``S`` (a power of two), expects ``S g``
-in ``.grad``, and when a step overflowed finds inf or NaN there, skips the
-step and lowers ``S``. A sparse scheme keeps state across steps (error
-memory, momentum, thresholds; the virtual iterate moves the weights by the
-pending error), so ``S g`` must not enter it, and a rank that overflowed
-must not leave the others stepping without it. Registered with the scaler
-(``thinwire.ddp.register(..., scaler=scaler)``), at a step's last bucket
-(:class:`~thinwire.ddp.hold.StepHold`) every rank
-
-1. votes: one all-reduce (MAX) of whether its gradient is finite;
-2. if any rank's is not, sends nothing, leaves every state as it was and
-   fills its buckets with NaN, so that ``GradScaler`` on every rank skips
-   the step and lowers ``S`` alike;
-3. else divides its buckets by ``S`` (exact: a power of two) before the
-   scheme, and multiplies each bucket's decoded mean by ``S`` after it, so
-   ``unscale_`` finds what it expects.
-
-With every entry sent, training under a scaler is then bit-identical to
-training without one (``tests/test_ddp.py``).
+``GradScaler`` multiplies the loss by ``S`` (a power of two) and, when a step
+overflowed, skips it and lowers ``S``. A sparse scheme keeps state across
+steps, so ``S g`` must not enter it, and a rank that overflowed must not leave
+the others stepping without it. Registered with the scaler, at a step's last
+bucket (:class:`~thinwire.ddp.hold.StepHold`) every rank votes by one
+all-reduce (MAX) whether its gradient is finite; if any is not, it sends
+nothing, leaves every state as it was and fills its buckets with NaN, so every
+rank's scaler skips alike; else it divides its buckets by ``S`` (exact) before
+the scheme and multiplies the decoded mean by ``S`` after. With every entry
+sent, training under a scaler is bit-identical to training without one.
 """
 
 from __future__ import annotations

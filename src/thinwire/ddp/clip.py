@@ -1,25 +1,15 @@
 """Local gradient clipping: each worker clips its own gradient before the scheme sees it.
 
-Under a sparse error-feedback scheme the gradients DDP leaves in ``.grad``
-are the step's sparse update (coupled: of the workers' velocities), 11-43
-times the norm of the mean gradient on the digits MLP: a user's
-``clip_grad_norm_`` after ``backward`` then clips the update, not the
-gradient, with a threshold chosen for gradients (at ``max_norm=1``, 4
-workers: 2.3-4x dense's steps on the digits MLP under SGD, 1.5x to never on
-the convnet, 0.6x on the click model; docs/convergence.md). Deep Gradient
-Compression clips locally instead (Lin et al., ICLR 2018, Sec. 3.2, "Local
-gradient clipping"): each worker scales its gradient before it enters its
-momentum and error memory, at the global threshold times its share under
-identically distributed gradients. DGC sums the workers' gradients and
-takes ``N^(-1/2)`` of the threshold on the sum; DDP averages them, so the
-same share of a threshold on the mean is ``max_norm * sqrt(N)`` per worker
-(the norm of a mean of N independent gradients is ``1/sqrt(N)`` of one).
-
-A worker's gradient spans every DDP bucket, so its norm is known only at
-the step's last bucket: the buckets are held until then
-(:class:`~thinwire.ddp.hold.StepHold`) and scaled by one factor. Below the
-threshold nothing is scaled, so the step is bit-identical to one without
-clipping.
+Under a sparse error-feedback scheme ``.grad`` after ``backward`` holds the
+step's sparse update, not the gradient, so ``clip_grad_norm_`` there clips
+the wrong thing (measured: docs/notes/engine.md). Deep Gradient Compression
+clips locally (Lin et al., ICLR 2018, §3.2, "Local gradient clipping"): each
+worker scales its gradient before its momentum and error memory. DGC takes
+``N^(-1/2)`` of the threshold on the workers' sum; DDP averages, so the same
+share of a threshold on the mean is ``max_norm * sqrt(N)`` per worker. A
+worker's norm is known only at the step's last bucket, so the buckets are
+held until then (:class:`~thinwire.ddp.hold.StepHold`) and scaled by one
+factor; below the threshold nothing is scaled (bit-identical to no clipping).
 """
 
 from __future__ import annotations

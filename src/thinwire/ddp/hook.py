@@ -37,6 +37,7 @@ class HookState:
     loss_scale: LossScale | None = None  # a GradScaler's scale kept out of the scheme
     hold: StepHold | None = None  # holds a step's buckets for the two above
     guard: GradGuard | None = None  # warns if the sparse update is rewritten before the step
+    coupling: optim.Coupling | None = None  # what couple did, when given the optimiser
 
 
 def agree(state: HookState, device: torch.device | None) -> None:
@@ -70,7 +71,8 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
 
 def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = None,
              meter: Meter | None = None, max_norm: float | None = None,
-             scaler: torch.amp.GradScaler | None = None) -> HookState:
+             scaler: torch.amp.GradScaler | None = None,
+             optimizer: torch.optim.Optimizer | None = None) -> HookState:
     """Install ``scheme`` as ``ddp_model``'s communication hook.
 
     Under a sparse error-feedback scheme, ``.grad`` after ``backward`` holds the
@@ -90,6 +92,9 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
         scaler: the ``torch.amp.GradScaler`` of fp16 autocast, if any: its loss scale
             is divided out before the scheme and put back after, and a step that
             overflowed on any rank is skipped on every rank (:mod:`thinwire.ddp.amp`).
+        optimizer: the user's optimiser, coupled to the scheme in the same call
+            (:func:`thinwire.optim.couple` with its defaults; what it did is in the
+            state's ``coupling``). None: call ``couple`` yourself, or leave it uncoupled.
 
     Returns:
         The hook state (holds the scheme, whose ``state_dict`` checkpoints it).
@@ -106,7 +111,7 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
         raise TypeError(f"expected DistributedDataParallel, got {type(ddp_model).__name__}")
     state = hook_state(ddp_model.module, scheme,
                        group if group is not None else ddp_model.process_group, meter,
-                       max_norm=max_norm, scaler=scaler)
+                       max_norm=max_norm, scaler=scaler, optimizer=optimizer)
     parameter = next(ddp_model.module.parameters(), None)
     agree(state, parameter.device if parameter is not None else None)
     ddp_model.register_comm_hook(state, comm_hook)
@@ -116,7 +121,8 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
 
 def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
                meter: Meter | None = None, max_norm: float | None = None,
-               scaler: torch.amp.GradScaler | None = None) -> HookState:
+               scaler: torch.amp.GradScaler | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> HookState:
     """The state for :func:`comm_hook`, for frameworks that register the hook themselves.
 
     PyTorch Lightning takes it as ``DDPStrategy(ddp_comm_state=hook_state(model, scheme),
@@ -127,7 +133,7 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
         scheme: from :func:`thinwire.schemes.build`.
         group: the process group to reduce over; None: the default group.
         meter: records the bytes handed to torch.distributed; attached to the scheme.
-        max_norm, scaler: as for :func:`register`.
+        max_norm, scaler, optimizer: as for :func:`register`.
 
     Raises:
         ValueError: an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` (sparse
@@ -148,9 +154,12 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
     stages: list[Stage] = [s for s in (loss_scale, clip) if s is not None]  # unscale first
     trained = [p for _, p in named if p.requires_grad]
     guard = (GradGuard(max(trained, key=lambda p: p.numel()))
-             if trained and optim.sparse_memory(scheme) is not None else None)
-    return HookState(scheme, {id(p): name for name, p in named}, group,
-                     {**fingerprint(scheme), "parameters": parameters, "thinwire": __version__,
-                      "max_norm": max_norm, "scaler": scaler is not None},
-                     module=module, clip=clip, loss_scale=loss_scale,
-                     hold=StepHold(stages) if stages else None, guard=guard)
+             if trained and scheme.error_memory is not None else None)
+    state = HookState(scheme, {id(p): name for name, p in named}, group,
+                      {**fingerprint(scheme), "parameters": parameters, "thinwire": __version__,
+                       "max_norm": max_norm, "scaler": scaler is not None},
+                      module=module, clip=clip, loss_scale=loss_scale,
+                      hold=StepHold(stages) if stages else None, guard=guard)
+    if optimizer is not None:
+        state.coupling = optim.couple(optimizer, state)
+    return state

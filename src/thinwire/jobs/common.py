@@ -137,7 +137,7 @@ def split_option(text: str, flag: str = "--option") -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key:
-        raise ValueError(f"{flag} {text!r} must look like KEY=VALUE, e.g. sparsity=0.9")
+        raise ValueError(f"{flag} {text!r} must look like KEY=VALUE, e.g. ratio=0.1")
     return key, parse_value(value)
 
 

@@ -9,6 +9,7 @@ every scheme. The flags that drive it are in :mod:`thinwire.cli.compare`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -48,20 +49,18 @@ def parse_options(options: list[str], names: list[str]) -> dict[str, Any]:
     return common.parse_options(options, configs)
 
 
-def scheme_config(name: str, sparsity: float | None, life_span: int | None,
+def scheme_config(name: str, ratio: float | None, life_span: int | None,
                   options: list[str]) -> dict[str, Any]:
     """Map the shared command-line knobs onto the options scheme ``name`` has.
 
-    ``--sparsity`` sets ``sparsity``, or ``ratio = 1 - sparsity`` for schemes
-    that keep a ratio; ``--option KEY=VALUE`` applies to every scheme with KEY
-    (a key no scheme has is rejected by :func:`parse_options`).
+    ``--ratio`` sets ``ratio`` on every sparsifier; ``--option KEY=VALUE``
+    applies to every scheme with KEY (a key no scheme has is rejected by
+    :func:`parse_options`).
     """
     fields = local_run.fields(name)
     config: dict[str, Any] = {}
-    if sparsity is not None and "sparsity" in fields:
-        config["sparsity"] = sparsity
-    if sparsity is not None and "ratio" in fields:
-        config["ratio"] = 1.0 - sparsity
+    if ratio is not None and "ratio" in fields:
+        config["ratio"] = ratio
     if life_span is not None and "life_span" in fields:
         config["life_span"] = life_span
     config.update({key: value for key, value in map(common.split_option, options)
@@ -88,8 +87,10 @@ def _worker(rank: int, world_size: int, runs: list[tuple[str, dict[str, Any]]],
 
 
 def lone_worker(options: RunOptions, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Dense under ``options`` on one worker: the same recipe, seed and probe, no peers."""
-    result: dict[str, Any] = spawn(_worker, 1, [("dense", {})], options,
+    """Dense under ``options`` on one worker: the same recipe, seed and probe, no peers
+    (and no TensorBoard events: those are the compared runs')."""
+    alone = dataclasses.replace(options, tensorboard=None)
+    result: dict[str, Any] = spawn(_worker, 1, [("dense", {})], alone,
                                    timeout_s=timeout_s)[0][0]
     result.pop("weights", None)
     return result
@@ -132,7 +133,7 @@ def references(results: list[dict[str, Any]], lone: dict[str, Any] | None,
 
 
 def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: float,
-            sparsity: float | None = None, life_span: int | None = None,
+            ratio: float | None = None, life_span: int | None = None,
             extra: list[str] | None = None,
             timeout_s: float = DEFAULT_TIMEOUT_S,
             sites: int | None = None) -> list[dict[str, Any]]:
@@ -171,7 +172,7 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
         raise ValueError(f"{NATIVE!r} is the sharded anchor: give --sites with it")
     built = [name for name in names if name != NATIVE or sites is None]
     parse_options(extra or [], built)  # validate before spawning anything
-    runs = [(name, scheme_config(name, sparsity, life_span, extra or []) if name in built
+    runs = [(name, scheme_config(name, ratio, life_span, extra or []) if name in built
              else {}) for name in names]
     for name, config in runs:
         if name in built:

@@ -206,7 +206,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     meter = Meter(rank, world_size)
     scheme = schemes.build(name, **config)
     in_hook = (options.max_norm is not None and options.clip_at == "worker"
-               and optim.sparse_memory(scheme) is not None)
+               and scheme.error_memory is not None)
     dtype = PRECISIONS[options.precision]
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     state = ddp.register(net, scheme, meter=meter,

@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,8 @@ from torch import nn
 
 from thinwire import schemes
 from thinwire.comm import Meter
-from thinwire.compress import DensePayload, TensorInfo
+from thinwire.comm.collectives import ALONE
+from thinwire.compress import Sparsifier, TensorInfo
 from thinwire.data import criteo
 from thinwire.launch import DEFAULT_TIMEOUT_S, phase, spawn
 from thinwire.models import dlrm, transformer
@@ -85,7 +86,7 @@ class RunConfig:
     stages: int = 2  # pipeline stages (1 = the unsplit model)
     splits: tuple[str, ...] | None = None  # split names; None: the task's default
     boundary: str = "dct-mp"  # boundary kind: dct-mp, sketch, xgrad-topk
-    boundary_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"sparsity": 0.9}
+    boundary_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"ratio": 0.1}
     replicas: int = 1  # data-parallel copies of each stage (engine only)
     dp_scheme: str = "dense"  # registered scheme reducing W_grad across replicas
     dp_options: dict[str, Any] = field(default_factory=dict)  # its config
@@ -101,7 +102,7 @@ class RunConfig:
     seed: int = 0  # model initialisation and data order (same for every run)
     train_size: int = 100_000  # synthetic criteo: training rows
     test_size: int = 10_000  # synthetic criteo: test rows
-    probe: tuple[float, ...] = ()  # sparsities whose mean row threshold to trace (Fig. 5)
+    probe: tuple[float, ...] = ()  # ratios whose mean row threshold to trace (Fig. 5)
     train_eval_rows: int | None = 20_000  # train loss/accuracy over the first rows (None: all)
 
     def __post_init__(self) -> None:
@@ -265,19 +266,19 @@ def evaluate(model: nn.Module, data: Batches, task: Task,
     return {"loss": loss / len(data), "accuracy": correct / len(data)}
 
 
-def _probe(model: nn.Module, names: tuple[str, ...], sparsities: tuple[float, ...],
+def _probe(model: nn.Module, names: tuple[str, ...], ratios: tuple[float, ...],
            trace: dict[str, list[float]]) -> Callable[[], None]:
-    """Trace the mean row threshold at the first split for each sparsity (Fig. 5)."""
-    if not sparsities or not names:
+    """Trace the mean row threshold at the first split for each ratio kept (Fig. 5)."""
+    if not ratios or not names:
         return lambda: None
     module = steps(model)[split_positions(model, names[:1])[0]][1]
 
     def hook(_: nn.Module, __: Any, output: Any) -> None:
         if module.training and torch.is_grad_enabled():
             acts = output[-1] if isinstance(output, tuple) else output
-            for sparsity in sparsities:
-                trace.setdefault(str(sparsity), []).append(
-                    float(row_thresholds(acts, sparsity).mean()))
+            for ratio in ratios:
+                trace.setdefault(str(ratio), []).append(
+                    float(row_thresholds(acts, ratio).mean()))
 
     return module.register_forward_hook(hook).remove
 
@@ -285,16 +286,17 @@ def _probe(model: nn.Module, names: tuple[str, ...], sparsities: tuple[float, ..
 class SimulatedReplicas:
     """Data parallelism over ``n`` replicas simulated in one process (for sweeps).
 
-    Every replica computes its shard's gradients; each has its own copy of the
-    scheme's compressor and error memory and encodes exactly as
-    :class:`thinwire.schemes.CompressedScheme` does on its rank; the decoded
-    payloads are averaged, which is what the all-reduce / all-gather computes.
-    The meter records each replica's payload bytes as ``W_grad`` (the engine
-    also sends the 8-byte length round and the padding of variable-size
-    payloads; those are left out here).
+    Each replica has its own copy of the scheme and encodes through the real
+    engine (:meth:`~thinwire.schemes.Scheme.reduce` over a group of its own,
+    :data:`~thinwire.comm.collectives.ALONE`): the same selection scope, error
+    memory and payloads as on a rank of a real job. :meth:`mean` then averages the
+    contributions as the exchange does: tensors sent dense divided first and
+    summed, sparse ones summed in replica order and divided. The meter records
+    what each replica hands over (``W_grad``), at a world size of ``n``.
 
     Raises:
-        ValueError: the scheme is not a ``CompressedScheme`` (it needs processes).
+        ValueError: the scheme is not a ``CompressedScheme`` (rotating leaders and
+            two-round schemes need processes).
     """
 
     def __init__(self, name: str, options: Mapping[str, Any], replicas: int,
@@ -304,25 +306,43 @@ class SimulatedReplicas:
             if not isinstance(scheme, schemes.CompressedScheme):
                 raise ValueError(f"scheme {name!r} cannot be simulated in one process; run "
                                  "with processes (train_engine)")
+            scheme.meter = _ReplicaMeter(meter, replicas)
         self.meter = meter
 
     def encode(self, replica: int, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What replica ``replica`` contributes: its decoded payload per tensor."""
-        scheme = self.schemes[replica]
-        assert isinstance(scheme, schemes.CompressedScheme)  # checked in __init__
-        n = len(self.schemes)
-        out: dict[str, torch.Tensor] = {}
-        for key, grad in grads.items():
-            info = TensorInfo.of(key, grad)
-            compensated = grad if scheme.memory is None else scheme.memory.compensate(key, grad)
-            payload = scheme.compressor.compress(compensated, info)
-            decoded = scheme.compressor.decompress(payload, info)
-            if scheme.memory is not None:
-                scheme.memory.update(key, compensated, decoded)
-            collective = "all_reduce" if isinstance(payload, DensePayload) else "all_gather"
-            self.meter.record("W_grad", key, collective, payload.nbytes, world_size=n)
-            out[key] = decoded
+        return self.schemes[replica].reduce(grads, ALONE)
+
+    def mean(self, parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The replicas' contributions averaged as the engine's exchange averages them."""
+        n = len(parts)
+        compressor = self.schemes[0].compressor  # type: ignore[attr-defined]
+        out = {}
+        for key, first in parts[0].items():
+            info = TensorInfo.of(key, first)
+            if isinstance(compressor, Sparsifier) and not compressor.is_dense(info):
+                total = first.clone()
+                for part in parts[1:]:
+                    total.add_(part[key])
+                out[key] = total.div_(n) if n > 1 else total
+            else:  # all-reduced in the payload's dtype: each divides, then the sum
+                wire = [compressor.compress(part[key], info).values for part in parts]
+                shares = [values / n for values in wire] if n > 1 else wire
+                out[key] = sum(shares[1:], shares[0]).to(first.dtype).reshape(first.shape)
         return out
+
+
+class _ReplicaMeter(Meter):
+    """Records into ``meter`` at the simulated world size."""
+
+    def __init__(self, meter: Meter, world_size: int) -> None:
+        super().__init__(0, world_size)
+        self.shared = meter
+
+    def record(self, entity: str, layer: str, collective: str, nbytes: int, *,
+               world_size: int | None = None, root: int = 0) -> None:
+        self.shared.record(entity, layer, collective, nbytes, world_size=self.world_size,
+                           root=root)
 
 
 def train_local(config: RunConfig, *, progress: bool = False, task: Task | None = None,
@@ -367,16 +387,15 @@ def train_local(config: RunConfig, *, progress: bool = False, task: Task | None 
             loss.backward()
         else:
             shard = len(rows) // config.replicas
-            total: dict[str, torch.Tensor] = {}
+            parts = []
             for replica in range(config.replicas):
                 batch = task.train.rows(rows[replica * shard: (replica + 1) * shard])
                 optimizer.zero_grad(set_to_none=True)
                 task.loss(pipeline(batch.inputs, **batch.side), batch.targets).backward()
                 grads = {k: p.grad for k, p in parameters.items() if p.grad is not None}
-                for key, part in replicas.encode(replica, grads).items():
-                    total[key] = total[key] + part if key in total else part
-            for key, summed in total.items():
-                parameters[key].grad = summed / config.replicas
+                parts.append(replicas.encode(replica, grads))
+            for key, mean in replicas.mean(parts).items():
+                parameters[key].grad = mean
         optimizer.step()
         scheduler.step()
         meter.next_step()

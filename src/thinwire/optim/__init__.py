@@ -1,62 +1,16 @@
 """Couple the user's optimiser to a sparse scheme: its momentum moves into the workers.
 
-Error-feedback sparsification releases what it held back in delayed
-bursts, and ``torch.optim.SGD``'s momentum, applied after the all-reduce,
-carries each burst on for ``1 / (1 - mu)`` steps more; measured, 99 %-sparse
-topk and dct-dp then need 2.5-3.3x dense's steps (``docs/convergence.md``).
-:func:`couple` moves the momentum in front of error feedback (DGC's
-momentum correction, :class:`MomentumCorrection`), which brings them to
-1.3-1.5x (docs/convergence.md):
-
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    state = thinwire.ddp.register(net, thinwire.schemes.build("topk"))
-    thinwire.optim.couple(optimizer, state)
-
-Afterwards the optimiser runs with momentum 0 and the scheme's memory keeps
-each worker's velocity (it travels in the scheme's ``state_dict``).
-``Adam``/``AdamW`` are coupled the same way with their first moment: the
-workers keep ``m <- beta1 m + beta1 g`` (started at the first ``g``), which
-settles at ``beta1 / (1 - beta1)`` times Adam's own first moment, and the
-optimiser's ``betas`` become ``(0, beta2)``. The burst-aware step does not
-see that scale; the look-ahead does, and with Adam's own scale it needed
-1.25-2.25x dense's steps on the transformer against 1.00-1.25x
-(docs/convergence.md, "The first moment's scale").
-
-Through a DDP hook's state, each worker also takes its gradients at
-``x - lr * e``, its weights with its pending error applied
-(:class:`~thinwire.optim.virtual.VirtualIterate`, ``virtual=True``). Under
-Adam/AdamW the move is Adam's, ``lr e / (sqrt(s_hat) + eps)`` with the
-worker's own second moment, and Adam's step for the scheme's parameters is
-taken by :class:`~thinwire.optim.adam.AgedAdam`, whose second moment counts
-a burst that waited ``a`` steps as ``a`` steps of its mean. Together they
-brought topk, dct-dp and clt-k to about dense's steps on every workload of
-docs/convergence.md (SGD on three, AdamW on the transformer).
-
-CLT-k is coupled the same way; where the virtual iterate is not installed
-(a bare scheme, Adam with ``amsgrad``) its workers' velocity goes into EF21
-(:class:`~thinwire.feedback.Estimate`) instead of plain error feedback:
-every rank steps with a dense estimate of the mean velocity that each
-step's shared indices refresh (see :func:`_feedback` for why).
-
-Schemes without sparsification (dense, fp16, PowerSGD) and optimisers
-without momentum are left exactly as they were, so ``couple`` is safe to
-call always. Call it right after building both, before the first step and
-before loading checkpoints. The momentum then stays fixed: a scheduler that
-cycles it (``OneCycleLR``, ``CyclicLR``) would set the optimiser's momentum
-back and apply it twice, so the next step raises ``RuntimeError`` (build
-those with ``cycle_momentum=False``). Optimisers other than SGD, Adam and
-AdamW are left as they are.
-SGD's ``weight_decay`` stays in the optimiser, where it no longer passes
-through the momentum, whose steady-state gain ``(1 - dampening) / (1 - mu)``
-(10 at 0.9) it had there; ``couple`` multiplies each group's
-``weight_decay`` by that gain, so the decay per step is plain SGD's once its
-velocity has settled (our choice: DGC adds the decay to each worker's
-gradient before its momentum, which costs a pass over the weights and delays
-the decay of unsent entries with the error memory).
-
-Forgetting it: training is still correct, only slower. The first
-``step()`` of a momentum optimiser over parameters whose DDP hook runs an
-uncoupled sparse scheme warns once (see :func:`watch`).
+Error feedback releases what it held back in bursts, which a momentum applied
+after the all-reduce carries on for ``1 / (1 - mu)`` steps more. :func:`couple`
+moves SGD's momentum (Adam's first moment) in front of error feedback, DGC's
+momentum correction (Lin et al., ICLR 2018, §3.2; :class:`MomentumCorrection`),
+and through a DDP hook's state takes each worker's gradient at ``x - lr e``
+(:class:`~thinwire.optim.virtual.VirtualIterate`); under Adam the scheme's
+parameters step with :class:`~thinwire.optim.adam.AgedAdam`. It reads what it
+needs from the :class:`~thinwire.schemes.Scheme` contract (``error_memory``,
+``density``, ``shared_indices``). Schemes without error feedback and optimisers
+without momentum are left as they were, so calling it is always safe. Measured
+effects: docs/notes/engine.md and docs/convergence.md.
 
 Floor: above schemes, below the front doors (the DDP hook couples through it).
 """
@@ -72,12 +26,10 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from thinwire.compress import Sparsifier
 from thinwire.feedback import Estimate, Memory, MomentumCorrection
 from thinwire.optim.adam import AgedAdam, look_ahead, refuses
 from thinwire.optim.virtual import VirtualIterate
-from thinwire.schemes.base import CompressedScheme, Scheme
-from thinwire.schemes.scalecom import CyclicLocalTopK, LocalTopK
+from thinwire.schemes.base import Scheme
 
 
 @dataclass(frozen=True)
@@ -93,41 +45,32 @@ class Coupling:
 
 
 def sparse_memory(scheme: Scheme) -> Memory | None:
-    """The error-feedback memory of a scheme that :func:`couple` couples, else None.
-
-    Those are the sparsifiers: topk, dct-dp, laplace, local-topk and clt-k.
-    """
-    if isinstance(scheme, CompressedScheme) and isinstance(scheme.compressor, Sparsifier):
-        return scheme.memory
-    if isinstance(scheme, (LocalTopK, CyclicLocalTopK)):
-        return scheme.memory
-    return None
+    """The error-feedback memory :func:`couple` couples (:attr:`Scheme.error_memory`)."""
+    return scheme.error_memory
 
 
 FEEDBACKS = ("auto", "ef21", "error")
 
 
 def _feedback(scheme: Scheme, memory: Memory, feedback: str) -> Memory:
-    """The memory the velocity goes into: the scheme's own, or EF21 for CLT-k.
-
-    CLT-k's shared index set refreshes one k-th of each layer per step; with
-    plain error feedback the rest waits, and momentum correction alone did
-    not help (3.7x -> 3.9x dense's steps). Stepping with a dense estimate of
-    the mean velocity refreshed at those indices (:class:`Estimate`, EF21)
-    brought it to 2.9x. With gradients at the virtual iterate, plain error
-    feedback was faster than EF21 on every workload measured (1.0-1.2x), so
-    :func:`couple` asks for EF21 only where that is not installed
-    (docs/convergence.md).
+    """The memory the velocity goes into: the scheme's own, or EF21 where every rank sends
+    at shared indices (CLT-k), whose plain error feedback refreshes one k-th of a layer per
+    step while the rest waits; measured, EF21 pays only without the virtual iterate
+    (docs/notes/engine.md).
 
     Raises:
         ValueError: CLT-k's memory already holds state (couple before training).
     """
-    if not isinstance(scheme, CyclicLocalTopK) or feedback == "error":
+    if not scheme.shared_indices or feedback == "error":
         return memory
     if memory.buffers:
-        raise ValueError("clt-k has already run a step: call thinwire.optim.couple before "
-                         "the first step (or before loading a coupled checkpoint)")
+        raise ValueError(f"{_name(scheme)} has already run a step: call thinwire.optim.couple "
+                         "before the first step (or before loading a coupled checkpoint)")
     return Estimate()
+
+
+def _name(scheme: Scheme) -> str:
+    return scheme.origin[0] if scheme.origin else type(scheme).__name__
 
 
 def _scheme_of(target: Any) -> Scheme:
@@ -171,13 +114,13 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
     scheme = _scheme_of(target)
     if feedback not in FEEDBACKS:
         raise ValueError(f"feedback={feedback!r} must be one of {FEEDBACKS}")
-    if feedback == "ef21" and not isinstance(scheme, CyclicLocalTopK):
-        raise ValueError(f"feedback='ef21' is for clt-k, not {type(scheme).__name__}: the "
+    if feedback == "ef21" and not scheme.shared_indices:
+        raise ValueError(f"feedback='ef21' is for clt-k, not {_name(scheme)}: the "
                          "local sparsifiers were slower with it (docs/convergence.md)")
-    groups = optimizer.param_groups
-    settings = {_momentum(optimizer, group) for group in groups}
-    momentum, dampening, nesterov = next(iter(settings)) if settings else (0.0, 0.0, False)
-    memory = sparse_memory(scheme)
+    every = read_momentum(optimizer)
+    settings = every[0] if every else (0.0, 0.0, False)
+    momentum, _, nesterov = settings
+    memory = scheme.error_memory
     if isinstance(memory, MomentumCorrection):
         return Coupling(True, memory.momentum, memory.nesterov, "already coupled")
     if not isinstance(optimizer, (torch.optim.SGD, *_ADAMS)):
@@ -185,9 +128,9 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
                         "Adam or AdamW: any momentum of its own stays in the optimiser")
     if momentum == 0.0:
         return Coupling(False, momentum, nesterov, "the optimiser applies no momentum")
-    if len(settings) > 1:
+    if len(every) > 1:
         raise ValueError(f"param groups use different (momentum, dampening, nesterov) "
-                         f"{sorted(settings)}; couple needs one setting for all groups")
+                         f"{every}; couple needs one setting for all groups")
     if memory is None:
         return Coupling(False, momentum, nesterov, "the scheme does not sparsify with feedback")
     module = getattr(target, "module", None)
@@ -195,21 +138,12 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
     refusal = refuses(optimizer) if adam else ""
     wanted = virtual and not refusal
     ahead = wanted and module is not None
-    inner = _feedback(scheme, memory, "error" if feedback == "auto" and ahead else feedback)
-    pending = wanted and not isinstance(inner, Estimate)  # EF21 steps with all it has
-    beta2 = float(groups[0]["betas"][1]) if adam and pending and ahead else None
-    coupled = MomentumCorrection(inner, momentum, dampening, nesterov, beta2)
-    scheme.memory = coupled  # type: ignore[attr-defined]
-    gain = (1.0 - dampening) / (1.0 - momentum)  # SGD momentum's, in the steady state
-    for group in groups:
-        if adam:
-            group["betas"] = (0.0, group["betas"][1])
-        else:  # the decay no longer goes through the momentum: it gets the gain here
-            group.update(momentum=0.0, dampening=0.0, nesterov=False,
-                         weight_decay=group["weight_decay"] * gain)
-    reason = "momentum moved into the scheme's memory"
-    if not adam and any(group["weight_decay"] for group in groups):
-        reason += f"; weight_decay multiplied by the momentum's gain {gain:g}"
+    coupled = wrap_memory(scheme, memory, settings,
+                          "error" if feedback == "auto" and ahead else feedback,
+                          float(optimizer.param_groups[0]["betas"][1]) if adam else None,
+                          wanted and ahead)
+    reason = take_momentum(optimizer, settings)
+    pending = wanted and not isinstance(coupled.inner, Estimate)  # EF21 steps with all it has
     if not (pending and ahead):
         if refusal:
             reason += f"; gradients stay at x and the optimiser steps as Adam: {refusal}"
@@ -217,12 +151,66 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
             reason += ("; gradients stay at x: pass the state thinwire.ddp.register returned "
                        "for gradients at x - lr e")
         return Coupling(True, momentum, nesterov, reason)
+    moved, stepped = install_virtual(optimizer, target, scheme, coupled)
+    return Coupling(True, momentum, nesterov, reason, moved, stepped)
+
+
+def read_momentum(optimizer: torch.optim.Optimizer) -> list[tuple[float, float, bool]]:
+    """The distinct ``(momentum, dampening, nesterov)`` of the param groups, sorted (one
+    for a usual optimiser; Adam's beta1 reads as a momentum, :func:`_momentum`)."""
+    return sorted({_momentum(optimizer, group) for group in optimizer.param_groups})
+
+
+def wrap_memory(scheme: Scheme, memory: Memory, settings: tuple[float, float, bool],
+                feedback: str, beta2: float | None, ahead: bool) -> MomentumCorrection:
+    """Wrap ``scheme``'s error memory in momentum correction and put it in its place.
+
+    Args:
+        feedback: ``"error"``, ``"ef21"`` or ``"auto"`` (as :func:`couple` resolved it).
+        beta2: Adam's second-moment decay, for the look-ahead of the virtual iterate.
+        ahead: whether gradients will be taken at the virtual iterate.
+    """
+    momentum, dampening, nesterov = settings
+    inner = _feedback(scheme, memory, feedback)
+    pending = ahead and not isinstance(inner, Estimate)
+    coupled = MomentumCorrection(inner, momentum, dampening, nesterov,
+                                 beta2 if pending else None)
+    scheme.couple_memory(coupled)
+    return coupled
+
+
+def take_momentum(optimizer: torch.optim.Optimizer,
+                  settings: tuple[float, float, bool]) -> str:
+    """Set the optimiser's momentum to 0 (Adam: ``betas[0]``); SGD's ``weight_decay`` is
+    multiplied by the momentum's steady-state gain ``(1 - dampening) / (1 - mu)``, which
+    it no longer passes through. Returns what was done, in words."""
+    momentum, dampening, _ = settings
+    groups = optimizer.param_groups
+    adam = isinstance(optimizer, _ADAMS)
+    gain = (1.0 - dampening) / (1.0 - momentum)
+    for group in groups:
+        if adam:
+            group["betas"] = (0.0, group["betas"][1])
+        else:
+            group.update(momentum=0.0, dampening=0.0, nesterov=False,
+                         weight_decay=group["weight_decay"] * gain)
+    reason = "momentum moved into the scheme's memory"
+    if not adam and any(group["weight_decay"] for group in groups):
+        reason += f"; weight_decay multiplied by the momentum's gain {gain:g}"
+    return reason
+
+
+def install_virtual(optimizer: torch.optim.Optimizer, target: Any, scheme: Scheme,
+                    coupled: MomentumCorrection) -> tuple[VirtualIterate, AgedAdam | None]:
+    """Gradients at ``x - lr e`` (:class:`VirtualIterate`) through ``target``, a DDP hook's
+    state; under Adam, :class:`AgedAdam` steps the scheme's parameters."""
+    adam = isinstance(optimizer, _ADAMS)
     names = target.names
-    moved = VirtualIterate(optimizer, module, names, coupled,  # type: ignore[arg-type]
+    moved = VirtualIterate(optimizer, target.module, names, coupled,
                            look_ahead(coupled) if adam else None)
     stepped = (AgedAdam(optimizer, names, coupled, _mean_wait(scheme))  # after moved: from x
                if adam else None)
-    return Coupling(True, momentum, nesterov, reason, moved, stepped)
+    return moved, stepped
 
 
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
@@ -230,11 +218,8 @@ _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
 def _mean_wait(scheme: Scheme) -> int:
     """Steps an entry waits on average at the scheme's density, ``1 / density``."""
-    if isinstance(scheme, CompressedScheme) and isinstance(scheme.compressor, Sparsifier):
-        density = scheme.compressor.density
-    else:  # CLT-k and local top-k keep a ratio of each layer
-        density = float(getattr(scheme, "ratio", 0.01))
-    return max(1, round(1 / density))
+    density = scheme.density
+    return max(1, round(1 / density)) if density else 1
 
 
 def _momentum(optimizer: torch.optim.Optimizer,
@@ -261,7 +246,7 @@ def watch(scheme: Scheme, parameters: Iterable[torch.nn.Parameter]) -> None:
     :func:`thinwire.ddp.register` calls this; a global optimiser step pre-hook
     (installed once) does the check.
     """
-    if sparse_memory(scheme) is None:
+    if scheme.error_memory is None:
         return
     reference = weakref.ref(scheme)
     for parameter in parameters:
@@ -285,7 +270,7 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             continue
         for parameter in group["params"]:
             scheme = _WATCHED.get(id(parameter), lambda: None)()
-            memory = None if scheme is None else sparse_memory(scheme)
+            memory = None if scheme is None else scheme.error_memory
             if isinstance(memory, MomentumCorrection):
                 raise RuntimeError(
                     f"the optimiser's momentum is {momentum} again after "

@@ -1,33 +1,15 @@
 """Adam's step for entries that arrive in bursts.
 
 A sparsifier with error feedback sends an entry once every ``a`` steps,
-carrying the ``a`` steps it held back. Adam's second moment, fed that
-burst ``s``, grows by ``s^2`` where dense training would have added ``a``
-squares of ``s / a``, so the entry moves by about ``sqrt(a)`` learning rates
-where dense Adam moves it by ``a`` (docs/convergence.md measured 2.2-3.5x
-dense's steps on the transformer). Two changes, each identical on every rank
-or local to one worker, remove that:
-
-* :class:`AgedAdam` takes the optimiser's step for the scheme's parameters:
-  each entry's second moment is an average of the squared *per-step mean*
-  ``(s / a)^2``, weighted as ``a`` steps of it (``v <- beta2^a v +
-  (1 - beta2^a) (s / a)^2``), and the entry moves by ``lr s / (sqrt(v_hat) +
-  eps)`` as Adam's update does (Kingma & Ba, Alg. 1, with ``m`` the workers'
-  first moment). The age ``a`` counts the steps since the entry last arrived
-  non-zero, up to a horizon (the scheme's mean wait, ``1 / density`` steps);
-  every rank sees the same averages, so replicas stay identical.
-  No paper gives this rule: it is ours, chosen because it is Adam's own
-  average once each burst is spread over the steps it stands for, and
-  because it costs no byte on the wire.
-* The virtual iterate (:mod:`thinwire.optim.virtual`) looks ahead by
-  ``lr e / (sqrt(s_hat) + eps)``, the move Adam will make once the pending
-  error ``e`` is sent, with ``s_hat`` the worker's own second moment of its
-  gradient (:meth:`MomentumCorrection.second_moment`, never sent).
-
-Measured (docs/convergence.md): the two together brought topk, dct-dp and
-clt-k under AdamW on the transformer from 2.2-3.5x to about dense's steps;
-either alone did not (the look-ahead needs a second moment that is fresh
-for every entry, which only the worker's own has).
+carrying the ``a`` steps it held back; fed to Adam whole, that burst moves
+the entry by about ``sqrt(a)`` learning rates where dense Adam moves it by
+``a``. :class:`AgedAdam` takes the optimiser's step for the scheme's
+parameters with each entry's second moment an average of the squared
+per-step mean ``(s / a)^2``, weighted as ``a`` steps of it (Kingma & Ba,
+Alg. 1, with ``m`` the workers' first moment); ``a`` counts steps since the
+entry last arrived, up to the scheme's mean wait ``1 / density``. The rule is
+ours: Adam's own average once a burst is spread over its steps, at no byte
+on the wire, identical on every rank. Measured effect: docs/notes/engine.md.
 
 Floor: with :mod:`thinwire.optim`.
 """

@@ -1,24 +1,15 @@
 """Gradients at the virtual iterate: each worker looks past the error it still holds.
 
-Error feedback keeps what a worker has not sent yet; applied later, it
-lags the weights behind those of dense training. Convergence proofs of
-error feedback follow a *virtual* sequence instead of the weights (the
-ScaleCom appendix, App. D.1, Eq. A17): ``x~ = x - lr * mean_i(e_i)``, the
-weights as they will be once every pending entry has been sent, which
-moves as plain SGD's weights do, but with gradients taken at ``x``. Here
-each worker takes its gradient at its own estimate of that point,
-``x - lr * e_i`` (the mean is not known locally; the workers' errors are
-alike where their gradients are). That choice is ours, not a paper's:
-before a training forward the parameters are moved there, and before the
-optimiser's step they are put back bit for bit, so the step applies to
-``x`` and replicas stay identical.
-
-Measured (docs/convergence.md) with SGD momentum 0.9 coupled into topk
-and dct-dp at 99 % sparsity, this brought steps to target from 1.3-1.7x
-dense's to about dense's. It needs no communication and costs one pass over
-the sparsified parameters per step: the moved point is written into a spare
-buffer whose storage the parameter takes until the step (``param.data``),
-and gives back then, so ``x`` is never copied.
+Convergence proofs of error feedback follow a virtual sequence
+``x~ = x - lr * mean_i(e_i)`` (ScaleCom App. D.1, Eq. A17), the weights once
+every pending entry is sent. Each worker takes its gradient at its own
+estimate of that point, ``x - lr * e_i`` (the mean is not known locally; the
+workers' errors are alike where their gradients are): our choice, not a
+paper's. Before a training forward the parameters are moved there and before
+the optimiser's step put back bit for bit, so the step applies to ``x`` and
+replicas stay identical. The moved point lives in a spare buffer whose
+storage the parameter borrows until the step, so ``x`` is never copied.
+Measured effect: docs/notes/engine.md.
 
 Floor: with :mod:`thinwire.optim`.
 """

@@ -1,15 +1,15 @@
 """DCT-MP boundary: per-row top-k of an activation crosses a model split as (values, indices).
 
 DCT KDD'21 §2.2, Algorithm 2. Each row of ``X_act`` (a sample, or a token of a
-(B, T, d) activation) keeps its ``k = keep_count(d, 1 - eta)`` largest ``|x|``
-(lines 4-9) and crosses as fixed-shape ``values (.., k)`` and ``indices (.., k)``
-(line 11); in backward ``X_grad`` crosses at the same indices as values only
+(B, T, d) activation) keeps its ``k = keep_count(d, ratio)`` largest ``|x|``
+(``ratio = 1 - eta``; lines 4-9) and crosses as fixed-shape ``values (.., k)``
+and ``indices (.., k)`` (line 11); in backward ``X_grad`` crosses at the same indices as values only
 (lines 13-14), since the sender kept the mask. Exactly k per row, ties broken by
 ``torch.topk``, because a pipeline needs fixed shapes. Indices take the smallest
 integer dtype that holds the width. ``threshold="laplace"`` (DCT MLSys §2.2,
 App. B) reads tau off a Laplace law fitted once per batch and reuses the last
 training tau at test; its kept entries are padded into the same k slots (value
-0, index d), so it saves selection time, not bytes. ``sparsity == 0`` in the
+0, index d), so it saves selection time, not bytes. ``ratio == 1`` in the
 modules sends the activation dense. The choices the papers leave open, and
 why: ``docs/dct-mp.md``.
 """
@@ -52,8 +52,8 @@ def check_activation(acts: torch.Tensor, what: str = "activation") -> None:
                          f"{tuple(acts.shape)}")
 
 
-def check_sparsity(sparsity: float) -> None:
-    check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+def check_ratio(ratio: float) -> None:
+    check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
 
 
 def check_threshold(threshold: str) -> None:
@@ -68,7 +68,7 @@ def value_dtype(values: str) -> torch.dtype | None:
     return VALUE_DTYPES[values]
 
 
-def row_thresholds(acts: torch.Tensor, sparsity: float) -> torch.Tensor:
+def row_thresholds(acts: torch.Tensor, ratio: float) -> torch.Tensor:
     """``tau_i`` of Algorithm 2 line 6 for every row: the k-th largest ``|x_i|``.
 
     This is the statistic DCT KDD'21 Fig. 5 averages over the batch.
@@ -77,21 +77,21 @@ def row_thresholds(acts: torch.Tensor, sparsity: float) -> torch.Tensor:
         A tensor of ``acts.shape[:-1]`` thresholds.
     """
     check_activation(acts)
-    check_sparsity(sparsity)
-    k = keep_count(acts.shape[-1], 1.0 - sparsity)
+    check_ratio(ratio)
+    k = keep_count(acts.shape[-1], ratio)
     top = torch.topk(acts.detach().abs(), k, dim=-1, sorted=False).values
     return top.amin(dim=-1)
 
 
-def _laplace_quantile(mean: torch.Tensor, scale: torch.Tensor, sparsity: float) -> torch.Tensor:
+def _laplace_quantile(mean: torch.Tensor, scale: torch.Tensor, ratio: float) -> torch.Tensor:
     """``tau`` with ``P(R >= tau) = 1 - eta`` for ``R ~ Laplace(mean, scale)``."""
-    kept = 1.0 - sparsity
+    kept = ratio
     if kept <= 0.5:
         return mean - scale * math.log(2 * kept)
-    return mean + scale * math.log(2 * sparsity) if sparsity > 0 else torch.zeros_like(mean)
+    return mean + scale * math.log(2 * (1.0 - ratio)) if ratio < 1 else torch.zeros_like(mean)
 
 
-def laplace_thresholds(magnitudes: torch.Tensor, sparsity: float) -> torch.Tensor:
+def laplace_thresholds(magnitudes: torch.Tensor, ratio: float) -> torch.Tensor:
     """Per-row Laplace estimate of ``tau_i`` (the ``"laplace-row"`` threshold).
 
     As the paper says, the Laplace law ``R`` is fitted by its mean and
@@ -106,10 +106,10 @@ def laplace_thresholds(magnitudes: torch.Tensor, sparsity: float) -> torch.Tenso
     """
     mean = magnitudes.mean(dim=-1, keepdim=True)
     scale = (magnitudes.var(dim=-1, keepdim=True, correction=0) / 2).sqrt()
-    return _laplace_quantile(mean, scale, sparsity)
+    return _laplace_quantile(mean, scale, ratio)
 
 
-def batch_laplace_threshold(magnitudes: torch.Tensor, sparsity: float) -> torch.Tensor:
+def batch_laplace_threshold(magnitudes: torch.Tensor, ratio: float) -> torch.Tensor:
     """One Laplace estimate of ``tau`` for the whole batch (DCT MLSys §2.2, App. B).
 
     "We can estimate the threshold tau by finding the mean and variance of the
@@ -122,7 +122,7 @@ def batch_laplace_threshold(magnitudes: torch.Tensor, sparsity: float) -> torch.
     """
     mean = magnitudes.mean()
     scale = (magnitudes.var(correction=0) / 2).sqrt()
-    return _laplace_quantile(mean, scale, sparsity)
+    return _laplace_quantile(mean, scale, ratio)
 
 
 def _select_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -148,23 +148,23 @@ def _select_laplace(magnitudes: torch.Tensor, tau: torch.Tensor, k: int) -> torc
     return indices
 
 
-def overflowing_rows(acts: torch.Tensor, sparsity: float, tau: torch.Tensor) -> float:
+def overflowing_rows(acts: torch.Tensor, ratio: float, tau: torch.Tensor) -> float:
     """Fraction of rows whose Laplace mask keeps more than k entries (they fall back to top-k)."""
     magnitudes = acts.detach().abs()
-    k = keep_count(acts.shape[-1], 1.0 - sparsity)
+    k = keep_count(acts.shape[-1], ratio)
     mask = torch.where(tau > 0, magnitudes >= tau, magnitudes > 0)
     return float((mask.sum(dim=-1) > k).float().mean())
 
 
-def laplace_tau(acts: torch.Tensor, sparsity: float, threshold: str) -> torch.Tensor:
+def laplace_tau(acts: torch.Tensor, ratio: float, threshold: str) -> torch.Tensor:
     """The fitted ``tau`` of a Laplace threshold: 0-dim (``laplace``) or (.., 1) per row."""
     magnitudes = acts.detach().abs()
     if threshold == "laplace":
-        return batch_laplace_threshold(magnitudes, sparsity)
-    return laplace_thresholds(magnitudes, sparsity)
+        return batch_laplace_threshold(magnitudes, ratio)
+    return laplace_thresholds(magnitudes, ratio)
 
 
-def select(acts: torch.Tensor, sparsity: float, threshold: str = "topk",
+def select(acts: torch.Tensor, ratio: float, threshold: str = "topk",
            tau: torch.Tensor | None = None) -> torch.Tensor:
     """Which entries of each row survive (Alg. 2 lines 4-9), as int64 indices (.., k).
 
@@ -172,14 +172,14 @@ def select(acts: torch.Tensor, sparsity: float, threshold: str = "topk",
     ``tau`` (broadcastable to (.., 1)) replaces the fit when given.
     """
     check_activation(acts)
-    check_sparsity(sparsity)
+    check_ratio(ratio)
     check_threshold(threshold)
-    k = keep_count(acts.shape[-1], 1.0 - sparsity)
+    k = keep_count(acts.shape[-1], ratio)
     magnitudes = acts.detach().abs()
     if threshold == "topk":
         return _select_topk(magnitudes, k)
     if tau is None:
-        tau = laplace_tau(acts, sparsity, threshold)
+        tau = laplace_tau(acts, ratio, threshold)
     return _select_laplace(magnitudes, tau.to(magnitudes.device, magnitudes.dtype), k)
 
 
@@ -233,17 +233,17 @@ class _Expand(torch.autograd.Function):
         return source.gather(-1, indices.long()).to(ctx.sent_dtype), None, None, None
 
 
-def compact(acts: torch.Tensor, sparsity: float, *, threshold: str = "topk",
+def compact(acts: torch.Tensor, ratio: float, *, threshold: str = "topk",
             values: str = "native",
             tau: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep each row's ``ceil(d (1 - sparsity))`` largest ``|x|`` (Algorithm 2, forward).
+    """Keep each row's ``ceil(d ratio)`` largest ``|x|`` (Algorithm 2, forward).
 
     Differentiable in ``acts``: the gradient of ``values`` is scattered back
     through the forward mask (line 13), zero elsewhere.
 
     Args:
         acts: a (B, d) or (B, T, d) floating activation.
-        sparsity: eta, the fraction of each row dropped, in [0, 1).
+        ratio: ``1 - eta``, the fraction of each row kept, in (0, 1].
         threshold: ``"topk"`` (exact), ``"laplace"`` or ``"laplace-row"`` (estimates,
             padded; see module doc).
         values: ``"native"`` (the activation's dtype) or ``"fp16"``.
@@ -254,10 +254,10 @@ def compact(acts: torch.Tensor, sparsity: float, *, threshold: str = "topk",
         holding the largest index.
 
     Raises:
-        ValueError: wrong rank or dtype, sparsity outside [0, 1), unknown option.
+        ValueError: wrong rank or dtype, ratio outside (0, 1], unknown option.
     """
     sent_dtype = value_dtype(values)
-    rows = select(acts, sparsity, threshold, tau)
+    rows = select(acts, ratio, threshold, tau)
     width = acts.shape[-1]
     padded = threshold != "topk"
     small = index_dtype(width if padded else width - 1)
@@ -371,10 +371,10 @@ class Receiver(nn.Module):
 
 
 class Compact(Sender):
-    """DCT-MP sender (Algorithm 2 forward): crosses as (values, indices), or dense at eta=0.
+    """DCT-MP sender (Algorithm 2 forward): crosses as (values, indices), or dense at ratio=1.
 
     Args:
-        sparsity: eta, fraction of each row dropped, in [0, 1).
+        ratio: ``1 - eta``, fraction of each row kept, in (0, 1]; 1 sends it dense.
         threshold: ``"topk"``, ``"laplace"`` or ``"laplace-row"`` (module docstring).
         values: ``"native"`` or ``"fp16"``, the dtype values cross in.
         name: the split's name (the meter's layer).
@@ -389,16 +389,16 @@ class Compact(Sender):
             before the first), reused when not training.
     """
 
-    def __init__(self, sparsity: float, threshold: str = "topk", values: str = "native",
+    def __init__(self, ratio: float, threshold: str = "topk", values: str = "native",
                  name: str = "", meter: Meter | None = None) -> None:
-        check_sparsity(sparsity)
+        check_ratio(ratio)
         check_threshold(threshold)
         super().__init__(name, meter)
-        self.sparsity = sparsity
+        self.ratio = ratio
         self.threshold = threshold
         self.values = values
         self.sent_dtype = value_dtype(values)
-        self.payload_size = 1 if sparsity == 0 else 2
+        self.payload_size = 1 if ratio == 1 else 2
         self.trace: list[tuple[float, float]] = []
         self.overflow: list[float] = []
         self.tau: torch.Tensor
@@ -406,7 +406,7 @@ class Compact(Sender):
 
     def encode(self, acts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         check_activation(acts)
-        if self.sparsity == 0:
+        if self.ratio == 1:
             return (acts if self.sent_dtype is None else acts.to(self.sent_dtype),)
         learning = self.training and torch.is_grad_enabled()
         tau: torch.Tensor | None = None
@@ -415,15 +415,15 @@ class Compact(Sender):
             if self.threshold == "laplace" and not learning and bool(stored.isfinite()):
                 tau = stored  # App. B: the training tau is reused at test
             else:
-                tau = laplace_tau(acts, self.sparsity, self.threshold)
+                tau = laplace_tau(acts, self.ratio, self.threshold)
                 if self.threshold == "laplace" and learning:
                     stored.copy_(tau)
-        values, indices = compact(acts, self.sparsity, threshold=self.threshold,
+        values, indices = compact(acts, self.ratio, threshold=self.threshold,
                                   values=self.values, tau=tau)
         if learning:
             self._trace(values, indices, acts.shape[-1])
             if tau is not None:
-                self.overflow.append(overflowing_rows(acts, self.sparsity, tau))
+                self.overflow.append(overflowing_rows(acts, self.ratio, tau))
         return values, indices
 
     def _trace(self, values: torch.Tensor, indices: torch.Tensor, width: int) -> None:
@@ -435,7 +435,7 @@ class Compact(Sender):
         self.trace.append((tau, float(used.sum()) / (used.numel() // values.shape[-1] * width)))
 
     def extra_repr(self) -> str:
-        return f"sparsity={self.sparsity}, threshold={self.threshold!r}, values={self.values!r}"
+        return f"ratio={self.ratio}, threshold={self.threshold!r}, values={self.values!r}"
 
 
 class Expand(Receiver):
@@ -443,44 +443,44 @@ class Expand(Receiver):
 
     Args:
         width: d of the activation that was compacted.
-        sparsity: must match the sender's (0 means the activation crossed dense).
+        ratio: must match the sender's (1 means the activation crossed dense).
         dtype: the activation's dtype before it crossed (values may be fp16).
         name: as for :class:`Compact`.
         meter: as for :class:`Compact`.
     """
 
-    def __init__(self, width: int, sparsity: float, dtype: torch.dtype = torch.float32,
+    def __init__(self, width: int, ratio: float, dtype: torch.dtype = torch.float32,
                  name: str = "", meter: Meter | None = None) -> None:
-        check_sparsity(sparsity)
+        check_ratio(ratio)
         if not isinstance(width, int) or width < 1:
             raise ValueError(f"width={width!r} must be an integer >= 1")
         super().__init__(name, meter)
         self.width = width
-        self.sparsity = sparsity
+        self.ratio = ratio
         self.dtype = dtype
-        self.payload_size = 1 if sparsity == 0 else 2
+        self.payload_size = 1 if ratio == 1 else 2
 
     def decode(self, *payload: torch.Tensor) -> torch.Tensor:
-        if self.sparsity == 0:
+        if self.ratio == 1:
             (acts,) = payload
             return acts.to(self.dtype)
         values, indices = payload
         return expand(values, indices, self.width, self.dtype)
 
     def extra_repr(self) -> str:
-        return f"width={self.width}, sparsity={self.sparsity}"
+        return f"width={self.width}, ratio={self.ratio}"
 
 
 @dataclasses.dataclass(frozen=True)
 class DCTMPConfig:
     """Options of the ``dct-mp`` boundary (DCT KDD'21 Algorithm 2)."""
 
-    sparsity: float = 0.9  # eta, fraction of each row's activations dropped, in [0, 1)
+    ratio: float = 0.1  # 1 - eta, fraction of each row's activations kept, in (0, 1]
     threshold: str = "topk"  # "topk" (Alg. 2), "laplace" (MLSys §2.2) or "laplace-row"
     values: str = "native"  # dtype values cross in: "native" (the activation's) or "fp16"
 
     def __post_init__(self) -> None:
-        check_sparsity(self.sparsity)
+        check_ratio(self.ratio)
         check_threshold(self.threshold)
         value_dtype(self.values)
 
@@ -488,5 +488,5 @@ class DCTMPConfig:
 def dct_mp_pair(config: DCTMPConfig, name: str, width: int, dtype: torch.dtype,
                 meter: Meter | None) -> tuple[Sender, Receiver]:
     """The :class:`Compact` / :class:`Expand` pair for one split."""
-    return (Compact(config.sparsity, config.threshold, config.values, name, meter),
-            Expand(width, config.sparsity, dtype, name, meter))
+    return (Compact(config.ratio, config.threshold, config.values, name, meter),
+            Expand(width, config.ratio, dtype, name, meter))

@@ -10,6 +10,7 @@ import torch
 
 from thinwire.comm import Meter
 from thinwire.pipeline.boundary import DCTMPConfig, Receiver, Sender, dct_mp_pair
+from thinwire.schemes.registry import RENAMED
 
 # factory(config, name, width, dtype, meter) -> (sender, receiver)
 Factory = Callable[[Any, str, int, torch.dtype, Meter | None], tuple[Sender, Receiver]]
@@ -54,6 +55,9 @@ def boundary_config(kind: str, **options: Any) -> Any:
     config_type = boundary_config_class(kind)
     fields = {f.name for f in dataclasses.fields(config_type)}
     unknown = sorted(set(options) - fields)
+    for old in unknown:
+        if old in RENAMED:
+            raise ValueError(f"boundary {kind!r}: {RENAMED[old]}")
     if unknown:
         raise ValueError(f"boundary {kind!r} has no option(s) {unknown}; it takes {sorted(fields)}")
     return config_type(**options)

@@ -9,8 +9,8 @@ fresh at every training call (unbiased, noisy), or fixed with
 ``resample=False``. The backward sends the exact gradient of the sketched
 network, (B, m), the gradient of what went forward, as a schedule requires.
 
-``xgrad-topk`` (Table 7) sends the activation dense and each row's top-k of
-``X_grad`` plus a residual keyed by the gradient's shape (DCT Alg. 1 lines 3,
+``xgrad-topk`` (Table 7) sends the activation dense and each row's top
+``ceil(d ratio)`` of ``X_grad`` plus a residual keyed by the gradient's shape (DCT Alg. 1 lines 3,
 11). It runs in one process only: a schedule sends back only the gradient of a
 tensor sent forward, with its shape. More: ``docs/dct-mp.md``.
 """
@@ -31,7 +31,7 @@ from thinwire.pipeline.boundary import (
     Receiver,
     Sender,
     check_activation,
-    check_sparsity,
+    check_ratio,
     index_dtype,
 )
 from thinwire.pipeline.registry import register_boundary
@@ -153,7 +153,7 @@ class XGradTopKReceiver(Receiver):
     """Compresses ``X_grad`` by per-row top-k, optionally with error feedback.
 
     Args:
-        sparsity: fraction of each gradient row dropped, in [0, 1).
+        ratio: fraction of each gradient row kept, in (0, 1].
         error_feedback: keep what was not sent and add it to the next gradient.
 
     The residual memory is part of the module's ``state_dict``.
@@ -162,11 +162,11 @@ class XGradTopKReceiver(Receiver):
     pipelines = False
     records_grad = False  # meters the (values, indices) it sends, not a dense gradient
 
-    def __init__(self, sparsity: float, error_feedback: bool = True, name: str = "",
+    def __init__(self, ratio: float, error_feedback: bool = True, name: str = "",
                  meter: Meter | None = None) -> None:
-        check_sparsity(sparsity)
+        check_ratio(ratio)
         super().__init__(name, meter)
-        self.sparsity = sparsity
+        self.ratio = ratio
         self.memory = Residual() if error_feedback else None
 
     def decode(self, *payload: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ class XGradTopKReceiver(Receiver):
         key = f"{self.name}{tuple(grad.shape)}"
         compensated = grad if self.memory is None else self.memory.compensate(key, grad)
         width = grad.shape[-1]
-        k = keep_count(width, 1.0 - self.sparsity)
+        k = keep_count(width, self.ratio)
         indices = torch.topk(compensated.abs(), k, dim=-1, sorted=False).indices
         values = compensated.gather(-1, indices)
         sent = torch.zeros_like(compensated).scatter_(-1, indices, values)
@@ -203,15 +203,15 @@ class XGradTopKReceiver(Receiver):
 class XGradTopKConfig:
     """Options of the ``xgrad-topk`` boundary."""
 
-    sparsity: float = 0.5  # fraction of each X_grad row dropped, in [0, 1)
+    ratio: float = 0.5  # fraction of each X_grad row kept, in (0, 1]
     error_feedback: bool = True  # add the unsent remainder to the next X_grad
 
     def __post_init__(self) -> None:
-        check_sparsity(self.sparsity)
+        check_ratio(self.ratio)
 
 
 @register_boundary("xgrad-topk", XGradTopKConfig)
 def _xgrad_topk_pair(config: XGradTopKConfig, name: str, width: int, dtype: torch.dtype,
                      meter: Meter | None) -> tuple[Sender, Receiver]:
     return (XGradTopKSender(name, meter),
-            XGradTopKReceiver(config.sparsity, config.error_feedback, name, meter))
+            XGradTopKReceiver(config.ratio, config.error_feedback, name, meter))

@@ -174,7 +174,7 @@ def split(model: nn.Module, at: Sequence[str], example: Any, *,
         boundary: a registered boundary kind (``"dct-mp"``, ``"sketch"``, ``"xgrad-topk"``).
         meter: records what each boundary hands over (single-process use);
             leave None under a pipeline schedule, whose stage meters the sends.
-        **options: the boundary kind's config (e.g. ``sparsity=0.9``).
+        **options: the boundary kind's config (e.g. ``ratio=0.1``).
 
     Returns:
         ``len(at) + 1`` stages.

@@ -64,7 +64,9 @@ def build_push(scheme: str, **options: Any) -> CompressedScheme:
             whose payloads are neither dense nor sparse.
     """
     built = schemes.build(scheme, **options)
-    if not isinstance(built, CompressedScheme):
+    # A subclass keeps per-round state in its launch (local-topk's warm-up), which a push
+    # never runs: only the engine itself encodes exactly as the codec below does.
+    if type(built) is not CompressedScheme:
         raise ValueError(f"push scheme {scheme!r} does not compress tensor by tensor; "
                          "use one of the sparsifying or dense schemes")
     compressor = built.compressor
@@ -81,7 +83,7 @@ class PushCodec:
         layout: the model's parameters.
         scheme: a registered scheme built from a compressor and an optional
             memory (``"dense"``, ``"fp16"``, ``"topk"``, ``"dct-dp"``, ``"laplace"``).
-        **options: that scheme's config (e.g. ``sparsity=0.99, life_span=1000,
+        **options: that scheme's config (e.g. ``ratio=0.01, life_span=1000,
             drain_every=1_000_000``).
 
     Raises:

@@ -1,4 +1,4 @@
-"""Schemes registered by name: ``build("dct-dp", sparsity=0.99)``, ``names()``.
+"""Schemes registered by name: ``build("dct-dp", ratio=0.01)``, ``names()``.
 
 Floor: above the core (compress, feedback, comm); below optim and the front doors.
 """

@@ -13,8 +13,8 @@ from thinwire.schemes.registry import (
     register,
     validate_capacity,
     validate_common,
+    validate_patterns,
     validate_ratio,
-    validate_sparsity,
 )
 
 
@@ -35,15 +35,17 @@ class TopKConfig:
     error_feedback: bool = True  # keep what was not sent for the next step
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+    exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)
+        validate_patterns(self)
         validate_common(self)
 
 
 @dataclass(frozen=True)
 class DCTConfig:
-    sparsity: float = 0.99  # eta, fraction of each tensor's entries dropped, in [0, 1)
+    ratio: float = 0.01  # 1 - eta, fraction of each tensor's entries kept, in (0, 1]
     life_span: int = 1000  # L, steps between threshold refreshes, >= 1
     refresh_above: float | None = None  # recompute a stale tau passing > this x target; None: never
     gain: float | None = 0.05  # in (0, 1]: tau *= exp(gain (sent / k - 1)) per step; None: off
@@ -53,16 +55,14 @@ class DCTConfig:
     drain_every: int | None = None  # stochastic drain period of the error buffer
     capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
-    include: tuple[str, ...] = ()  # fnmatch patterns of parameters to compress; others dense
+    exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
     scope: str = "layer"  # "layer": tau per tensor (Alg. 1); "bucket": one tau over the bucket
     piece: int = PIECE_ENTRIES  # entries per piece sent while the next is compressed; 0: whole
     stream: str = "auto"  # pieces "auto" (once timed rounds show they pay) or "always"
 
     def __post_init__(self) -> None:
-        validate_sparsity(self.sparsity)
-        if isinstance(self.include, str) or not all(isinstance(p, str) for p in self.include):
-            raise ValueError(f"include={self.include!r} must be a tuple of fnmatch patterns")
-        object.__setattr__(self, "include", tuple(self.include))
+        validate_ratio(self.ratio)
+        validate_patterns(self)
         if not isinstance(self.life_span, int) or self.life_span < 1:
             raise ValueError(f"life_span={self.life_span!r} must be an integer >= 1")
         if self.refresh_above is not None and not self.refresh_above > 1.0:
@@ -81,15 +81,17 @@ class DCTConfig:
 
 @dataclass(frozen=True)
 class LaplaceConfig:
-    sparsity: float = 0.99  # target fraction of entries dropped, in [0, 1)
+    ratio: float = 0.01  # target fraction of entries kept, in (0, 1]
     min_numel: int = LAPLACE_MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+    exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
 
     def __post_init__(self) -> None:
-        validate_sparsity(self.sparsity)
+        validate_ratio(self.ratio)
+        validate_patterns(self)
         validate_capacity(self.capacity)
         validate_common(self)
 
@@ -107,17 +109,17 @@ def _fp16(config: DenseConfig) -> Scheme:
 @register("topk", TopKConfig)
 def _topk(config: TopKConfig) -> Scheme:
     compressor = TopK(config.ratio, min_numel=config.min_numel, values=config.values,
-                      indices=config.indices, scope=config.scope)
+                      indices=config.indices, scope=config.scope, exclude=config.exclude)
     memory = Residual() if config.error_feedback else None
     return CompressedScheme(compressor, memory, config.nonfinite)
 
 
 @register("dct-dp", DCTConfig)
 def _dct_dp(config: DCTConfig) -> Scheme:
-    compressor = DCTThreshold(config.sparsity, config.life_span, config.refresh_above,
+    compressor = DCTThreshold(config.ratio, config.life_span, config.refresh_above,
                               config.gain, min_numel=config.min_numel,
                               values=config.values, capacity=config.capacity,
-                              indices=config.indices, include=config.include,
+                              indices=config.indices, exclude=config.exclude,
                               scope=config.scope, piece=config.piece,
                               stream=config.stream)
     return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
@@ -125,7 +127,7 @@ def _dct_dp(config: DCTConfig) -> Scheme:
 
 @register("laplace", LaplaceConfig)
 def _laplace(config: LaplaceConfig) -> Scheme:
-    compressor = LaplaceThreshold(config.sparsity, min_numel=config.min_numel,
+    compressor = LaplaceThreshold(config.ratio, min_numel=config.min_numel,
                                   values=config.values, capacity=config.capacity,
-                                  indices=config.indices)
+                                  indices=config.indices, exclude=config.exclude)
     return CompressedScheme(compressor, Residual(), config.nonfinite)

@@ -1,21 +1,16 @@
 """PowerSGD (Vogels et al., NeurIPS 2019) as a scheme: two all-reduce rounds, gloo-safe.
 
 Per parameter (never per bucket, so DDP's re-bucketing cannot mix up state):
-``M = grad + error`` as a matrix, ``P = M Q``, all-reduce P,
-``P_hat = orthonormalize(P)``, ``Q = M^T P_hat``, all-reduce Q together with
-the dense tensors, ``G_hat = P_hat Q^T``, ``error <- M - G_hat``. P is waited
-for in the caller's thread: at once for the step's last DDP bucket, else at
-the next bucket's launch, so the backward pass runs while P is on the wire.
-Through the DDP hook the error buffer holds ``M`` in place and ``G_hat`` is
-written straight into the bucket; the callback does elementwise maths only, so replicas stay bit
-identical whatever thread runs it. Before ``start_iter``, and for
-tensors that do not compress (1-D, or ``(n + m) r >= n m / 2``), gradients
-are all-reduced dense. The maths is :mod:`thinwire.compress.powersgd`; the
-rounds are :class:`thinwire.comm.rounds.TwoRounds`.
-
-No collective is ever issued or waited on inside a future callback, so it
-works through the DDP hook with any number of buckets on gloo, where torch
-2.13's own ``powerSGD_hook`` deadlocks.
+``M = grad + error``, all-reduce ``P = M Q``, ``P_hat = orthonormalize(P)``,
+all-reduce ``Q = M^T P_hat`` with the dense tensors, ``G_hat = P_hat Q^T``,
+``error <- M - G_hat`` (the maths: :mod:`thinwire.compress.powersgd`). P is
+waited for in the caller's thread, at once for the step's last DDP bucket,
+else at the next launch (:class:`thinwire.comm.rounds.TwoRounds`), so the
+backward pass runs while P is on the wire; no collective is issued or waited
+on in a callback, which is how torch 2.13's ``powerSGD_hook`` deadlocks on
+gloo. Callbacks do elementwise maths only, so replicas stay bit identical
+whatever thread runs them. Before ``warmup_steps``, and for tensors that do
+not compress, gradients are all-reduced dense.
 """
 
 from __future__ import annotations
@@ -33,8 +28,8 @@ from thinwire.comm.collectives import Future, Group, split_flat
 from thinwire.comm.rounds import TwoRounds, all_reduce_round
 from thinwire.compress import TensorInfo
 from thinwire.compress.powersgd import PowerSGD, as_matrix, orthonormalize, right
-from thinwire.feedback import Residual, all_finite
-from thinwire.schemes.base import Scheme
+from thinwire.feedback import Residual
+from thinwire.schemes.base import Scheme, count_step
 from thinwire.schemes.registry import register, validate_common
 
 
@@ -43,7 +38,7 @@ class PowerSGDConfig:
     """Options of ``powersgd``."""
 
     rank: int = 2  # r, columns of the factors P and Q, >= 1
-    start_iter: int = 0  # steps all-reduced dense before PowerSGD starts, >= 0
+    warmup_steps: int = 0  # steps all-reduced dense before PowerSGD starts, >= 0
     warm_start: bool = True  # reuse the previous step's Q (else draw a fresh one each step)
     seed: int = 0  # seeds the initial Q, equal on every rank
     error_feedback: bool = True  # keep M - G_hat and add it to the next gradient
@@ -52,9 +47,9 @@ class PowerSGDConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"rank={self.rank!r} must be an integer >= 1")
-        if (isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int)
-                or self.start_iter < 0):
-            raise ValueError(f"start_iter={self.start_iter!r} must be an integer >= 0")
+        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
+                or self.warmup_steps < 0):
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         for name in ("warm_start", "error_feedback"):
@@ -84,7 +79,7 @@ class PowerSGDScheme(Scheme):
 
     def low_rank(self, shape: tuple[int, ...], step: int) -> bool:
         """Whether a tensor of ``shape`` is compressed at ``step`` (the same on every rank)."""
-        return step >= self.config.start_iter and self.codec.compresses(shape)
+        return step >= self.config.warmup_steps and self.codec.compresses(shape)
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with PowerSGD; the future holds a dict."""
@@ -109,12 +104,8 @@ class PowerSGDScheme(Scheme):
         """Both front ends: with ``buffer``, ``grads`` are views of it and receive the mean."""
         start = time.perf_counter()
         _, n = world(group)
-        finite = all_finite(grads, self.config.nonfinite, flat=buffer)
-        if not finite:
-            self.skipped += 1
-        step = self.steps.get(next(iter(grads)), 0)
-        for key in grads:
-            self.steps[key] = self.steps.get(key, 0) + 1
+        finite = self._finite(grads, self.config.nonfinite, buffer)
+        step = count_step(self.steps, grads)
         low = [key for key, grad in grads.items() if self.low_rank(tuple(grad.shape), step)]
         low_keys = set(low)
         dense = [key for key in grads if key not in low_keys]
@@ -136,7 +127,6 @@ class PowerSGDScheme(Scheme):
         self._charge(time.perf_counter() - start)
 
         def second(p_mean: torch.Tensor) -> torch.Tensor:
-            begin = time.perf_counter()
             parts = []
             offset = 0
             for key in low:
@@ -151,13 +141,12 @@ class PowerSGDScheme(Scheme):
                     grad = grads[key].reshape(-1).to(dtype)
                     parts.append(grad if finite else torch.zeros_like(grad))
                 parts = [torch.cat(parts)]  # a copy: the all-reduce must not touch the grads
-            self._charge(time.perf_counter() - begin)
             return _fresh_flat(parts, dtype, device)
 
         size = dtype.itemsize
         p_segments = [(key, matrices[key].shape[0] * rank * size) for key in low]
         future = self.rounds.launch(
-            lambda: all_reduce_round(first, group, self.meter, p_segments), second,
+            lambda: all_reduce_round(first, group, self.meter, p_segments), self._charged(second),
             device=device, last=last, group=group, meter=self.meter,
             segments=[(key, matrices[key].shape[1] * rank * size) for key in low]
             + [(key, grads[key].numel() * size) for key in dense])
@@ -165,7 +154,6 @@ class PowerSGDScheme(Scheme):
         def decompress(fut: Future[Any]) -> Any:
             # Elementwise maths only (see reconstruct): identical bits on every rank
             # whichever thread runs this callback.
-            begin = time.perf_counter()
             mean = fut.value()
             out: dict[str, torch.Tensor] = {}
             offset = 0
@@ -187,10 +175,9 @@ class PowerSGDScheme(Scheme):
                 for key in grads:
                     if out[key].data_ptr() != grads[key].data_ptr():
                         grads[key].copy_(out[key])
-            self._charge(time.perf_counter() - begin)
             return buffer if buffer is not None else {key: out[key] for key in grads}
 
-        return future.then(decompress)
+        return future.then(self._charged(decompress))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "codec": self.codec.state_dict(),

@@ -51,12 +51,23 @@ def build(name: str, **config: Any) -> Scheme:
     config_type, factory = _REGISTRY[name]
     fields = {f.name for f in dataclasses.fields(config_type)}
     unknown = sorted(set(config) - fields)
+    for old in unknown:
+        if old in RENAMED:
+            raise ValueError(f"scheme {name!r}: {RENAMED[old]}")
     if unknown:
         raise ValueError(f"scheme {name!r} has no option(s) {unknown}; it takes {sorted(fields)}")
     config_instance = config_type(**config)
     scheme = factory(config_instance)
     scheme.origin = (name, config_instance)
     return scheme
+
+
+# Options spelled another way before: naming the new spelling beats "no option".
+RENAMED = {
+    "sparsity": "sparsity was renamed: pass ratio=1-x (the fraction kept)",
+    "include": "include was replaced: pass exclude=(patterns always sent dense)",
+    "start_iter": "start_iter was renamed: pass warmup_steps (steps sent dense first)",
+}
 
 
 def fingerprint(scheme: Scheme) -> dict[str, Any]:
@@ -92,8 +103,13 @@ def validate_common(config: Any) -> None:
         raise ValueError(f"scope={config.scope!r} must be one of {SCOPES}")
 
 
-def validate_sparsity(sparsity: float) -> None:
-    check_fraction("sparsity", sparsity, 0.0, 1.0, closed_low=True, closed_high=False)
+def validate_patterns(config: Any) -> None:
+    """Normalise ``config.exclude`` to a tuple of fnmatch patterns (a comma-separated
+    string, as a command line gives, is a list of them)."""
+    patterns = config.exclude.split(",") if isinstance(config.exclude, str) else config.exclude
+    if not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"exclude={config.exclude!r} must be name patterns (strings)")
+    object.__setattr__(config, "exclude", tuple(p.strip() for p in patterns if p.strip()))
 
 
 def validate_ratio(ratio: float) -> None:

@@ -1,48 +1,29 @@
 """ScaleCom's CLT-k (cyclic local top-k) and the local top-k baseline whose bytes build up.
 
-Both schemes share everything but the transport: the same k, the same
-selection (chunk-wise or exact top-k), the same low-pass error memory,
-warm-up and dense exclusions. ``scope="layer"`` (ScaleCom's) selects k per
-layer; ``scope="bucket"`` makes one selection of k = ``ratio`` of all the
-sparsified entries of a launch (a DDP bucket), as topk's bucket scope does,
-so a layer whose ``p`` is large gets more than its share. Its index set
-travels as one list over the bucket and the meter records the group as
-``first..last``. So a comparison of the two isolates the one
-thing ScaleCom changes -- who chooses the indices.
-
-* ``clt-k`` (:class:`CyclicLocalTopK`, ScaleCom App. E): at step t the
-  leader is rank ``t mod n``; it selects the top-k indices of its own
-  ``p = m + g`` and broadcasts them (entity ``"index"``); every rank gathers
-  its own ``p`` there and the values are all-reduced (``"W_grad"``).
-  Per-rank bytes handed: k values + k indices (or a bitmap) per layer (or
-  per bucket), the same at any world size.
-* ``local-topk`` (:class:`LocalTopK`): each rank sends its own top-k
-  (values + indices) by all-gather and sums what it receives; every rank
-  receives all n payloads, so its inbound bytes grow linearly with n (the
-  "gradient build-up" of ScaleCom App. F).
-
-The memory update is ``m <- (1 - beta) m + beta (p - C(p))`` with ``C(p)``
-this rank's own sparsified ``p`` (:class:`thinwire.feedback.LowPass`).
-Steps are counted per parameter name; the keys launched together (one DDP
-bucket) share the step of the first one, so every layer of a step has the
-same leader.
+Both share the k, the selection (chunk-wise or exact top-k), the low-pass
+error memory ``m <- (1 - beta) m + beta (p - C(p))``
+(:class:`thinwire.feedback.LowPass`), warm-up and exclusions, so a comparison
+isolates who chooses the indices. ``scope="layer"`` (ScaleCom's) selects k
+per layer, ``"bucket"`` once over a launch's sparse tensors (metered as
+``first..last``). ``clt-k`` (ScaleCom App. E): the leader ``step mod n``
+broadcasts its top-k indices of ``p = m + g`` and the values there are
+all-reduced, the same bytes at any world size. ``local-topk``: each rank's own
+top-k by all-gather, so inbound bytes grow with n (App. F's build-up). The
+keys launched together share the step of the first, so they share a leader.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from functools import reduce
 from typing import Any
 
 import torch
 
-from thinwire.comm import all_reduce_mean, done, world
-from thinwire.comm._metered import record_segments
-from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect, split_flat
+from thinwire.comm import done, world
+from thinwire.comm.collectives import Future, Group, split_flat
 from thinwire.comm.rounds import TwoRounds
 from thinwire.comm.shared_index import broadcast_indices
 from thinwire.compress import TensorInfo
@@ -55,14 +36,18 @@ from thinwire.compress.cltk import (
     index_nbytes,
     layer_k,
     select,
-    sparsify,
 )
 from thinwire.compress.grouping import regroup, split_ascending
-from thinwire.compress.payload import SparseLayout, layout_segments
-from thinwire.compress.sparse import MIN_NUMEL
-from thinwire.feedback import LowPass, Memory, all_finite
-from thinwire.schemes.base import Scheme, joined, unflatten
-from thinwire.schemes.registry import register, validate_common, validate_ratio
+from thinwire.compress.sparse import MIN_NUMEL, Selection
+from thinwire.feedback import LowPass, Memory
+from thinwire.schemes.base import CompressedScheme, Scheme, count_step
+from thinwire.schemes.registry import (
+    register,
+    validate_common,
+    validate_patterns,
+    validate_ratio,
+)
+from thinwire.schemes.streaming import joined
 
 
 @dataclass(frozen=True)
@@ -92,22 +77,13 @@ class CLTkConfig:
         if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
                 or self.warmup_steps < 0):
             raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
-        # A comma-separated string (from a command line) is a list of patterns.
-        patterns = self.exclude.split(",") if isinstance(self.exclude, str) else self.exclude
-        if not all(isinstance(p, str) for p in patterns):
-            raise ValueError(f"exclude={self.exclude!r} must be name patterns (strings)")
-        patterns = tuple(p.strip() for p in patterns if p.strip())
-        object.__setattr__(self, "exclude", patterns)
+        validate_patterns(self)
         validate_common(self)
 
 
 @dataclass(frozen=True)
 class LocalTopKConfig(CLTkConfig):
     """Options of ``local-topk``: those of ``clt-k``, so the two compare like for like."""
-
-
-def _common_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
-    return reduce(torch.promote_types, (t.dtype for t in tensors.values()))
 
 
 class _SelectedTopK(Scheme):
@@ -120,22 +96,20 @@ class _SelectedTopK(Scheme):
     def __init__(self, config: CLTkConfig) -> None:
         super().__init__()
         self.config = config
-        self.memory: Memory = LowPass(config.beta)  # thinwire.optim.couple may replace it
+        self.memory: Memory = LowPass(config.beta)  # couple_memory may replace it
         self.steps: dict[str, int] = {}  # key -> launches so far
         self.groups: dict[str, tuple[str, ...]] = {}  # key -> the keys last selected with it
 
-    def _begin(self, grads: Mapping[str, torch.Tensor]) -> int:
-        """This launch's step (that of its first key); advances every key's counter."""
-        step = self.steps.get(next(iter(grads)), 0)
-        for key in grads:
-            self.steps[key] = self.steps.get(key, 0) + 1
-        return step
+    @property
+    def density(self) -> float:
+        return self.config.ratio
 
-    def _finite(self, grads: Mapping[str, torch.Tensor]) -> bool:
-        finite = all_finite(grads, self.config.nonfinite)
-        if not finite:
-            self.skipped += 1
-        return finite
+    @property
+    def error_memory(self) -> Memory:
+        return self.memory
+
+    def couple_memory(self, memory: Memory) -> None:
+        self.memory = memory
 
     def sparse(self, key: str, numel: int, step: int) -> bool:
         """Whether ``key``'s tensor is sparsified at ``step`` (the same on every rank)."""
@@ -162,24 +136,6 @@ class _SelectedTopK(Scheme):
         dense = [key for key in grads if key not in sparse_keys]
         return sparse, dense
 
-    def _compensated(self, key: str, grad: torch.Tensor, finite: bool) -> torch.Tensor:
-        # A skipped (non-finite) gradient counts as zero: p is the memory alone.
-        return self.memory.compensate(key, grad if finite else torch.zeros_like(grad))
-
-    def _whole(self, key: str, grad: torch.Tensor, finite: bool) -> torch.Tensor:
-        """A tensor sent dense, through the memory so a coupled momentum covers it too
-        (with everything sent, plain error feedback keeps a zero error)."""
-        if not finite:  # contribute nothing, leave the memory as it was
-            return torch.zeros_like(grad)
-        p = self.memory.compensate(key, grad)
-        self.memory.update(key, p, p)
-        return p
-
-    def _settled(self, out: Mapping[str, torch.Tensor],
-                 keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The optimiser's tensors from the means (:meth:`~thinwire.feedback.Memory.settle`)."""
-        return {key: self.memory.settle(key, out[key]) for key in keys}
-
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "memory": self.memory.state_dict(),
                 "steps": dict(self.steps), "groups": dict(self.groups)}
@@ -188,7 +144,7 @@ class _SelectedTopK(Scheme):
         super().load_state_dict(state)
         self.memory.load_state_dict(state["memory"])
         self.steps = dict(state["steps"])
-        self.groups = dict(state.get("groups", {}))  # none before scope="bucket" existed
+        self.groups = dict(state.get("groups", {}))  # a checkpoint without groups: none yet
 
 
 class CyclicLocalTopK(_SelectedTopK):
@@ -203,6 +159,8 @@ class CyclicLocalTopK(_SelectedTopK):
             A diagnostic: it costs a top-k per layer and launch.
     """
 
+    shared_indices = True
+
     def __init__(self, config: CLTkConfig) -> None:
         super().__init__(config)
         self.leader = 0
@@ -213,74 +171,19 @@ class CyclicLocalTopK(_SelectedTopK):
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with CLT-k; the future holds a dict of results.
 
-        Round 1 broadcasts the leader's indices (waited for here), round 2
-        all-reduces the values at them together with the dense tensors.
+        The same path as a DDP bucket (:meth:`launch_flat`), on a copy of ``grads``
+        flat, one buffer per dtype and device.
         """
-        if not grads:
-            return done({})
-        start = time.perf_counter()
-        rank, n = world(group)
-        finite = self._finite(grads)
-        step = self._begin(grads)
-        leader = self.leader = step % n
-        sparse, dense = self._split(grads, step)
-        dtype = _common_dtype(grads)
-        compensated = {key: self._compensated(key, grads[key], finite) for key in sparse}
-        groups = self._groups(sparse)
-        plan = _Plan(self, groups, {key: grads[key].numel() for key in sparse},
-                     [joined([compensated[key] for key in keys]) for keys in groups])
-        wire = plan.wire(rank == leader, next(iter(grads.values())).device)
-        self._charge(time.perf_counter() - start)
-
-        def gather(received: torch.Tensor) -> torch.Tensor:
-            begin = time.perf_counter()
-            parts = []
-            for keys, p, chosen in plan.decode(received):
-                if finite:
-                    self._record_energy(keys, p, chosen)
-                    parts.append(p[chosen].to(dtype))
-                    for key in keys:
-                        q = compensated[key]
-                        self.memory.update(key, q, sparsify(q, plan.chosen[key]))
-                else:  # contribute nothing, leave the memory as it was
-                    parts.append(torch.zeros(chosen.numel(), dtype=dtype, device=p.device))
-            self.indices.update(plan.chosen)
-            for key in dense:
-                parts.append(self._whole(key, grads[key], finite).reshape(-1).to(dtype))
-            self._charge(time.perf_counter() - begin)
-            return joined(parts) if not dense else torch.cat(parts)  # a lone part is fresh
-
-        future = self.rounds.launch(
-            lambda: broadcast_indices(wire, leader, group, self.meter, plan.index_segments()),
-            gather, device=wire.device, group=group, meter=self.meter,
-            segments=plan.value_segments(dtype.itemsize)
-            + [(key, grads[key].numel() * dtype.itemsize) for key in dense])
-
-        def scatter(fut: Future[Any]) -> dict[str, torch.Tensor]:
-            begin = time.perf_counter()  # codec time: the decode, not the wait before it
-            mean = fut.value()
-            out: dict[str, torch.Tensor] = {}
-            for key, values in plan.values(mean):
-                grad = grads[key]
-                flat = torch.zeros(grad.numel(), dtype=grad.dtype, device=grad.device)
-                flat[plan.chosen[key]] = values.to(grad.dtype)
-                out[key] = flat.reshape(grad.shape)
-            out.update(unflatten(mean[plan.total_k:], [TensorInfo.of(key, grads[key])
-                                                       for key in dense]))
-            settled = self._settled(out, grads)
-            self._charge(time.perf_counter() - begin)
-            return settled
-
-        return future.then(scatter)
+        return self._via_flat(grads, group) if grads else done({})
 
     def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
                     group: Group = None, *, last: bool = True) -> Future[Any]:
-        """CLT-k on a DDP bucket's flat ``buffer``, in place; bit for bit :meth:`launch`.
+        """CLT-k on a flat ``buffer`` (a DDP bucket, or :meth:`launch`'s copy), in place.
 
         ``p = m + g`` is formed in the bucket itself; the leader selects on
         its per-layer views (or, with ``scope="bucket"``, once over them all),
-        the index sets are broadcast, every rank gathers its values there and
-        one all-reduce averages them with the dense tensors; the memory is
+        round 1 broadcasts the index sets, every rank gathers its values there and
+        round 2's all-reduce averages them with the dense tensors; the memory is
         updated in place where it can be
         (:meth:`~thinwire.feedback.LowPass.update_selected_`), the mean is
         decoded straight into ``buffer`` and settled there
@@ -297,10 +200,8 @@ class CyclicLocalTopK(_SelectedTopK):
         rank, n = world(group)
         views = dict(zip([info.key for info in infos],
                          split_flat(buffer, [info.numel for info in infos])))
-        finite = all_finite(views, self.config.nonfinite, flat=buffer)
-        if not finite:
-            self.skipped += 1
-        step = self._begin(views)
+        finite = self._finite(views, self.config.nonfinite, buffer)
+        step = count_step(self.steps, views)
         leader = self.leader = step % n
         sparse = [info for info in infos if self.sparse(info.key, info.numel, step)]
         sparse_keys = {info.key for info in sparse}
@@ -314,11 +215,10 @@ class CyclicLocalTopK(_SelectedTopK):
         groups = self._groups([info.key for info in sparse])
         plan = _Plan(self, groups, {info.key: info.numel for info in sparse},
                      [_span(buffer, infos, keys, views) for keys in groups])
-        wire = plan.wire(rank == leader, buffer.device)
+        encoded = plan.encoded(rank == leader, buffer.device)
         self._charge(time.perf_counter() - start)
 
         def gather(received: torch.Tensor) -> torch.Tensor:
-            begin = time.perf_counter()
             parts = []
             for keys, p, chosen in plan.decode(received):
                 if finite:
@@ -339,18 +239,17 @@ class CyclicLocalTopK(_SelectedTopK):
                     parts.append(view)  # cat copies
                 else:
                     parts.append(torch.zeros_like(view))
-            self._charge(time.perf_counter() - begin)
             return joined(parts) if not dense else torch.cat(parts)  # a lone part is fresh
 
         size = buffer.element_size()
         future = self.rounds.launch(
-            lambda: broadcast_indices(wire, leader, group, self.meter, plan.index_segments()),
-            gather, device=buffer.device, last=last, group=group, meter=self.meter,
+            lambda: broadcast_indices(encoded, leader, group, self.meter, plan.index_segments()),
+            self._charged(gather), device=buffer.device, last=last, group=group,
+            meter=self.meter,
             segments=plan.value_segments(size) + [(info.key, info.numel * size)
                                                   for info in dense])
 
         def scatter(fut: Future[Any]) -> torch.Tensor:
-            begin = time.perf_counter()
             mean = fut.value()
             for key, values in plan.values(mean):
                 views[key].zero_().index_copy_(0, plan.chosen[key], values)
@@ -360,10 +259,9 @@ class CyclicLocalTopK(_SelectedTopK):
                 offset += info.numel
             for info in infos:  # what the optimiser steps with (EF21 keeps an estimate)
                 self.memory.settle_(info.key, views[info.key])
-            self._charge(time.perf_counter() - begin)
             return buffer
 
-        return future.then(scatter)
+        return future.then(self._charged(scatter))
 
     def _record_energy(self, keys: Sequence[str], p: torch.Tensor, chosen: torch.Tensor) -> None:
         """The energy diagnostic of one selection, recorded for each of its tensors."""
@@ -382,7 +280,7 @@ class CyclicLocalTopK(_SelectedTopK):
 
 class _Plan:
     """One launch's selections: the groups of sparse keys that share one leader
-    selection (a key alone per layer), each group's k, index wire and result.
+    selection (a key alone per layer), each group's k, encoded index set and result.
 
     Args:
         scheme: gives k, the selection rule and room for ``|p|``.
@@ -403,7 +301,7 @@ class _Plan:
         self.chosen: dict[str, torch.Tensor] = {}  # key -> indices into its own tensor
         self.own: list[torch.Tensor] | None = None  # the leader's selection, per group
 
-    def wire(self, leading: bool, device: torch.device) -> torch.Tensor:
+    def encoded(self, leading: bool, device: torch.device) -> torch.Tensor:
         """The index sets the leader broadcasts (its own selection), or room for them."""
         if leading and self.groups:
             self.own = [select(p, k, self.selection, self.magnitudes(p))
@@ -459,92 +357,39 @@ def _span(buffer: torch.Tensor, infos: Sequence[TensorInfo], keys: Sequence[str]
     return torch.cat([views[key] for key in keys])
 
 
-class LocalTopK(_SelectedTopK):
-    """Local top-k with error feedback: each rank's own indices, exchanged by sparse all-gather.
+class LocalTopK(CompressedScheme):
+    """Local top-k with low-pass error feedback: each rank's own indices, by sparse all-gather.
 
-    The sparse tensors of a launch travel as one fixed-capacity payload (``k``
-    values + int32 indices per layer, or a bitmap, with a count header:
-    :class:`~thinwire.compress.payload.SparseLayout`) through one all-gather
-    (:func:`thinwire.comm.collectives.all_gather_fixed`); each rank sums all
-    n payloads in rank order and divides by n. Dense tensors are all-reduced.
+    The engine (:class:`~thinwire.schemes.base.CompressedScheme`) with ScaleCom's
+    selection (:class:`~thinwire.compress.sparse.Selection`, values in the
+    gradient's own dtype) and the low-pass memory (:class:`~thinwire.feedback.LowPass`):
+    every rank receives all n payloads and sums them in rank order.
+
+    Args:
+        config: a :class:`LocalTopKConfig` (those of ``clt-k``).
     """
 
-    def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
-        """Average ``grads`` (not modified) with local top-k; the future holds a dict."""
-        if not grads:
-            return done({})
-        start = time.perf_counter()
-        _, n = world(group)
-        finite = self._finite(grads)
-        step = self._begin(grads)
-        sparse, dense = self._split(grads, step)
-        infos = {key: TensorInfo.of(key, grad) for key, grad in grads.items()}
-        chosen: dict[str, torch.Tensor] = {}  # per sparse key, indices into its own tensor
-        values: dict[str, torch.Tensor] = {}
-        compensated = {key: self._compensated(key, grads[key], finite) for key in sparse}
-        groups = self._groups(sparse)
-        for keys in groups:  # one selection per layer, or per bucket
-            if finite:
-                p = joined([compensated[key] for key in keys])
-                picked = select(p, self.k(p.numel()), self.config.selection,
-                                self._magnitudes(p))
-                chosen.update(zip(keys, split_ascending(picked, [grads[key].numel()
-                                                                 for key in keys])))
-            else:  # contribute nothing, leave the memory as it was
-                chosen.update({key: torch.zeros(0, dtype=torch.int64, device=grads[key].device)
-                               for key in keys})
-        for key in sparse:
-            p = compensated[key]
-            if finite:
-                self.memory.update(key, p, sparsify(p, chosen[key]))
-            values[key] = p.reshape(-1)[chosen[key]]
-        futures = []
-        if dense:
-            dtype = _common_dtype({key: grads[key] for key in dense})
-            flat = torch.cat([self._whole(key, grads[key], finite).reshape(-1).to(dtype)
-                              for key in dense])
-            size = flat.element_size()
-            record_segments(self.meter, "W_grad", "all_reduce",
-                            [(key, grads[key].numel() * size) for key in dense], n)
-            futures.append(all_reduce_mean(flat, group))
-        sparse_dtype = _common_dtype({key: grads[key] for key in sparse}) if sparse else None
-        offsets = dict(zip(sparse, itertools.accumulate(
-            [0] + [grads[key].numel() for key in sparse])))
-        if sparse:  # one fixed-capacity payload (k per layer), one all-gather round
-            assert sparse_dtype is not None
-            layout = SparseLayout(sum(grads[key].numel() for key in sparse),
-                                  sum(self.k(sum(grads[key].numel() for key in keys))
-                                      for keys in groups), sparse_dtype)
-            wire = layout.encode(torch.cat([chosen[key] + offsets[key] for key in sparse]),
-                                 torch.cat([values[key].to(sparse_dtype) for key in sparse]),
-                                 ascending=True)  # each key's ascending, keys in order
-            futures.append(all_gather_fixed(wire, group, self.meter,
-                                            layout_segments(layout, [(key, chosen[key].numel())
-                                                                     for key in sparse])))
-        self._charge(time.perf_counter() - start)
+    def __init__(self, config: CLTkConfig) -> None:
+        self.selection = Selection(config.ratio, k=config.k, selection=config.selection,
+                                   min_numel=config.min_numel, exclude=config.exclude,
+                                   scope=config.scope, values="native")
+        super().__init__(self.selection, LowPass(config.beta), config.nonfinite)
+        self.config = config
+        self.steps: dict[str, int] = {}  # key -> launches so far
 
-        def total(fut: Future[Any]) -> dict[str, torch.Tensor]:
-            begin = time.perf_counter()
-            results = [f.value() for f in fut.value()]
-            out: dict[str, torch.Tensor] = {}
-            if dense:
-                out.update(unflatten(results.pop(0), [infos[key] for key in dense]))
-            if sparse:  # summed in rank order, so every rank gets the same bits
-                assert sparse_dtype is not None
-                summed = torch.zeros(layout.numel, dtype=sparse_dtype, device=wire.device)
-                rows = results.pop(0)
-                for row, count in zip(rows, layout.counts(rows)):
-                    indices, received = layout.decode(row, count)
-                    summed.index_add_(0, indices, received)
-                summed.div_(n)
-                parts = split_flat(summed, [grads[key].numel() for key in sparse])
-                out.update({key: part.view(grads[key].shape).to(grads[key].dtype)
-                            for key, part in zip(sparse, parts)})
-            settled = self._settled(out, grads)
-            self._charge(time.perf_counter() - begin)
-            return settled
+    def launch_flat(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
+                    group: Group = None, *, last: bool = True) -> Future[Any]:
+        """The engine's launch, dense for the first ``warmup_steps`` of its tensors."""
+        step = count_step(self.steps, [info.key for info in infos])
+        self.selection.warming = step < self.config.warmup_steps
+        return super().launch_flat(buffer, infos, group, last=last)
 
-        return collect(futures, [grads[key].device for key in grads]).then(total)
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.steps = dict(state["steps"])
 
 
 @register("clt-k", CLTkConfig)

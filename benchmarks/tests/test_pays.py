@@ -1,0 +1,96 @@
+"""Where distributing pays: scaling efficiency, the modelled time to target and their page."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import efficiency, linkmodel, report
+
+RECIPE = {"workload": "text-lm", "optimizer": "adamw", "lr": 1e-3, "momentum": 0.9,
+          "weight_decay": None, "batch_size": 4, "steps": 100, "seed": 0, "precision": "fp32",
+          "max_norm": None, "hidden": 256}
+
+
+def _efficiency(fractions: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
+    record = {"workload": "text-lm", "recipe": RECIPE, "metric": "bits per byte",
+              "target": 2.5, "lower_is_better": True, "seeds": 1, "eval_every": 10,
+              "compute_ms_per_step": 25.0, "curves": {n: [points] for n, points in
+                                                      fractions.items()},
+              "command": "python -m benchmarks.efficiency", "load": "0.1, 0.1, 0.1"}
+    record.update(efficiency.summarise(record))
+    return record
+
+
+def test_steps_to_a_lower_is_better_target_and_the_verdict() -> None:
+    assert efficiency.steps_to([(10, 3.0), (20, 2.5), (30, 2.4)], 2.5, True) == 20
+    assert efficiency.steps_to([(10, 0.5), (20, 0.7)], 0.9, False) is None
+    good = _efficiency({"1": [(100, 2.6), (200, 2.5)], "4": [(50, 2.6), (80, 2.4)],
+                        "8": [(40, 2.5)]})
+    assert good["steps_to_target"] == {"1": 200, "4": 80, "8": 40}
+    assert good["step_fraction"]["4"] == pytest.approx(0.4)
+    assert efficiency.verdict(good) == (True, "")
+    bad = _efficiency({"1": [(100, 2.5)], "4": [(70, 2.5)], "8": [(60, 2.6)]})
+    ok, why = efficiency.verdict({**bad, "compute_ms_per_step": 2.0})
+    assert not ok and "4 workers need 0.70x" in why and "8 workers: target not reached" in why
+    assert "a compute step takes 2.0 ms" in why
+
+
+def _run(scheme: str, steps: int | None, wire: float, overhead_ms: float = 1.0) -> dict[str, Any]:
+    return {"scheme": scheme, "steps_to_target": steps, "compute_ms_per_step": 20.0,
+            "overhead_ms_per_step": overhead_ms, "wire_sent_per_step": wire,
+            "bytes_received_per_step": wire / 2, "collectives_per_step": 2, "recipe": RECIPE}
+
+
+def _linkmodel() -> dict[str, Any]:
+    runs = [_run("dense", 100, 4e6, 0.0), _run("topk", 110, 8e4), _run("clt-k", None, 1e4)]
+    references = [{"scheme": "lone worker", "time_to_target_s": 400 * 0.02,
+                   "steps_to_target": 400, "recipe": RECIPE},
+                  {"scheme": "compute-only bound", "time_to_target_s": 100 * 0.02,
+                   "steps_to_target": 100, "recipe": RECIPE}]
+    record = {"workload": "text-lm", "metric": "bits per byte", "target": 2.5,
+              "recipe": RECIPE, "rates": ["10mbit", "100mbit"], "delay_s": linkmodel.DELAY_S,
+              "cells": {"4": {"runs": runs, "references": references}},
+              "command": "python -m benchmarks.linkmodel", "load_before": [0.1, 0.1, 0.1],
+              "load_after": [0.2, 0.2, 0.2], "cores": 2}
+    record["table"] = linkmodel.table(record)
+    return record
+
+
+def test_time_to_target_is_steps_times_compute_codec_bytes_and_latency() -> None:
+    record = _linkmodel()
+    topk = record["table"]["100mbit"]["4"]["topk"]
+    per_step = 0.021 + 8 * 8e4 / 1e8 + 2 * 2 * 3 * linkmodel.DELAY_S["100mbit"]
+    assert topk["time_s"] == pytest.approx(110 * per_step)
+    assert topk["bound_multiple"] == pytest.approx(110 * per_step / 2.0)
+    assert topk["vs_lone"] == pytest.approx(8.0 / (110 * per_step))
+    assert record["table"]["10mbit"]["4"]["compute-only bound"]["bound_multiple"] == 1.0
+    assert record["table"]["10mbit"]["4"]["clt-k"]["time_s"] is None
+    # at the break-even rate the scheme and the lone worker finish together
+    rate = linkmodel.break_even(_run("dense", 100, 4e6, 0.0), 4, 8.0, 0.0)
+    assert rate is not None
+    assert 100 * (0.02 + 8 * 4e6 / rate) == pytest.approx(8.0)
+    assert linkmodel.break_even(_run("dense", 500, 4e6), 4, 8.0, 0.0) is None  # never
+
+
+def test_the_page_shows_every_workloads_verdict_and_both_reference_rows(
+        tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "efficiency-text-lm.json").write_text(json.dumps(
+        _efficiency({"1": [(200, 2.5)], "4": [(80, 2.5)], "8": [(40, 2.5)]})))
+    (data / "efficiency-digits-mlp.json").write_text(json.dumps(
+        {**_efficiency({"1": [(80, 2.5)], "4": [(70, 2.5)], "8": [(60, 2.5)]}),
+         "workload": "digits-mlp"}))
+    record = _linkmodel()
+    record["break_even_bps"] = {"4": {"dense": 5e8, "topk": 2e6, "clt-k": None}}
+    (data / "linkmodel-text-lm.json").write_text(json.dumps(record))
+    page = "\n".join(report.pays_section(tmp_path, tmp_path / "figures"))
+    assert "| text-lm | 2.5 bits per byte |" in page and "| yes |" in page
+    assert "digits-mlp" in page and "**no**: 4 workers need 0.88x" in page
+    assert "| **lone worker** |" in page and "| **compute-only bound** |" in page
+    assert "topk 2.0 Mbit/s" in page and "clt-k never" in page
+    assert (tmp_path / "figures" / "time_vs_rate_text-lm.png").stat().st_size > 0
