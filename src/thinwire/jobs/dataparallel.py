@@ -268,10 +268,32 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     wall_s = time.perf_counter() - start
     if board is not None:
         board.close()
-    tail = losses[-options.eval_every:]
-    summary = meter.summary()
-    trace = threshold_trace(scheme)
-    result: dict[str, Any] = {
+    result = run_record(name, work, options, model, device=device, coupled=coupled,
+                        config=asdict(schemes.config_class(name)(**config)),
+                        steps_to_target=steps_to_target, losses=losses, meter=meter,
+                        scheme=scheme, compute_s=compute_s, wall_s=wall_s, curve=curve)
+    result.update({
+        "clipped_steps": None if state.clip is None else state.clip.clipped,
+        "grad_norm_after_backward": ({"median": statistics.median(norms), "max": max(norms)}
+                                     if norms else None),
+        "overflow_steps": None if state.loss_scale is None else state.loss_scale.skipped,
+        "captured_energy_per_layer": {key: statistics.fmean(shares) for key, shares in
+                                      (getattr(scheme, "energy", None) or {}).items()},
+    })
+    return result
+
+
+def run_record(name: str, work: workloads.Workload, options: RunOptions, model: nn.Module, *,
+               device: torch.device, coupled: bool, config: dict[str, Any],
+               steps_to_target: int | None, losses: list[float], meter: Meter,
+               scheme: schemes.Scheme | None, compute_s: float, wall_s: float,
+               curve: list[tuple[int, float, float]]) -> dict[str, Any]:
+    """The fields every data-parallel run reports, ``model`` evaluated; a front door adds its own.
+
+    ``scheme`` is None for an exchange thinwire does not run (native HSDP).
+    """
+    trace = threshold_trace(scheme) if scheme is not None else {}
+    return {
         "scheme": name,
         "workload": work.name,
         "optimizer": options.optimizer,
@@ -282,32 +304,30 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         "lower_is_better": work.lower_is_better,
         "recipe": recipe(options),
         "steps_to_target": steps_to_target,
-        "config": asdict(schemes.config_class(name)(**config)),
+        "config": config,
         "test_accuracy": work.accuracy(model),
         "test_score": work.score(model),
-        "final_loss": statistics.fmean(tail),
-        **summary,
+        "final_loss": statistics.fmean(losses[-options.eval_every:]),
+        **meter.summary(),
         "traffic_per_collective": traffic_per_collective(meter),
         # collectives of the last step: each a latency on the link (of the ring's 2(n-1) hops)
         "collectives_per_step": sum(1 for r in meter.records if r.step == meter.step - 1),
-        "overhead_ms_per_step": 1000.0 * scheme.overhead_s / max(1, meter.step),
+        "overhead_ms_per_step": (0.0 if scheme is None
+                                 else 1000.0 * scheme.overhead_s / max(1, meter.step)),
         "compute_ms_per_step": 1000.0 * compute_s,
         "wall_s": wall_s,
-        "skipped_steps": scheme.skipped,
-        "clipped_steps": None if state.clip is None else state.clip.clipped,
-        "grad_norm_after_backward": ({"median": statistics.median(norms), "max": max(norms)}
-                                     if norms else None),
-        "overflow_steps": None if state.loss_scale is None else state.loss_scale.skipped,
+        "skipped_steps": 0 if scheme is None else scheme.skipped,
+        "clipped_steps": None,
+        "grad_norm_after_backward": None,
+        "overflow_steps": None,
         "precision": options.precision,
         "curve": curve,
         "weights": [p.detach().to("cpu", copy=True) for p in model.parameters()],
         "density_per_layer": {key: statistics.fmean(d for _, _, d in points)
                               for key, points in trace.items() if points},
-        "captured_energy_per_layer": {key: statistics.fmean(shares) for key, shares in
-                                      (getattr(scheme, "energy", None) or {}).items()},
+        "captured_energy_per_layer": {},
+        "threshold_trace": trace,
     }
-    result["threshold_trace"] = trace
-    return result
 
 
 def _anyone(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -37,11 +36,10 @@ from thinwire.jobs.board import MeterBoard
 from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
-    recipe,
+    _anyone,
+    run_record,
     run_scheme,
     step_seconds,
-    threshold_trace,
-    traffic_per_collective,
 )
 from thinwire.launch import phase
 from thinwire.local import LocalConfig, LocalUpdates, nesterov
@@ -221,48 +219,16 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     if board is not None:
         board.close()
     final = _global_copy(model, updates)
-    tail = losses[-options.eval_every:]
-    trace = threshold_trace(scheme)
-    return {
-        "scheme": name,
-        "workload": work.name,
-        "optimizer": options.optimizer,
-        "device": str(device),
-        "coupled": False,
-        "target": work.target,
-        "metric": work.metric,
-        "lower_is_better": work.lower_is_better,
-        "recipe": recipe(options),
-        "steps_to_target": steps_to_target,
-        "config": {**asdict(local_options),
-                   **asdict(schemes.config_class(inner_scheme(name))(**scheme_config))},
+    result = run_record(name, work, options, final, device=device, coupled=False,
+                        config={**asdict(local_options),
+                                **asdict(schemes.config_class(inner_scheme(name))(
+                                    **scheme_config))},
+                        steps_to_target=steps_to_target, losses=losses, meter=meter,
+                        scheme=scheme, compute_s=compute_s, wall_s=wall_s, curve=curve)
+    result.update({
         "local": {**asdict(local_options), "syncs": syncs},
-        "test_accuracy": work.accuracy(final),
-        "test_score": work.score(final),
-        "final_loss": statistics.fmean(tail),
-        **meter.summary(),
-        "traffic_per_collective": traffic_per_collective(meter),
         # collectives of a step that launches an exchange: each a latency on the link
         "collectives_per_step": max(Counter(r.step for r in meter.records).values(),
                                     default=0),
-        "overhead_ms_per_step": 1000.0 * scheme.overhead_s / max(1, meter.step),
-        "compute_ms_per_step": 1000.0 * compute_s,
-        "wall_s": wall_s,
-        "skipped_steps": scheme.skipped,
-        "clipped_steps": None,
-        "grad_norm_after_backward": None,
-        "overflow_steps": None,
-        "precision": options.precision,
-        "curve": curve,
-        "weights": [p.detach().to("cpu", copy=True) for p in final.parameters()],
-        "density_per_layer": {key: statistics.fmean(d for _, _, d in points)
-                              for key, points in trace.items() if points},
-        "captured_energy_per_layer": {},
-        "threshold_trace": trace,
-    }
-
-
-def _anyone(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    vote = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
-    return bool(vote.item())
+    })
+    return result

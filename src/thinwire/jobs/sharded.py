@@ -10,7 +10,6 @@ submodule's weights without calling it, which per-module groups would not see).
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -30,10 +29,8 @@ from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
     _anyone,
-    recipe,
+    run_record,
     step_seconds,
-    threshold_trace,
-    traffic_per_collective,
 )
 from thinwire.launch import phase
 
@@ -128,45 +125,14 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
         if progress is not None:
             progress(1)
     wall_s = time.perf_counter() - start
-    tail = losses[-options.eval_every:]
-    trace = threshold_trace(scheme) if scheme is not None else {}
-    return {
-        "scheme": name,
-        "sites": sites,
-        "shards_per_site": world_size // sites,
-        "workload": work.name,
-        "optimizer": options.optimizer,
-        "device": str(device),
-        "coupled": coupled,
-        "target": work.target,
-        "metric": work.metric,
-        "lower_is_better": work.lower_is_better,
-        "recipe": recipe(options),
-        "steps_to_target": steps_to_target,
-        "config": asdict(schemes.config_class(name)(**config)) if scheme is not None else {},
-        "test_accuracy": work.accuracy(model),
-        "test_score": work.score(model),
-        "final_loss": statistics.fmean(tail),
-        **meter.summary(),
-        "traffic_per_collective": traffic_per_collective(meter),
-        "collectives_per_step": sum(1 for r in meter.records if r.step == meter.step - 1),
-        "overhead_ms_per_step": (1000.0 * scheme.overhead_s / max(1, meter.step)
-                                 if scheme is not None else 0.0),
-        "compute_ms_per_step": 1000.0 * compute_s,
-        "wall_s": wall_s,
-        "skipped_steps": scheme.skipped if scheme is not None else 0,
-        "clipped_steps": None,
-        "grad_norm_after_backward": None,
-        "overflow_steps": None,
-        "precision": options.precision,
-        "curve": curve,
-        "weights": full_weights(model),
-        "dense_shard_bytes": shard_bytes,
-        "density_per_layer": {key: statistics.fmean(d for _, _, d in points)
-                              for key, points in trace.items() if points},
-        "captured_energy_per_layer": {},
-        "threshold_trace": trace,
-    }
+    config = asdict(schemes.config_class(name)(**config)) if scheme is not None else {}
+    result = run_record(name, work, options, model, device=device, coupled=coupled,
+                        config=config, steps_to_target=steps_to_target, losses=losses,
+                        meter=meter, scheme=scheme, compute_s=compute_s, wall_s=wall_s,
+                        curve=curve)
+    result.update({"sites": sites, "shards_per_site": world_size // sites,
+                   "weights": full_weights(model), "dense_shard_bytes": shard_bytes})
+    return result
 
 
 def full_weights(model: nn.Module) -> list[torch.Tensor]:
