@@ -172,6 +172,19 @@ def shared_compute_seconds(options: RunOptions, group: dist.ProcessGroup | None 
     return float(seconds[0])
 
 
+def prepare(options: RunOptions, device: torch.device, rank: int, world_size: int,
+            compute_s: float | None) -> tuple[workloads.Workload, workloads.Data, nn.Module, float]:
+    """The workload on ``device``, this rank's shard of it, the fresh model and the compute
+    step (``compute_s``, else probed here on this model)."""
+    work = workloads.load(options.workload, seed=options.seed,
+                          hidden=options.hidden).to(device)
+    local = work.train.shard(rank, world_size)
+    model = work.model(options.seed)
+    if compute_s is None:
+        compute_s = step_seconds(model, work, local, options.batch_size)
+    return work, local, model, compute_s
+
+
 def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                progress: Callable[[int], None] | None = None,
                group: dist.ProcessGroup | None = None,
@@ -195,12 +208,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     phase(f"{name} setup")
     device = torch.device(options.device)
-    work = workloads.load(options.workload, seed=options.seed,
-                          hidden=options.hidden).to(device)
-    local = work.train.shard(rank, world_size)
-    model = work.model(options.seed)
-    if compute_s is None:
-        compute_s = step_seconds(model, work, local, options.batch_size)
+    work, local, model, compute_s = prepare(options, device, rank, world_size, compute_s)
     net = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                   process_group=group)
     meter = Meter(rank, world_size)

@@ -37,9 +37,9 @@ from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
     _anyone,
+    prepare,
     run_record,
     run_scheme,
-    step_seconds,
 )
 from thinwire.launch import phase
 from thinwire.local import LocalConfig, LocalUpdates, nesterov
@@ -147,12 +147,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     phase(f"{name} setup")
     local_options, scheme_config = parts(name, config)
     device = torch.device(options.device)
-    work = workloads.load(options.workload, seed=options.seed,
-                          hidden=options.hidden).to(device)
-    shard = work.train.shard(rank, world_size)
-    model = work.model(options.seed)
-    if compute_s is None:
-        compute_s = step_seconds(model, work, shard, options.batch_size)
+    work, shard, model, compute_s = prepare(options, device, rank, world_size, compute_s)
     meter = Meter(rank, world_size)
     scheme = schemes.build(inner_scheme(name), **scheme_config)
     inner = workloads.optimizer(options.optimizer, model.parameters(), options.lr,

@@ -29,8 +29,8 @@ from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
     _anyone,
+    prepare,
     run_record,
-    step_seconds,
 )
 from thinwire.launch import phase
 
@@ -71,12 +71,7 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
                          "FSDP hook has no local clip or loss scale)")
     phase(f"{name} setup (sharded)")
     device = torch.device(options.device)
-    work = workloads.load(options.workload, seed=options.seed,
-                          hidden=options.hidden).to(device)
-    local = work.train.shard(rank, world_size)
-    model = work.model(options.seed)
-    if compute_s is None:
-        compute_s = step_seconds(model, work, local, options.batch_size)
+    work, local, model, compute_s = prepare(options, device, rank, world_size, compute_s)
     mesh = fsdp.site_mesh(sites, device.type)
     meter = Meter(rank, world_size)
     scheme = None
