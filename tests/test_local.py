@@ -136,7 +136,7 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    return spawn(_scenarios, WORLD, timeout_s=60, deadline_s=240)
+    return spawn(_scenarios, WORLD, timeout_s=300, deadline_s=600)
 
 
 def test_h1_with_plain_outer_sgd_and_dense_exchange_equals_ddp(

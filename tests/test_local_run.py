@@ -40,7 +40,7 @@ def test_bad_local_runs_are_refused_before_anything_is_spawned(name: str, config
 def test_a_local_run_through_compare_keeps_replicas_identical_and_meters_the_syncs() -> None:
     options = RunOptions(steps=8, eval_every=4, batch_size=16, hidden=16)
     results = compare(["diloco", "diloco+int8"], 2, options, 1e8, extra=["every=4"],
-                      timeout_s=60)
+                      timeout_s=300)
     for result in results:
         assert result["replicas_identical"]
         assert result["local"]["syncs"] == 2

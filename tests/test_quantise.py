@@ -186,7 +186,7 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def distributed() -> list[dict[str, Any]]:
-    return spawn(_distributed, 3, timeout_s=60, deadline_s=180)
+    return spawn(_distributed, 3, timeout_s=300, deadline_s=600)
 
 
 @pytest.mark.parametrize("name", _NAMES)
