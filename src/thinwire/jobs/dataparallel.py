@@ -185,6 +185,24 @@ def prepare(options: RunOptions, device: torch.device, rank: int, world_size: in
     return work, local, model, compute_s
 
 
+def backward(work: workloads.Workload, model: nn.Module, batch: workloads.Data,
+             optimizer: torch.optim.Optimizer, dtype: torch.dtype | None,
+             scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+    """One step's forward (autocast to ``dtype``, if any) and backward into fresh gradients;
+    under ``scaler`` the gradients are unscaled before the caller clips or steps, as torch's
+    AMP recipe does. Returns the loss."""
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        loss = work.loss(model(batch.inputs, **batch.side), batch.targets)
+    optimizer.zero_grad()
+    if scaler is None:
+        loss.backward()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+    return loss
+
+
 def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                progress: Callable[[int], None] | None = None,
                group: dist.ProcessGroup | None = None,
@@ -239,15 +257,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
         phase(f"{name} step {step}")
-        batch = local.rows(next(stream))
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = work.loss(net(batch.inputs, **batch.side), batch.targets)
-        optimizer.zero_grad()
-        if scaler is None:
-            loss.backward()
-        else:
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)  # before a clip, as torch's AMP recipe does
+        loss = backward(work, net, local.rows(next(stream)), optimizer, dtype, scaler)
         if after_backward is not None:  # the norm .grad had: the step's update, if sparse
             norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(),
                                                               after_backward)))

@@ -37,6 +37,7 @@ from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
     _anyone,
+    backward,
     prepare,
     run_record,
     run_scheme,
@@ -170,15 +171,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
         phase(f"{name} step {step}")
-        batch = shard.rows(next(stream))
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = work.loss(model(batch.inputs, **batch.side), batch.targets)
-        inner.zero_grad()
-        if scaler is None:
-            loss.backward()
-        else:
-            scaler.scale(loss).backward()
-            scaler.unscale_(inner)
+        loss = backward(work, model, shard.rows(next(stream)), inner, dtype, scaler)
         if options.max_norm is not None:  # each worker's own gradient: nothing is averaged
             torch.nn.utils.clip_grad_norm_(model.parameters(), options.max_norm)
         if scaler is None:

@@ -29,6 +29,7 @@ from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
     _anyone,
+    backward,
     prepare,
     run_record,
 )
@@ -97,11 +98,7 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
         phase(f"{name} step {step}")
-        batch = local.rows(next(stream))
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = work.loss(model(batch.inputs, **batch.side), batch.targets)
-        optimizer.zero_grad()
-        loss.backward()
+        loss = backward(work, model, local.rows(next(stream)), optimizer, dtype)
         optimizer.step()
         if scheme is None:  # native HSDP all-reduces each rank's shard across sites
             meter.record("W_grad", "(all parameters)", "all_reduce", shard_bytes,
