@@ -7,7 +7,8 @@ labels from a known logistic "teacher" (linear dense terms, a dense product,
 per-id effects and factorisation-machine products of eight features' latent
 vectors: the signal DLRM's dot interaction can learn), with an intercept giving
 about a quarter positive labels, as Criteo's click rate; the teacher's
-probabilities come with the data, so the Bayes accuracy is known.
+probabilities come with the data, so the Bayes accuracy is known (and its
+spread can be set so that the Bayes log loss is a given value).
 :func:`breast_cancer` puts scikit-learn's breast cancer set (569 samples, 30
 features) in the same shape: standardised features as the dense input, each
 feature's quantile bin (fitted on the training split) as a categorical one.
@@ -64,7 +65,8 @@ def _zipf_ids(generator: torch.Generator, n: int, cardinality: int,
 def synthetic_criteo(n_train: int = 40_000, n_test: int = 10_000, *, seed: int = 0,
                      cardinalities: tuple[int, ...] = CARDINALITIES,
                      num_dense: int = NUM_DENSE, latent: int = 4,
-                     scale: float = 1.0) -> tuple[Tabular, Tabular]:
+                     scale: float = 1.0,
+                     bayes_loss: float | None = None) -> tuple[Tabular, Tabular]:
     """Train and test sets drawn from one teacher (see the module docstring).
 
     Args:
@@ -75,12 +77,23 @@ def synthetic_criteo(n_train: int = 40_000, n_test: int = 10_000, *, seed: int =
         latent: dimension of the teacher's factorisation-machine vectors.
         scale: multiplies the teacher's logit around its intercept (signal
             strength: larger is easier).
+        bayes_loss: if given, the teacher's logit is first rescaled so that the mean
+            entropy of its probabilities (the expected log loss of the teacher itself,
+            the best achievable) is this: a few popular ids' effects otherwise set the
+            logit's spread, so the Bayes log loss moves a lot from seed to seed.
+
+    Raises:
+        ValueError: no rows, or ``bayes_loss`` outside (0, the constant answer's loss).
 
     Returns:
         (train, test).
     """
     if n_train < 1 or n_test < 1:
         raise ValueError(f"n_train={n_train!r} and n_test={n_test!r} must be >= 1")
+    constant = _entropy(torch.tensor([POSITIVE_RATE])).item()
+    if bayes_loss is not None and not 0 < bayes_loss < constant:
+        raise ValueError(f"bayes_loss={bayes_loss!r} must be None or in (0, {constant:.4f}), "
+                         "the log loss of always answering the click rate")
     generator = torch.Generator().manual_seed(seed)
     n = n_train + n_test
     # Dense: log-normal counts with feature-specific location and spread.
@@ -103,12 +116,39 @@ def synthetic_criteo(n_train: int = 40_000, n_test: int = 10_000, *, seed: int =
     for j in range(paired):
         for k in range(j + 1, paired):
             logit += 0.35 * (vectors[j][categorical[:, j]] * vectors[k][categorical[:, k]]).sum(1)
-    logit = (logit - logit.mean()) * scale
+    logit = logit - logit.mean()
+    if bayes_loss is not None:
+        logit = logit * _spread_for(logit[:CALIBRATION_ROWS], bayes_loss)
+    logit = logit * scale
     intercept = _intercept(logit, POSITIVE_RATE)
     probability = torch.sigmoid(logit + intercept)
     labels = torch.bernoulli(probability, generator=generator).unsqueeze(1)
     data = Tabular(dense.float(), categorical, labels.float(), probability.float())
     return data.rows(slice(0, n_train)), data.rows(slice(n_train, n))
+
+
+CALIBRATION_ROWS = 20_000  # rows the teacher's spread is fitted on (its loss is a mean)
+
+
+def _entropy(probability: torch.Tensor) -> torch.Tensor:
+    p = probability.double().clamp(1e-12, 1 - 1e-12)
+    return -(p * p.log() + (1 - p) * (1 - p).log())
+
+
+def _spread_for(logit: torch.Tensor, loss: float) -> float:
+    """s where the teacher ``sigmoid(s logit + b)``, its intercept b keeping the click rate,
+    has mean entropy ``loss``, by bisection (the entropy falls as s grows)."""
+    low, high = 0.0, 64.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        scaled = middle * logit
+        entropy = float(_entropy(torch.sigmoid(scaled + _intercept(scaled, POSITIVE_RATE)))
+                        .mean())
+        if entropy > loss:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
 
 
 def _intercept(logit: torch.Tensor, rate: float) -> float:
