@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import pytest
@@ -27,8 +28,10 @@ def test_workload_builds_the_same_model_per_seed_and_learns_a_step(name: str) ->
         assert torch.equal(a, b)
     assert set(workloads.RECIPES[name]) == {"optimizer", "momentum", "lr", "batch_size",
                                             "steps"}
-    if work.lower_is_better:  # bits per byte: below a uniform guess over the 256 bytes
-        assert (work.metric, 0.0 < work.target < 8.0) == ("bits per byte", True)
+    if work.metric == "bits per byte":  # below a uniform guess over the 256 bytes
+        assert work.lower_is_better and 0.0 < work.target < 8.0
+    elif work.lower_is_better:  # a log loss of two classes: below a coin's
+        assert work.metric == "test loss" and 0.0 < work.target < math.log(2)
     else:
         assert work.metric == "test accuracy" and 0.5 < work.target < 1.0
     shard = work.train.shard(1, 3)
@@ -168,3 +171,72 @@ def test_a_short_dense_run_lowers_text_lm_validation_bits_per_byte() -> None:
         loss.backward()
         optimizer.step()
     assert work.score(model, rows=64) < before - 1.0
+
+
+@pytest.fixture(scope="module")
+def dlrm_large() -> workloads.Workload:
+    return workloads.load("dlrm-large", seed=0)
+
+
+def test_dlrm_large_loads_the_same_rows_per_seed_and_its_splits_are_disjoint(
+        dlrm_large: workloads.Workload) -> None:
+    first, again = dlrm_large, workloads.load("dlrm-large", seed=0)
+    assert (len(first.train), len(first.test)) == workloads.LARGE_ROWS
+    for a, b in ((first.train, again.train), (first.test, again.test)):
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+        assert torch.equal(a.side["categorical"], b.side["categorical"])
+    other = workloads.load("dlrm-large", seed=1)
+    assert not torch.equal(first.test.side["categorical"], other.test.side["categorical"])
+    # a row's fingerprint: its features through a random projection (distinct rows collide
+    # with probability about 0)
+    weights = torch.randn(first.train.inputs.shape[1], dtype=torch.float64)
+    id_weights = torch.randn(first.train.side["categorical"].shape[1], dtype=torch.float64)
+
+    def fingerprint(data: workloads.Data) -> torch.Tensor:
+        return data.inputs.double() @ weights + data.side["categorical"].double() @ id_weights
+
+    assert not torch.isin(fingerprint(first.test), fingerprint(first.train)).any()
+    ids = first.train.side["categorical"]
+    assert ids.min() >= 0 and (ids.max(0).values < torch.tensor(
+        workloads.LARGE_CARDINALITIES)).all()
+
+
+def test_dlrm_large_target_lies_between_the_teacher_and_the_constant_answer(
+        dlrm_large: workloads.Workload) -> None:
+    # The target is a test log loss: the teacher that drew the labels must beat it clearly
+    # (else no model reaches it) and the constant click rate must miss it clearly (else it
+    # says nothing about the per-id effects).
+    target = dlrm_large.target
+    for seed in range(2):
+        _, test = criteo.synthetic_criteo(*workloads.LARGE_ROWS, seed=seed,
+                                          cardinalities=workloads.LARGE_CARDINALITIES,
+                                          bayes_loss=workloads.LARGE_BAYES_LOSS)
+        rate = float(test.labels.mean())
+        constant = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+        assert test.oracle()["loss"] < target - 0.05 < target + 0.1 < constant, seed
+    assert workloads.RECIPES["dlrm-large"]["optimizer"] == "adamw"
+
+
+def test_a_short_dense_run_lowers_dlrm_large_test_loss(dlrm_large: workloads.Workload) -> None:
+    work = dlrm_large
+    recipe = workloads.RECIPES["dlrm-large"]
+    model = work.model(0)
+    optimizer = workloads.optimizer(recipe["optimizer"], model.parameters(), recipe["lr"],
+                                    recipe["momentum"])
+    before = work.score(model, rows=1024)
+    size = recipe["batch_size"]
+    for step in range(40):
+        batch = work.train.rows(slice(size * step, size * (step + 1)))
+        loss = work.loss(model(batch.inputs, **batch.side), batch.targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert work.score(model, rows=1024) < before - 0.05
+
+
+def test_the_teachers_spread_sets_its_log_loss() -> None:
+    train, _ = criteo.synthetic_criteo(20_000, 10, seed=3, bayes_loss=0.4)
+    assert abs(train.oracle()["loss"] - 0.4) < 0.01  # a mean over 20,000 drawn labels
+    for bad in (0.0, 0.6):  # the constant 25 % answer scores 0.562
+        with pytest.raises(ValueError, match=f"bayes_loss={bad} must be None or in"):
+            criteo.synthetic_criteo(10, 10, bayes_loss=bad)
