@@ -32,7 +32,8 @@ does on a DDP bucket; ``layer`` per tensor.
 The digits MLP has a recipe per optimiser; ``--workload`` runs another
 workload under its own recipe. Tensors under
 ``--min-numels`` entries (default 1024, the schemes' own default; a list sweeps) travel
-dense for topk, dct-dp and clt-k. Bytes are counted as the schemes send them: 4 per value and 4 per
+dense for topk, dct-dp and clt-k, as do parameters named by ``--exclude`` patterns.
+Bytes are counted as the schemes send them: 4 per value and 4 per
 index, 4 per entry of a dense tensor.
 
 Usage: ``python -m benchmarks.coupling [--workload digits-mlp] [--seeds 8] [--workers 4]
@@ -76,6 +77,7 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
              selection: str = "exact", min_numel: int = MIN_NUMEL,
              targets: Sequence[float] = (),
              scope: str = "layer", workload: str = "digits-mlp",
+             exclude: tuple[str, ...] = (),
              ) -> tuple[dict[float, int | None], float]:
     """Steps until ``workload`` first reaches each test metric of ``targets`` and its own
     target (None: not in ``steps``), and dense's bytes over the bytes each worker sent, up
@@ -107,7 +109,7 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
     if variant == "adam-virtual":  # one step for all ranks: worker 0's memory keeps it
         AgedAdam(optimizer, {id(p): key for key, p in params.items()},
                  memories[0])  # type: ignore[arg-type]
-    compressors = [_compressor(scheme, min_numel, scope) for _ in range(workers)]
+    compressors = [_compressor(scheme, min_numel, scope, exclude) for _ in range(workers)]
     infos = [TensorInfo.of(key, param.reshape(-1)) for key, param in params.items()]
     sparse = [info for info in infos if not compressors[0].is_dense(info)]
     sent_bytes = dense_bytes = 0
@@ -236,10 +238,12 @@ def recipe(workload: str, optimizer_name: str) -> tuple[float, float, int]:
     return own["lr"], own["momentum"], own["batch_size"]
 
 
-def _compressor(scheme: str, min_numel: int, scope: str) -> Sparsifier:
-    """The scheme's own sparsifier at its defaults (99 % sparsity); topk's for clt-k."""
+def _compressor(scheme: str, min_numel: int, scope: str,
+                exclude: tuple[str, ...] = ()) -> Sparsifier:
+    """The scheme's own sparsifier at its defaults (99 % sparsity); topk's for clt-k.
+    Parameters matching an ``exclude`` pattern travel dense."""
     built = schemes.build("dct-dp" if scheme == "dct-dp" else "topk", min_numel=min_numel,
-                          scope=scope)
+                          scope=scope, exclude=exclude)
     assert isinstance(built, CompressedScheme) and isinstance(built.compressor, Sparsifier)
     return built.compressor
 
@@ -308,8 +312,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated test accuracies to record the steps to as well "
                              "(each run goes on until it has reached them all): whether a "
                              "scheme lags by a number of steps or by a factor")
+    parser.add_argument("--exclude", default="",
+                        help="comma-separated name patterns of parameters topk, dct-dp and "
+                             "clt-k send dense (e.g. 'interact.*': a DLRM's embedding tables)")
     parser.add_argument("--out", type=Path, default=Path("docs/data/coupling.json"))
     args = parser.parse_args(argv)
+    exclude = tuple(p.strip() for p in args.exclude.split(",") if p.strip())
     try:
         targets = [float(t) for t in args.targets.split(",") if t.strip()]
     except ValueError:
@@ -352,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                 got = [simulate(scheme, variant, optimizer_name, seed, args.workers,
                                 args.steps, args.warmup, selection=args.selection,
                                 min_numel=min_numel, targets=targets, scope=scope,
-                                workload=args.workload)
+                                workload=args.workload, exclude=exclude)
                        for seed in range(args.seeds)]
                 runs.append({"optimizer": optimizer_name, "scheme": scheme, "variant": variant,
                              "scope": scope, "min_numel": min_numel,
