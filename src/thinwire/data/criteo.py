@@ -77,10 +77,12 @@ def synthetic_criteo(n_train: int = 40_000, n_test: int = 10_000, *, seed: int =
         latent: dimension of the teacher's factorisation-machine vectors.
         scale: multiplies the teacher's logit around its intercept (signal
             strength: larger is easier).
-        bayes_loss: if given, the teacher's logit is first rescaled so that the mean
-            entropy of its probabilities (the expected log loss of the teacher itself,
-            the best achievable) is this: a few popular ids' effects otherwise set the
-            logit's spread, so the Bayes log loss moves a lot from seed to seed.
+        bayes_loss: if given, the teacher's logit is first rescaled so that the
+            teacher's own log loss on the test split's drawn labels (the best any
+            model scores there) is this: a few popular ids' effects otherwise set the
+            logit's spread, and the labels drawn for a few thousand test rows move
+            that loss by about 0.005 more, so it varies from seed to seed.
+            ``scale`` then has no effect.
 
     Raises:
         ValueError: no rows, or ``bayes_loss`` outside (0, the constant answer's loss).
@@ -117,17 +119,17 @@ def synthetic_criteo(n_train: int = 40_000, n_test: int = 10_000, *, seed: int =
         for k in range(j + 1, paired):
             logit += 0.35 * (vectors[j][categorical[:, j]] * vectors[k][categorical[:, k]]).sum(1)
     logit = logit - logit.mean()
-    if bayes_loss is not None:
-        logit = logit * _spread_for(logit[:CALIBRATION_ROWS], bayes_loss)
-    logit = logit * scale
-    intercept = _intercept(logit, POSITIVE_RATE)
-    probability = torch.sigmoid(logit + intercept)
-    labels = torch.bernoulli(probability, generator=generator).unsqueeze(1)
+    if bayes_loss is None:
+        logit = logit * scale
+        probability = torch.sigmoid(logit + _intercept(logit, POSITIVE_RATE))
+        labels = torch.bernoulli(probability, generator=generator).unsqueeze(1)
+    else:
+        draws = torch.rand(n, generator=generator, dtype=torch.float64)  # label: draw < p
+        sharpness, intercept = _sharpness_for(logit, draws, n_train, bayes_loss)
+        probability = torch.sigmoid(sharpness * logit + intercept)
+        labels = (draws < probability).unsqueeze(1)
     data = Tabular(dense.float(), categorical, labels.float(), probability.float())
     return data.rows(slice(0, n_train)), data.rows(slice(n_train, n))
-
-
-CALIBRATION_ROWS = 20_000  # rows the teacher's spread is fitted on (its loss is a mean)
 
 
 def _entropy(probability: torch.Tensor) -> torch.Tensor:
@@ -135,20 +137,28 @@ def _entropy(probability: torch.Tensor) -> torch.Tensor:
     return -(p * p.log() + (1 - p) * (1 - p).log())
 
 
-def _spread_for(logit: torch.Tensor, loss: float) -> float:
-    """s where the teacher ``sigmoid(s logit + b)``, its intercept b keeping the click rate,
-    has mean entropy ``loss``, by bisection (the entropy falls as s grows)."""
+INTERCEPT_ROWS = 20_000  # rows the intercept of the bayes_loss teacher is fitted on
+
+
+def _sharpness_for(logit: torch.Tensor, draws: torch.Tensor, n_train: int,
+                loss: float) -> tuple[float, float]:
+    """(s, b) where the teacher ``p = sigmoid(s logit + b)``, its intercept b keeping the
+    click rate on the first rows, scores log loss ``loss`` on the test rows
+    (``logit[n_train:]``) with labels ``draws < p``, by bisection (the loss falls as s
+    grows)."""
     low, high = 0.0, 64.0
-    for _ in range(40):
+    sample, test, test_draws = logit[:INTERCEPT_ROWS], logit[n_train:], draws[n_train:]
+    for _ in range(32):
         middle = (low + high) / 2
-        scaled = middle * logit
-        entropy = float(_entropy(torch.sigmoid(scaled + _intercept(scaled, POSITIVE_RATE)))
-                        .mean())
-        if entropy > loss:
+        p = torch.sigmoid(middle * test + _intercept(middle * sample, POSITIVE_RATE)).double()
+        p = p.clamp(1e-12, 1 - 1e-12)
+        scored = float(torch.where(test_draws < p, -p.log(), -(1 - p).log()).mean())
+        if scored > loss:
             low = middle
         else:
             high = middle
-    return (low + high) / 2
+    sharpness = (low + high) / 2
+    return sharpness, _intercept(sharpness * sample, POSITIVE_RATE)
 
 
 def _intercept(logit: torch.Tensor, rate: float) -> float:
