@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -43,34 +44,58 @@ DELAY_S = {"10mbit": 0.010, "100mbit": 0.0002, "1gbit": 0.0001}
 KEPT = ("scheme", "steps_to_target", "compute_ms_per_step", "overhead_ms_per_step",
         "wire_sent_per_step", "bytes_received_per_step", "bytes_sent_per_step",
         "collectives_per_step", "test_score", "test_accuracy", "final_loss", "recipe",
-        "replicas_identical", "curve", "probe_compute_ms", "workload", "target", "metric")
+        "replicas_identical", "curve", "probe_compute_ms", "workload", "target", "metric",
+        "local")
 
 
 def modelled(run: dict[str, Any], workers: int, rate: str) -> float | None:
     """A scheme's time to target at ``rate`` from its measured parts (None: not reached)."""
+    return time_at(run, workers, parse_bandwidth(rate), DELAY_S.get(rate, 0.0))
+
+
+def time_at(run: dict[str, Any], workers: int, rate_bps: float,
+            delay_s: float) -> float | None:
+    """Time to target at ``rate_bps`` (inf: a free link) and one-way delay ``delay_s``."""
     steps = run.get("steps_to_target")
     if steps is None:
         return None
     wire = max(run["wire_sent_per_step"], run["bytes_received_per_step"])
-    latency = run["collectives_per_step"] * 2 * (workers - 1) * DELAY_S.get(rate, 0.0)
-    per_step = ((run["compute_ms_per_step"] + run["overhead_ms_per_step"]) / 1000.0
-                + 8.0 * wire / parse_bandwidth(rate) + latency)
-    return float(steps * per_step)
+    latency = run["collectives_per_step"] * 2 * (workers - 1) * delay_s
+    busy = (run["compute_ms_per_step"] + run["overhead_ms_per_step"]) / 1000.0
+    link = 8.0 * wire / rate_bps + latency
+    return float(steps * (busy + exposed(run, link, busy)))
+
+
+def exposed(run: dict[str, Any], link_s: float, busy_s: float) -> float:
+    """The link time per step that training waits for: all of ``link_s``, except under
+    Streaming DiLoCo, whose exchange of a fragment overlaps the ``delay`` inner steps
+    before it lands; a fragment syncs every ``every / fragments`` steps, so each
+    exchange carries that many steps' share of the link time."""
+    local = run.get("local") or {}
+    if not local.get("delay"):
+        return link_s
+    spacing = local["every"] / local["fragments"]
+    return max(0.0, link_s * spacing - local["delay"] * busy_s) / spacing
 
 
 def break_even(run: dict[str, Any], workers: int, lone_s: float | None,
                delay_s: float) -> float | None:
     """The link rate (bits/s) above which ``run`` reaches the target before the lone worker,
-    at one-way delay ``delay_s``; None: never (or not reached)."""
-    steps = run.get("steps_to_target")
-    if steps is None or lone_s is None:
+    at one-way delay ``delay_s``; None: never (or not reached). Time falls as the rate
+    rises, so a bisection on the rate's logarithm finds it."""
+    free = time_at(run, workers, math.inf, delay_s)
+    if lone_s is None or free is None or free >= lone_s:
         return None
-    wire = max(run["wire_sent_per_step"], run["bytes_received_per_step"])
-    busy = steps * ((run["compute_ms_per_step"] + run["overhead_ms_per_step"]) / 1000.0
-                    + run["collectives_per_step"] * 2 * (workers - 1) * delay_s)
-    if busy >= lone_s:
-        return None
-    return float(8.0 * wire * steps / (lone_s - busy)) if wire else 0.0
+    low, high = 1.0, 1e15  # bits/s: slower than any link, and as good as free
+    if time_at(run, workers, low, delay_s) < lone_s:
+        return low
+    while high / low > 1 + 1e-9:
+        middle = math.sqrt(low * high)
+        if time_at(run, workers, middle, delay_s) < lone_s:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def table(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -76,6 +76,22 @@ def test_time_to_target_is_steps_times_compute_codec_bytes_and_latency() -> None
     assert linkmodel.break_even(_run("dense", 500, 4e6), 4, 8.0, 0.0) is None  # never
 
 
+def test_streaming_diloco_waits_only_for_the_link_time_its_delay_does_not_cover() -> None:
+    # a fragment syncs every 50 / 2 = 25 steps; its exchange carries 25 steps' link time
+    synced = {**_run("diloco", 100, 1e5), "local": {"every": 50, "fragments": 2, "delay": 0}}
+    overlapped = {**synced, "local": {"every": 50, "fragments": 2, "delay": 5}}
+    link = 8 * 1e5 / 1e7  # s per step at 10 Mbit/s, delay 0
+    assert linkmodel.time_at(synced, 4, 1e7, 0.0) == pytest.approx(100 * (0.021 + link))
+    hidden = 5 * 0.021  # five steps of compute and codec per exchange
+    assert linkmodel.time_at(overlapped, 4, 1e7, 0.0) == pytest.approx(
+        100 * (0.021 + (25 * link - hidden) / 25))
+    assert linkmodel.time_at(overlapped, 4, 1e9, 0.0) == pytest.approx(100 * 0.021)  # hidden
+    lone = 100 * 0.03
+    rate = linkmodel.break_even(overlapped, 4, lone, 0.0)
+    assert rate is not None
+    assert linkmodel.time_at(overlapped, 4, rate, 0.0) == pytest.approx(lone)
+
+
 def test_the_page_shows_every_workloads_verdict_and_both_reference_rows(
         tmp_path: Path) -> None:
     data = tmp_path / "data"
