@@ -526,6 +526,27 @@ def test_train_rank_zero_writes_the_run_folder(tmp_path: Path,
         assert (tmp_path / "run" / name).stat().st_size > 0
 
 
+def test_train_runs_local_updates_under_torchrun(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(key, value)
+    code = main(["train", "--scheme", "diloco+int8", "--option", "every=2", "--steps", "4",
+                 "--batch-size", "16", "--backend", "gloo", "--out", str(tmp_path / "run"),
+                 "--json", str(tmp_path / "copy.json")])
+    assert code == 0
+    result = json.loads((tmp_path / "copy.json").read_text())["runs"][0]
+    assert result["scheme"] == "diloco+int8" and result["local"]["syncs"] == 2
+
+
+def test_train_refuses_local_updates_with_sites_before_joining_the_job(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "--scheme", "diloco", "--sites", "2"]) == 2
+    assert "takes no --sites" in capsys.readouterr().err
+
+
 def test_async_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["async", "--rule", "sequential", "--epochs", "1", "--model", "linear",
                  "--train-limit", "64", "--batch-size", "16", "--no-progress",
