@@ -276,7 +276,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
             handed = meter.bytes_per_step().get("total", 0.0) * meter.step
             curve.append((step, handed, work.score(model, options.eval_rows)))
             if board is not None:
-                board.accuracy(step, curve[-1][2])
+                board.score(step, curve[-1][2], work.metric)
             if steps_to_target is None and work.reached(curve[-1][2]):
                 steps_to_target = step
             if options.until_target and _anyone(steps_to_target is not None, group, device):

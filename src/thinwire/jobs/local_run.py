@@ -195,7 +195,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
                 moved = False
             curve.append((step, handed, score))
             if board is not None:
-                board.accuracy(step, score)
+                board.score(step, score, work.metric)
             if steps_to_target is None and work.reached(score):
                 steps_to_target = step
             if options.until_target and _anyone(steps_to_target is not None, group, device):
