@@ -27,7 +27,6 @@ from thinwire.jobs import workloads
 from thinwire.jobs.board import MeterBoard
 from thinwire.launch import phase
 from thinwire.schemes import CompressedScheme
-from thinwire.schemes.scalecom import CyclicLocalTopK
 
 # What couple() may put behind a coupled clt-k for every scheme of a run: "ef21" is clt-k's
 # only, so a run of several schemes says "auto" for it.
@@ -238,8 +237,8 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     state = ddp.register(net, scheme, meter=meter,
                          max_norm=options.max_norm if in_hook else None, scaler=scaler)
     after_backward = options.max_norm if options.max_norm is not None and not in_hook else None
-    if isinstance(scheme, CyclicLocalTopK):
-        scheme.energy = {}  # diagnostic: how much of each rank's top-k the leader captures
+    if hasattr(scheme, "energy"):  # a shared-index scheme's diagnostic (clt-k): turn it on
+        scheme.energy = {}  # how much of each rank's top-k the leader's indices capture
     optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
                                     options.momentum, options.weight_decay)
     coupled = (optim.couple(optimizer, state, feedback=options.feedback).coupled
