@@ -327,8 +327,8 @@ def run_record(name: str, work: workloads.Workload, options: RunOptions, model: 
         "final_loss": statistics.fmean(losses[-options.eval_every:]),
         **meter.summary(),
         "traffic_per_collective": traffic_per_collective(meter),
-        # collectives of the last step: each a latency on the link (of the ring's 2(n-1) hops)
-        "collectives_per_step": sum(1 for r in meter.records if r.step == meter.step - 1),
+        # each a latency on the link (of the ring's 2(n-1) hops); a buffer's segments: one
+        "collectives_per_step": meter.collectives_per_step(),
         "overhead_ms_per_step": (0.0 if scheme is None
                                  else 1000.0 * scheme.overhead_s / max(1, meter.step)),
         "compute_ms_per_step": 1000.0 * compute_s,

@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import math
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -215,8 +214,5 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
                         scheme=scheme, compute_s=compute_s, wall_s=wall_s, curve=curve)
     result.update({
         "local": {**asdict(local_options), "syncs": syncs},
-        # collectives of a step that launches an exchange: each a latency on the link
-        "collectives_per_step": max(Counter(r.step for r in meter.records).values(),
-                                    default=0),
     })
     return result
