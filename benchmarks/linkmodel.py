@@ -132,11 +132,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="a step's compute measured apart (benchmarks.efficiency records "
                              "it) for every row, where the run's own probe shares the cores "
                              "with other work; the probe is kept as probe_compute_ms")
+    parser.add_argument("--add-to", type=Path, default=None,
+                        help="add this run's schemes to the cells of this earlier file of the "
+                             "same recipe (its dense and lone worker stand; a scheme measured "
+                             "again replaces its row), so --schemes need not start with dense")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default docs/data/linkmodel-WORKLOAD.json")
+                        help="default docs/data/linkmodel-WORKLOAD.json, or --add-to's file")
     args = parser.parse_args(argv)
     names = [s for s in args.schemes.split(",") if s]
-    if names[0] != "dense":
+    earlier = json.loads(args.add_to.read_text()) if args.add_to is not None else None
+    if earlier is None and names[0] != "dense":
         parser.error("--schemes must start with dense (the bound's steps)")
     own = workloads.RECIPES[args.workload]
     options = RunOptions(workload=args.workload, optimizer=own["optimizer"], lr=own["lr"],
@@ -146,13 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     started = time.perf_counter()
     measured: dict[int, list[dict[str, Any]]] = {}
+    if earlier is not None and earlier["recipe"] != recipe(options):
+        parser.error(f"--add-to {args.add_to}: its recipe {earlier['recipe']} is not this "
+                     f"run's {recipe(options)}")
+    reuse = args.lone_from is not None or earlier is not None
     with ThreadPoolExecutor(1) as pool:  # the lone worker trains beside the others
-        pending = pool.submit(lone_worker, options) if args.lone_from is None else None
+        pending = None if reuse else pool.submit(lone_worker, options)
         for n in (int(w) for w in args.workers.split(",")):
             measured[n] = compare(names, n, options, parse_bandwidth("100mbit"))
             print(n, [(r["scheme"], r["steps_to_target"]) for r in measured[n]], flush=True)
-        lone = (pending.result() if pending is not None
-                else json.loads(args.lone_from.read_text())["lone"])
+        lone = (pending.result() if pending is not None else earlier["lone"]
+                if earlier is not None else json.loads(args.lone_from.read_text())["lone"])
     if lone["recipe"] != recipe(options):
         parser.error(f"--lone-from {args.lone_from}: its recipe {lone['recipe']} is not this "
                      f"run's {recipe(options)}")
@@ -163,9 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             for run in results:
                 run["probe_compute_ms"] = run["compute_ms_per_step"]
                 run["compute_ms_per_step"] = args.compute_ms
-        refs = references(results, lone, n)
-        cells[str(n)] = {"runs": [{k: r.get(k) for k in KEPT} for r in results],
-                         "references": refs}
+        kept = [{k: r.get(k) for k in KEPT} for r in results]
+        if earlier is not None and str(n) in earlier["cells"]:
+            new = {r["scheme"] for r in kept}
+            kept = [r for r in earlier["cells"][str(n)]["runs"] if r["scheme"] not in new] + kept
+        cells[str(n)] = {"runs": kept, "references": references(kept, lone, n)}
+    if earlier is not None:  # the worker counts this run did not measure stand as they were
+        cells = {**earlier["cells"], **cells}
     work = workloads.load(args.workload)
     record: dict[str, Any] = {
         "workload": args.workload, "metric": work.metric, "target": work.target,
@@ -174,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         "lone": {k: lone.get(k) for k in KEPT},
         "command": " ".join(["python -m benchmarks.linkmodel",
                              *(sys.argv[1:] if argv is None else argv)]),
+        "earlier": None if earlier is None else {
+            k: earlier.get(k) for k in ("command", "when", "load_before", "load_after",
+                                        "earlier")},
         "when": time.strftime("%Y-%m-%d %H:%M %Z"), "load_before": list(load),
         "load_after": list(os.getloadavg()), "cores": os.cpu_count(),
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
@@ -184,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             (x["time_to_target_s"] for x in cell["references"] if x["scheme"] == "lone worker"),
             None), DELAY_S["100mbit"]) for r in cell["runs"]}
         for n, cell in cells.items()}
-    out = args.out or Path(f"docs/data/linkmodel-{args.workload}.json")
+    out = args.out or args.add_to or Path(f"docs/data/linkmodel-{args.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     for rate, by_n in record["table"].items():

@@ -42,7 +42,9 @@ def test_steps_to_a_lower_is_better_target_and_the_verdict() -> None:
 def _run(scheme: str, steps: int | None, wire: float, overhead_ms: float = 1.0) -> dict[str, Any]:
     return {"scheme": scheme, "steps_to_target": steps, "compute_ms_per_step": 20.0,
             "overhead_ms_per_step": overhead_ms, "wire_sent_per_step": wire,
-            "bytes_received_per_step": wire / 2, "collectives_per_step": 2, "recipe": RECIPE}
+            "bytes_received_per_step": wire / 2, "collectives_per_step": 2, "recipe": RECIPE,
+            "workload": "text-lm", "target": 2.5, "metric": "bits per byte",
+            "test_score": 2.4, "test_accuracy": 0.4, "final_loss": 1.7}
 
 
 def _linkmodel() -> dict[str, Any]:
@@ -90,6 +92,29 @@ def test_streaming_diloco_waits_only_for_the_link_time_its_delay_does_not_cover(
     rate = linkmodel.break_even(overlapped, 4, lone, 0.0)
     assert rate is not None
     assert linkmodel.time_at(overlapped, 4, rate, 0.0) == pytest.approx(lone)
+
+
+def test_a_later_run_adds_its_schemes_to_an_earlier_file_of_the_same_recipe(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    earlier = _linkmodel()
+    earlier["lone"] = {**_run("dense", 400, 0.0), "recipe": RECIPE}
+    path = tmp_path / "linkmodel.json"
+    path.write_text(json.dumps(earlier))
+    fresh = [_run("topk", 90, 8e4), _run("diloco:every=10", 150, 2e4)]
+    monkeypatch.setattr(linkmodel, "recipe", lambda options: RECIPE)
+    monkeypatch.setattr(linkmodel, "compare", lambda *args, **kwargs: [dict(r) for r in fresh])
+    assert linkmodel.main(["--workers", "4", "--schemes", "topk,diloco:every=10",
+                           "--add-to", str(path), "--rates", "100mbit"]) == 0
+    record = json.loads(path.read_text())
+    runs = {r["scheme"]: r["steps_to_target"] for r in record["cells"]["4"]["runs"]}
+    assert runs == {"dense": 100, "clt-k": None, "topk": 90, "diloco:every=10": 150}
+    bound = next(r for r in record["cells"]["4"]["references"]
+                 if r["scheme"] == "compute-only bound")
+    assert bound["steps_to_target"] == 100  # the earlier dense run's
+    assert record["earlier"]["command"] == earlier["command"]
+    monkeypatch.setattr(linkmodel, "recipe", lambda options: {**RECIPE, "lr": 1.0})
+    with pytest.raises(SystemExit):  # another recipe's runs do not mix
+        linkmodel.main(["--workers", "4", "--schemes", "topk", "--add-to", str(path)])
 
 
 def test_the_page_shows_every_workloads_verdict_and_both_reference_rows(
