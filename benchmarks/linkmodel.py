@@ -35,7 +35,7 @@ from typing import Any
 
 from thinwire.jobs import workloads
 from thinwire.jobs.compare import compare, lone_worker, parse_bandwidth, references
-from thinwire.jobs.dataparallel import RunOptions, recipe
+from thinwire.jobs.dataparallel import RunOptions, recipe, same_trajectory
 
 SCHEMES = "dense,fp16,topk,dct-dp,powersgd,clt-k"
 # One-way delay per link rate: a LAN switch hop for the fast links, between sites over the
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     started = time.perf_counter()
     measured: dict[int, list[dict[str, Any]]] = {}
-    if earlier is not None and earlier["recipe"] != recipe(options):
+    if earlier is not None and not same_trajectory(earlier["recipe"], recipe(options)):
         parser.error(f"--add-to {args.add_to}: its recipe {earlier['recipe']} is not this "
                      f"run's {recipe(options)}")
     reuse = args.lone_from is not None or earlier is not None
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             print(n, [(r["scheme"], r["steps_to_target"]) for r in measured[n]], flush=True)
         lone = (pending.result() if pending is not None else earlier["lone"]
                 if earlier is not None else json.loads(args.lone_from.read_text())["lone"])
-    if lone["recipe"] != recipe(options):
+    if not same_trajectory(lone["recipe"], recipe(options)):
         parser.error(f"--lone-from {args.lone_from}: its recipe {lone['recipe']} is not this "
                      f"run's {recipe(options)}")
     print(f"lone worker: {lone['steps_to_target']} steps", flush=True)

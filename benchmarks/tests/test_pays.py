@@ -112,6 +112,9 @@ def test_a_later_run_adds_its_schemes_to_an_earlier_file_of_the_same_recipe(
                  if r["scheme"] == "compute-only bound")
     assert bound["steps_to_target"] == 100  # the earlier dense run's
     assert record["earlier"]["command"] == earlier["command"]
+    monkeypatch.setattr(linkmodel, "recipe", lambda options: {**RECIPE, "steps": 900})
+    assert linkmodel.main(["--workers", "4", "--schemes", "topk", "--add-to", str(path),
+                           "--rates", "100mbit"]) == 0  # a budget does not change a run
     monkeypatch.setattr(linkmodel, "recipe", lambda options: {**RECIPE, "lr": 1.0})
     with pytest.raises(SystemExit):  # another recipe's runs do not mix
         linkmodel.main(["--workers", "4", "--schemes", "topk", "--add-to", str(path)])

@@ -105,6 +105,13 @@ def recipe(options: RunOptions) -> dict[str, Any]:
     return {name: getattr(options, name) for name in RECIPE_FIELDS}
 
 
+def same_trajectory(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """Whether two recipes train alike, step for step: all fields but the step budget,
+    which only cuts a run short (no schedule depends on it, the batch stream is endless)."""
+    return ({k: v for k, v in first.items() if k != "steps"}
+            == {k: v for k, v in second.items() if k != "steps"})
+
+
 def accuracy(model: nn.Module, split: Split) -> float:
     with torch.no_grad():
         return float((model(split.x).argmax(dim=1) == split.y).float().mean())
