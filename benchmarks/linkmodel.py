@@ -45,7 +45,7 @@ KEPT = ("scheme", "steps_to_target", "compute_ms_per_step", "overhead_ms_per_ste
         "wire_sent_per_step", "bytes_received_per_step", "bytes_sent_per_step",
         "collectives_per_step", "test_score", "test_accuracy", "final_loss", "recipe",
         "replicas_identical", "curve", "probe_compute_ms", "workload", "target", "metric",
-        "local")
+        "local", "probe_overhead_ms")
 
 
 def modelled(run: dict[str, Any], workers: int, rate: str) -> float | None:
@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="text-lm", choices=sorted(workloads.WORKLOADS))
     parser.add_argument("--workers", default="2,4", help="comma-separated worker counts")
-    parser.add_argument("--schemes", default=SCHEMES, help="comma-separated; dense first")
+    parser.add_argument("--schemes", default=SCHEMES,
+                        help="comma-separated, each NAME or NAME:KEY=VALUE; dense first "
+                             "(with --add-to: any, or none to only recompute the table)")
     parser.add_argument("--rates", default="10mbit,100mbit,1gbit")
     parser.add_argument("--steps", type=int, default=None,
                         help="step budget per run (default: the recipe's)")
@@ -132,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a step's compute measured apart (benchmarks.efficiency records "
                              "it) for every row, where the run's own probe shares the cores "
                              "with other work; the probe is kept as probe_compute_ms")
+    parser.add_argument("--codec-from", type=Path, default=None,
+                        help="a benchmarks.codec file: its codec time for every scheme it has, "
+                             "measured apart on a quiet machine, in place of the run's own "
+                             "(kept as probe_overhead_ms)")
     parser.add_argument("--add-to", type=Path, default=None,
                         help="add this run's schemes to the cells of this earlier file of the "
                              "same recipe (its dense and lone worker stand; a scheme measured "
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = [s for s in args.schemes.split(",") if s]
     earlier = json.loads(args.add_to.read_text()) if args.add_to is not None else None
-    if earlier is None and names[0] != "dense":
+    if earlier is None and (not names or names[0] != "dense"):
         parser.error("--schemes must start with dense (the bound's steps)")
     own = workloads.RECIPES[args.workload]
     options = RunOptions(workload=args.workload, optimizer=own["optimizer"], lr=own["lr"],
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(1) as pool:  # the lone worker trains beside the others
         pending = None if reuse else pool.submit(lone_worker, options)
         for n in (int(w) for w in args.workers.split(",")):
-            measured[n] = compare(names, n, options, parse_bandwidth("100mbit"))
+            measured[n] = compare(names, n, options, parse_bandwidth("100mbit")) if names else []
             print(n, [(r["scheme"], r["steps_to_target"]) for r in measured[n]], flush=True)
         lone = (pending.result() if pending is not None else earlier["lone"]
                 if earlier is not None else json.loads(args.lone_from.read_text())["lone"])
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"run's {recipe(options)}")
     print(f"lone worker: {lone['steps_to_target']} steps", flush=True)
     cells: dict[str, Any] = {}
+    codec = json.loads(args.codec_from.read_text()) if args.codec_from is not None else None
     for n, results in measured.items():
         if args.compute_ms is not None:  # measured apart, on a quieter machine
             for run in results:
@@ -176,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         if earlier is not None and str(n) in earlier["cells"]:
             new = {r["scheme"] for r in kept}
             kept = [r for r in earlier["cells"][str(n)]["runs"] if r["scheme"] not in new] + kept
-        cells[str(n)] = {"runs": kept, "references": references(kept, lone, n)}
+        if codec is not None:  # measured apart, on a quieter machine
+            for run in kept:
+                if run["scheme"] in codec["ms_per_step"]:
+                    if run.get("probe_overhead_ms") is None:  # the run's own, kept once
+                        run["probe_overhead_ms"] = run["overhead_ms_per_step"]
+                    run["overhead_ms_per_step"] = codec["ms_per_step"][run["scheme"]]
+        if kept:
+            cells[str(n)] = {"runs": kept, "references": references(kept, lone, n)}
     if earlier is not None:  # the worker counts this run did not measure stand as they were
         cells = {**earlier["cells"], **cells}
     work = workloads.load(args.workload)
@@ -187,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         "lone": {k: lone.get(k) for k in KEPT},
         "command": " ".join(["python -m benchmarks.linkmodel",
                              *(sys.argv[1:] if argv is None else argv)]),
+        "codec_from": None if codec is None else {
+            k: codec.get(k) for k in ("command", "when", "load_before", "load_after")},
         "earlier": None if earlier is None else {
             k: earlier.get(k) for k in ("command", "when", "load_before", "load_after",
                                         "earlier")},

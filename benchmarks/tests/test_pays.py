@@ -115,6 +115,15 @@ def test_a_later_run_adds_its_schemes_to_an_earlier_file_of_the_same_recipe(
     monkeypatch.setattr(linkmodel, "recipe", lambda options: {**RECIPE, "steps": 900})
     assert linkmodel.main(["--workers", "4", "--schemes", "topk", "--add-to", str(path),
                            "--rates", "100mbit"]) == 0  # a budget does not change a run
+    codec = tmp_path / "codec.json"
+    codec.write_text(json.dumps({"ms_per_step": {"topk": 3.5, "floor": 0.1},
+                                 "command": "python -m benchmarks.codec"}))
+    assert linkmodel.main(["--workers", "4", "--schemes", "", "--add-to", str(path),
+                           "--codec-from", str(codec), "--rates", "100mbit"]) == 0
+    runs = {r["scheme"]: r for r in json.loads(path.read_text())["cells"]["4"]["runs"]}
+    assert runs["topk"]["overhead_ms_per_step"] == 3.5
+    assert runs["topk"]["probe_overhead_ms"] == 1.0  # the run's own, kept
+    assert runs["dense"]["overhead_ms_per_step"] == 0.0  # not in the codec file: as measured
     monkeypatch.setattr(linkmodel, "recipe", lambda options: {**RECIPE, "lr": 1.0})
     with pytest.raises(SystemExit):  # another recipe's runs do not mix
         linkmodel.main(["--workers", "4", "--schemes", "topk", "--add-to", str(path)])
