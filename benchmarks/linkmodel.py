@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from typing import Any
 
 from thinwire.jobs import workloads
 from thinwire.jobs.compare import compare, lone_worker, parse_bandwidth, references
-from thinwire.jobs.dataparallel import RunOptions, recipe
+from thinwire.jobs.dataparallel import RunOptions, recipe, same_trajectory
 
 SCHEMES = "dense,fp16,topk,dct-dp,powersgd,clt-k"
 # One-way delay per link rate: a LAN switch hop for the fast links, between sites over the
@@ -43,34 +44,58 @@ DELAY_S = {"10mbit": 0.010, "100mbit": 0.0002, "1gbit": 0.0001}
 KEPT = ("scheme", "steps_to_target", "compute_ms_per_step", "overhead_ms_per_step",
         "wire_sent_per_step", "bytes_received_per_step", "bytes_sent_per_step",
         "collectives_per_step", "test_score", "test_accuracy", "final_loss", "recipe",
-        "replicas_identical", "curve", "probe_compute_ms", "workload", "target", "metric")
+        "replicas_identical", "curve", "probe_compute_ms", "workload", "target", "metric",
+        "local", "probe_overhead_ms")
 
 
 def modelled(run: dict[str, Any], workers: int, rate: str) -> float | None:
     """A scheme's time to target at ``rate`` from its measured parts (None: not reached)."""
+    return time_at(run, workers, parse_bandwidth(rate), DELAY_S.get(rate, 0.0))
+
+
+def time_at(run: dict[str, Any], workers: int, rate_bps: float,
+            delay_s: float) -> float | None:
+    """Time to target at ``rate_bps`` (inf: a free link) and one-way delay ``delay_s``."""
     steps = run.get("steps_to_target")
     if steps is None:
         return None
     wire = max(run["wire_sent_per_step"], run["bytes_received_per_step"])
-    latency = run["collectives_per_step"] * 2 * (workers - 1) * DELAY_S.get(rate, 0.0)
-    per_step = ((run["compute_ms_per_step"] + run["overhead_ms_per_step"]) / 1000.0
-                + 8.0 * wire / parse_bandwidth(rate) + latency)
-    return float(steps * per_step)
+    latency = run["collectives_per_step"] * 2 * (workers - 1) * delay_s
+    busy = (run["compute_ms_per_step"] + run["overhead_ms_per_step"]) / 1000.0
+    link = 8.0 * wire / rate_bps + latency
+    return float(steps * (busy + exposed(run, link, busy)))
+
+
+def exposed(run: dict[str, Any], link_s: float, busy_s: float) -> float:
+    """The link time per step that training waits for: all of ``link_s``, except under
+    Streaming DiLoCo, whose exchange of a fragment overlaps the ``delay`` inner steps
+    before it lands; a fragment syncs every ``every / fragments`` steps, so each
+    exchange carries that many steps' share of the link time."""
+    local = run.get("local") or {}
+    if not local.get("delay"):
+        return link_s
+    spacing = local["every"] / local["fragments"]
+    return max(0.0, link_s * spacing - local["delay"] * busy_s) / spacing
 
 
 def break_even(run: dict[str, Any], workers: int, lone_s: float | None,
                delay_s: float) -> float | None:
     """The link rate (bits/s) above which ``run`` reaches the target before the lone worker,
-    at one-way delay ``delay_s``; None: never (or not reached)."""
-    steps = run.get("steps_to_target")
-    if steps is None or lone_s is None:
+    at one-way delay ``delay_s``; None: never (or not reached). Time falls as the rate
+    rises, so a bisection on the rate's logarithm finds it."""
+    free = time_at(run, workers, math.inf, delay_s)
+    if lone_s is None or free is None or free >= lone_s:
         return None
-    wire = max(run["wire_sent_per_step"], run["bytes_received_per_step"])
-    busy = steps * ((run["compute_ms_per_step"] + run["overhead_ms_per_step"]) / 1000.0
-                    + run["collectives_per_step"] * 2 * (workers - 1) * delay_s)
-    if busy >= lone_s:
-        return None
-    return float(8.0 * wire * steps / (lone_s - busy)) if wire else 0.0
+    low, high = 1.0, 1e15  # bits/s: slower than any link, and as good as free
+    if time_at(run, workers, low, delay_s) < lone_s:
+        return low
+    while high / low > 1 + 1e-9:
+        middle = math.sqrt(low * high)
+        if time_at(run, workers, middle, delay_s) < lone_s:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def table(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -94,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="text-lm", choices=sorted(workloads.WORKLOADS))
     parser.add_argument("--workers", default="2,4", help="comma-separated worker counts")
-    parser.add_argument("--schemes", default=SCHEMES, help="comma-separated; dense first")
+    parser.add_argument("--schemes", default=SCHEMES,
+                        help="comma-separated, each NAME or NAME:KEY=VALUE; dense first "
+                             "(with --add-to: any, or none to only recompute the table)")
     parser.add_argument("--rates", default="10mbit,100mbit,1gbit")
     parser.add_argument("--steps", type=int, default=None,
                         help="step budget per run (default: the recipe's)")
@@ -107,11 +134,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="a step's compute measured apart (benchmarks.efficiency records "
                              "it) for every row, where the run's own probe shares the cores "
                              "with other work; the probe is kept as probe_compute_ms")
+    parser.add_argument("--codec-from", type=Path, default=None,
+                        help="a benchmarks.codec file: its codec time for every scheme it has, "
+                             "measured apart on a quiet machine, in place of the run's own "
+                             "(kept as probe_overhead_ms)")
+    parser.add_argument("--add-to", type=Path, default=None,
+                        help="add this run's schemes to the cells of this earlier file of the "
+                             "same recipe (its dense and lone worker stand; a scheme measured "
+                             "again replaces its row), so --schemes need not start with dense")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default docs/data/linkmodel-WORKLOAD.json")
+                        help="default docs/data/linkmodel-WORKLOAD.json, or --add-to's file")
     args = parser.parse_args(argv)
     names = [s for s in args.schemes.split(",") if s]
-    if names[0] != "dense":
+    earlier = json.loads(args.add_to.read_text()) if args.add_to is not None else None
+    if earlier is None and (not names or names[0] != "dense"):
         parser.error("--schemes must start with dense (the bound's steps)")
     own = workloads.RECIPES[args.workload]
     options = RunOptions(workload=args.workload, optimizer=own["optimizer"], lr=own["lr"],
@@ -121,26 +157,42 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     started = time.perf_counter()
     measured: dict[int, list[dict[str, Any]]] = {}
+    if earlier is not None and not same_trajectory(earlier["recipe"], recipe(options)):
+        parser.error(f"--add-to {args.add_to}: its recipe {earlier['recipe']} is not this "
+                     f"run's {recipe(options)}")
+    reuse = args.lone_from is not None or earlier is not None
     with ThreadPoolExecutor(1) as pool:  # the lone worker trains beside the others
-        pending = pool.submit(lone_worker, options) if args.lone_from is None else None
+        pending = None if reuse else pool.submit(lone_worker, options)
         for n in (int(w) for w in args.workers.split(",")):
-            measured[n] = compare(names, n, options, parse_bandwidth("100mbit"))
+            measured[n] = compare(names, n, options, parse_bandwidth("100mbit")) if names else []
             print(n, [(r["scheme"], r["steps_to_target"]) for r in measured[n]], flush=True)
-        lone = (pending.result() if pending is not None
-                else json.loads(args.lone_from.read_text())["lone"])
-    if lone["recipe"] != recipe(options):
+        lone = (pending.result() if pending is not None else earlier["lone"]
+                if earlier is not None else json.loads(args.lone_from.read_text())["lone"])
+    if not same_trajectory(lone["recipe"], recipe(options)):
         parser.error(f"--lone-from {args.lone_from}: its recipe {lone['recipe']} is not this "
                      f"run's {recipe(options)}")
     print(f"lone worker: {lone['steps_to_target']} steps", flush=True)
     cells: dict[str, Any] = {}
+    codec = json.loads(args.codec_from.read_text()) if args.codec_from is not None else None
     for n, results in measured.items():
         if args.compute_ms is not None:  # measured apart, on a quieter machine
             for run in results:
                 run["probe_compute_ms"] = run["compute_ms_per_step"]
                 run["compute_ms_per_step"] = args.compute_ms
-        refs = references(results, lone, n)
-        cells[str(n)] = {"runs": [{k: r.get(k) for k in KEPT} for r in results],
-                         "references": refs}
+        kept = [{k: r.get(k) for k in KEPT} for r in results]
+        if earlier is not None and str(n) in earlier["cells"]:
+            new = {r["scheme"] for r in kept}
+            kept = [r for r in earlier["cells"][str(n)]["runs"] if r["scheme"] not in new] + kept
+        if codec is not None:  # measured apart, on a quieter machine
+            for run in kept:
+                if run["scheme"] in codec["ms_per_step"]:
+                    if run.get("probe_overhead_ms") is None:  # the run's own, kept once
+                        run["probe_overhead_ms"] = run["overhead_ms_per_step"]
+                    run["overhead_ms_per_step"] = codec["ms_per_step"][run["scheme"]]
+        if kept:
+            cells[str(n)] = {"runs": kept, "references": references(kept, lone, n)}
+    if earlier is not None:  # the worker counts this run did not measure stand as they were
+        cells = {**earlier["cells"], **cells}
     work = workloads.load(args.workload)
     record: dict[str, Any] = {
         "workload": args.workload, "metric": work.metric, "target": work.target,
@@ -149,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         "lone": {k: lone.get(k) for k in KEPT},
         "command": " ".join(["python -m benchmarks.linkmodel",
                              *(sys.argv[1:] if argv is None else argv)]),
+        "codec_from": None if codec is None else {
+            k: codec.get(k) for k in ("command", "when", "load_before", "load_after")},
+        "earlier": None if earlier is None else {
+            k: earlier.get(k) for k in ("command", "when", "load_before", "load_after",
+                                        "earlier")},
         "when": time.strftime("%Y-%m-%d %H:%M %Z"), "load_before": list(load),
         "load_after": list(os.getloadavg()), "cores": os.cpu_count(),
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
@@ -159,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             (x["time_to_target_s"] for x in cell["references"] if x["scheme"] == "lone worker"),
             None), DELAY_S["100mbit"]) for r in cell["runs"]}
         for n, cell in cells.items()}
-    out = args.out or Path(f"docs/data/linkmodel-{args.workload}.json")
+    out = args.out or args.add_to or Path(f"docs/data/linkmodel-{args.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     for rate, by_n in record["table"].items():

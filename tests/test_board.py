@@ -39,7 +39,8 @@ def test_each_step_logs_what_the_meter_counted_in_that_step(tmp_path: Path) -> N
     trace["fc.weight"].append((2, 0.4, 0.02))
     meter.next_step()  # a step that hands nothing (a lone worker's): no ratio
     writer.step(meter, trace=trace)
-    writer.accuracy(3, 0.75)
+    writer.score(3, 0.75)
+    writer.score(3, 2.5, "bits per byte")
     writer.close()
     logged = scalars(tmp_path)
     assert logged[board.HANDED] == [(1, 100.0), (2, 400.0), (3, 0.0)]
@@ -50,6 +51,7 @@ def test_each_step_logs_what_the_meter_counted_in_that_step(tmp_path: Path) -> N
                                                    (3, pytest.approx(0.02))]
     assert logged[board.LOSS] == [(1, 2.5), (2, 2.0)]
     assert logged[board.ACCURACY] == [(3, 0.75)]
+    assert logged["test/bits_per_byte"] == [(3, 2.5)]  # text-lm's metric, by its name
 
 
 def test_compare_writes_one_tensorboard_run_per_scheme(tmp_path: Path) -> None:

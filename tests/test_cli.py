@@ -161,6 +161,40 @@ def test_option_for_one_of_several_schemes_is_accepted() -> None:
     assert compare.parse_options(["rank=2"], ["dense", "powersgd"]) == {"rank": 2}
 
 
+def test_a_scheme_spelled_with_its_own_options_runs_with_them_under_its_spelling(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, dict[str, object]]] = []
+
+    def record(_worker: object, workers: int, runs: list[tuple[str, dict[str, object]]],
+               *args: object, **kwargs: object) -> list[list[dict[str, object]]]:
+        seen.extend(runs)
+        result = {"weights": [torch.zeros(1)], "bytes_sent_per_step": 1.0,
+                  "wire_sent_per_step": 1.0, "bytes_received_per_step": 1.0,
+                  "compute_ms_per_step": 1.0, "overhead_ms_per_step": 0.0,
+                  "steps_to_target": None}
+        return [[dict(result, scheme=name) for name, _ in runs] for _ in range(workers)]
+
+    monkeypatch.setattr(compare, "spawn", record)
+    options = run_options(build_parser().parse_args(["compare"]))
+    results = compare.compare(["powersgd", "powersgd:rank=4", "topk:ratio=0.05"], 2, options,
+                              1e8, extra=["rank=3"])
+    assert seen == [("powersgd", {"rank": 3}), ("powersgd", {"rank": 4}),
+                    ("topk", {"ratio": 0.05})]
+    assert [r["scheme"] for r in results] == ["powersgd", "powersgd:rank=4", "topk:ratio=0.05"]
+
+
+@pytest.mark.parametrize(("schemes", "expected"), [
+    ("dense,powersgd:ratio=0.1", "'ratio' is not an option of powersgd"),
+    ("topk:rank", "'rank' must look like KEY=VALUE"),
+])
+def test_a_bad_option_in_a_schemes_spelling_is_rejected_before_spawning(
+        schemes: str, expected: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compare, "spawn", _no_spawn)
+    assert main(["compare", "--schemes", schemes]) == 2
+    assert expected in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("seconds", ["0", "-5", "nan", "soon"])
 def test_timeout_must_be_positive_seconds(seconds: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
@@ -490,6 +524,27 @@ def test_train_rank_zero_writes_the_run_folder(tmp_path: Path,
     assert result["scheme"] == "dct-dp" and result["steps"] == 3 and result["workers"] == 1
     for name in ("results.json", "results.md", "accuracy_vs_bytes.png", "threshold.png"):
         assert (tmp_path / "run" / name).stat().st_size > 0
+
+
+def test_train_runs_local_updates_under_torchrun(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(key, value)
+    code = main(["train", "--scheme", "diloco+int8", "--option", "every=2", "--steps", "4",
+                 "--batch-size", "16", "--backend", "gloo", "--out", str(tmp_path / "run"),
+                 "--json", str(tmp_path / "copy.json")])
+    assert code == 0
+    result = json.loads((tmp_path / "copy.json").read_text())["runs"][0]
+    assert result["scheme"] == "diloco+int8" and result["local"]["syncs"] == 2
+
+
+def test_train_refuses_local_updates_with_sites_before_joining_the_job(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "--scheme", "diloco", "--sites", "2"]) == 2
+    assert "takes no --sites" in capsys.readouterr().err
 
 
 def test_async_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

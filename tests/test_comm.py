@@ -164,7 +164,7 @@ SCHEMES = ("dense", "dct-dp")
 
 def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
                         ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                   dict[str, float]]:
+                                   dict[str, float], float]:
     generator = torch.Generator().manual_seed(10 + rank)
     grads = {"w": torch.randn(32, 8, generator=generator, dtype=torch.float64),
              "b": torch.randn(8, generator=generator, dtype=torch.float64)}
@@ -174,7 +174,8 @@ def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
     scheme.meter = Meter(rank, 2)
     out = scheme.reduce(grads, group)
     scheme.meter.next_step()
-    return grads, out, scheme.meter.bytes_per_step("layer")
+    return (grads, out, scheme.meter.bytes_per_step("layer"),
+            scheme.meter.collectives_per_step())
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -195,9 +196,12 @@ def test_scheme_reduce_averages_what_each_rank_sent(runs: list[dict[str, Any]],
                 on_wire = flat.float().double()  # values travel as fp32
                 sent.append((on_wire * mask).reshape(g[key].shape))
             expected = (sent[0] + sent[1]) / 2
-        for _, out, _ in results:
+        for _, out, _, _ in results:
             torch.testing.assert_close(out[key], expected, rtol=0, atol=1e-15)
-    layers = results[0][2]
+    layers, collectives = results[0][2], results[0][3]
+    # one call per buffer, whatever its segments: dense one all-reduce of w and b, dct-dp
+    # one all-gather of its fixed-size payload (no lengths round)
+    assert collectives == 1
     if name == "dense":
         assert layers == {"w": 32 * 8 * 8, "b": 8 * 8}
     else:  # one payload with room for 1.25 k per layer (33 + 2): a bitmap of 264 entries

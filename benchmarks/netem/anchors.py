@@ -39,7 +39,7 @@ MB = 1024 * 1024
 class Installed:
     """A DDP model with its communication, and how to read its cost."""
 
-    net: DistributedDataParallel
+    net: nn.Module  # DDP, or the model itself when FSDP shards it (it communicates inside)
     after_step: Callable[[], None]  # metering that has no hook to live in
     overhead_s: Callable[[], float]  # compression seconds measured so far (0 if unknown)
     details: Callable[[], dict[str, Any]] = dict  # scheme-specific counters for the results

@@ -3,6 +3,7 @@
     sudo python -m benchmarks.netem            # the full run: 1gbit and 100mbit, 2 and 4 workers
     sudo python -m benchmarks.netem --quick    # ~2 minutes: 100mbit, 2 workers, short runs
     sudo python -m benchmarks.netem --cleanup  # remove namespaces left by a killed run
+    sudo python -m benchmarks.netem --sites 2 --workers 4 --workload text-lm --rates 100mbit
 
 One network namespace per worker, each joined by a veth pair to a bridge
 namespace; both directions of every link shaped by tbf at the chosen rate.
@@ -10,8 +11,12 @@ For each rate and worker count, one worker per namespace (``ip netns exec``,
 gloo bound to the veth, ``tcp://`` rendezvous on the namespace addresses)
 trains the demo MLP (or ``--workload NAME``, a workload of ``thinwire
 compare`` with its recipe) under each scheme in turn until the target
-accuracy or the time cap. Writes ``results/netem/<time>/results.json`` (and the workers'
-logs beside it); ``python -m benchmarks.report`` turns it into docs/results.md.
+accuracy or the time cap. With ``--sites S``, one namespace per site holds that site's
+ranks (FSDP2 over them, on the namespace's loopback) and only the links between sites
+are shaped; the workers train as ``thinwire compare --sites`` does, and each run records
+whether the shaped ports carried the cross-site bytes alone. Writes
+``results/netem/<time>/results.json`` (and the workers' logs beside it);
+``python -m benchmarks.report`` turns it into docs/results.md.
 Everything it creates is removed on exit, Ctrl-C, SIGTERM or failure.
 """
 
@@ -38,16 +43,25 @@ import thinwire
 from benchmarks.machine import CpuWatch, cpu_model
 from benchmarks.netem import net
 from benchmarks.netem.anchors import ANCHORS
-from benchmarks.netem.summary import derive, fmt_seconds, median_runs, reference_rows
+from benchmarks.netem.summary import (
+    derive,
+    fmt_seconds,
+    median_runs,
+    reference_rows,
+    site_check_summary,
+)
 from benchmarks.netem.worker import label_of
 from thinwire import schemes
 from thinwire.jobs.common import split_option
 from thinwire.jobs.compare import parse_bandwidth, scheme_config
+from thinwire.jobs.sharded import NATIVE
 from thinwire.jobs.workloads import RECIPES, WORKLOADS, load
 
 # The issue's line-up: PyTorch's own anchors, then thinwire's schemes (skipped until registered).
 DEFAULT_SCHEMES = ("torch-dense", "torch-fp16", "torch-powersgd", "dct-dp", "topk", "clt-k",
                    "powersgd")
+# With --sites: torch's own HSDP as the anchor (DDP's anchors do not shard), then thinwire's.
+SITE_SCHEMES = (NATIVE, "dense", "topk", "powersgd")
 REPO = Path(__file__).resolve().parents[2]
 BASE_PORT = 29500
 
@@ -79,9 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated tc rates, fastest first (default {FULL['rates']})")
     parser.add_argument("--workers", default=None,
                         help=f"comma-separated worker counts (default {FULL['workers']})")
-    parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
-                        help="comma-separated; torch-dense, torch-fp16, torch-powersgd are "
-                             "PyTorch's own, the rest thinwire's; 'all' = every one. "
+    parser.add_argument("--sites", type=int, default=None,
+                        help="hybrid sharding across S sites: the ranks of a site share one "
+                             "namespace (FSDP2 inside it, on loopback) and only the links "
+                             "between sites are shaped; every worker count must be a "
+                             "multiple of S (default: no sites, one namespace per worker)")
+    parser.add_argument("--schemes", default=None,
+                        help="comma-separated (default: "
+                             f"{','.join(DEFAULT_SCHEMES)}; with --sites "
+                             f"{','.join(SITE_SCHEMES)}); torch-dense, torch-fp16, "
+                             f"torch-powersgd are PyTorch's own DDP anchors and {NATIVE} "
+                             "its HSDP (with --sites only), the rest thinwire's; "
+                             "'all' = every one. "
                              "NAME:KEY=VALUE[:KEY=VALUE] runs a variant of thinwire's "
                              "scheme NAME under that label, e.g. dct-dp:scope=bucket")
     parser.add_argument("--workload", default=DEMO, choices=[DEMO, *sorted(WORKLOADS)],
@@ -158,6 +181,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for key, value in recipe(args.workload, args.seed).items():  # explicit flags win
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.schemes is None:
+        args.schemes = ",".join(SITE_SCHEMES if args.sites is not None else DEFAULT_SCHEMES)
     args.rate_list = [r.strip() for r in args.rates.split(",") if r.strip()]
     args.rate_bps = [parse_bandwidth(r) for r in args.rate_list]
     try:
@@ -166,6 +191,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"workers={args.workers!r} must be comma-separated integers") from None
     if not args.worker_list or min(args.worker_list) < 2 or max(args.worker_list) > 64:
         raise ValueError(f"workers={args.workers!r} must list counts in [2, 64]")
+    if args.sites is not None:
+        check_site_counts(args.sites, args.worker_list)
     if not args.lower_is_better and not 0 < args.target <= 1:
         raise ValueError(f"target={args.target!r} must be in (0, 1]")
     if args.lower_is_better and not args.target > 0:
@@ -181,15 +208,36 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def check_site_counts(sites: int, workers: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless ``sites`` >= 2 sites split every worker count evenly.
+
+    One site would leave no link to shape; a count that ``sites`` does not divide has no
+    equal shards per site (:func:`thinwire.jobs.sharded.check_sites`).
+    """
+    if isinstance(sites, bool) or not isinstance(sites, int) or not 2 <= sites <= 250:
+        raise ValueError(f"sites={sites!r} must be an integer in [2, 250] (one site has no "
+                         "link between sites to shape)")
+    uneven = [w for w in workers if w % sites]
+    if uneven:
+        raise ValueError(f"workers={','.join(map(str, workers))!r}: {uneven[0]} workers do not "
+                         f"split into {sites} sites evenly; give multiples of {sites}")
+
+
 def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     """The scheme entries to run, and notes on requested names that are not available."""
-    requested = ([*ANCHORS, *schemes.names()] if args.schemes == "all"
+    sited = getattr(args, "sites", None) is not None
+    anchors = (NATIVE,) if sited else tuple(ANCHORS)
+    requested = ([*anchors, *schemes.names()] if args.schemes == "all"
                  else [s.strip() for s in args.schemes.split(",") if s.strip()])
     entries, notes = [], []
     options = [f"rank={args.rank}", *args.option]  # an explicit --option KEY=VALUE wins
     for label in requested:
         name, *variant = label.split(":")
-        if name in ANCHORS:
+        if name in (*ANCHORS, NATIVE) and name not in anchors:
+            raise ValueError(f"{label!r} is a {'DDP' if sited else 'sharded (--sites)'} "
+                             f"anchor; {'with' if sited else 'without'} --sites use "
+                             f"{', '.join(anchors)}")
+        if name in anchors:
             if variant:
                 raise ValueError(f"{label!r}: PyTorch's {name} takes no options")
             entries.append({"name": name, "config": {}})
@@ -217,7 +265,7 @@ def worker_options(args: argparse.Namespace) -> dict[str, Any]:
             "eval_every": args.eval_every, "max_steps": args.max_steps, "cap_s": args.cap_s,
             "warmup": args.warmup, "min_steps": max(args.min_steps, args.warmup + 1),
             "rank": args.rank, "timeout_s": args.timeout_s, "threads": 1,
-            "interface": net.WORKER_IF}
+            "interface": net.WORKER_IF, "sites": getattr(args, "sites", None)}
 
 
 def worker_command(namespace: str, python: str, rank: int, world_size: int, port: int,
@@ -274,8 +322,8 @@ class Launcher:
         env = worker_env()
         for rank in range(workers):
             log = (folder / f"rank{rank}.log").open("wb")
-            command = worker_command(self.topology.namespace(rank), sys.executable, rank,
-                                     workers, port, spec, folder)
+            command = worker_command(self.topology.namespace(rank, workers), sys.executable,
+                                     rank, workers, port, spec, folder)
             self.processes.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=log,
                                                    stderr=subprocess.STDOUT,
                                                    start_new_session=True))
@@ -319,15 +367,16 @@ def finished(lines: Path) -> list[dict[str, Any]]:
 
 
 def link_check(topology: net.Topology, rate_bps: float, seconds: float = 1.0) -> float:
-    """Goodput (bits/s) of a bulk TCP transfer from rank 0's namespace to rank 1's."""
+    """Goodput (bits/s) of a bulk TCP transfer from host 0's namespace to host 1's."""
     nbytes = int(rate_bps / 8 * seconds)
     env = worker_env()
     module = [sys.executable, "-m", "benchmarks.netem.linkcheck"]
-    server = subprocess.Popen(["ip", "netns", "exec", topology.namespace(1), *module, "serve",
+    server = subprocess.Popen(["ip", "netns", "exec", topology.host_namespace(1), *module,
+                               "serve",
                                net.address(1), "5201"], env=env, cwd=REPO,
                               start_new_session=True)
     try:
-        sent = subprocess.run(["ip", "netns", "exec", topology.namespace(0), *module, "send",
+        sent = subprocess.run(["ip", "netns", "exec", topology.host_namespace(0), *module, "send",
                                net.address(1), "5201", str(nbytes)], env=env, cwd=REPO,
                               capture_output=True, text=True, timeout=60 + 20 * seconds,
                               check=True)
@@ -427,12 +476,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "options": {**options, "reference_cap_s": args.reference_cap_s},
         "ratio": args.ratio, "life_span": args.life_span, "rates": args.rate_list,
         "workers": args.worker_list, "rounds": args.rounds, "notes": notes,
+        "sites": args.sites,
         "tbf": {rate: vars(net.tbf_for(bps)) for rate, bps in zip(args.rate_list,
                                                                   args.rate_bps)},
     }
+    cores = os.cpu_count() or 1
+    if max(args.worker_list) > cores:  # what the wall times include beside the link
+        notes.append(f"{max(args.worker_list)} worker processes on {cores} cores: they "
+                     "compute in turn, so step and wall times are inflated against one "
+                     "core per worker (the compute column is measured in the same crowd)")
+    load = os.getloadavg()[0]
+    if load > 1.5 * cores:
+        notes.append(f"the machine was busy: 1-minute load {load:.1f} on {cores} cores "
+                     "before the run")
     watch = CpuWatch()
-    topology = net.Topology(f"{net.PREFIX}{os.getpid()}", max(args.worker_list))
-    options["bridge_namespace"] = net.names(topology.prefix, topology.workers)[0]
+    topology = net.Topology(f"{net.PREFIX}{os.getpid()}", max(args.worker_list), args.sites)
+    options["bridge_namespace"] = net.names(topology.prefix, topology.hosts, topology.kind)[0]
     launcher = Launcher(topology, folder,
                         deadline_s=3 * max(args.cap_s, args.reference_cap_s) + 180)
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -443,8 +502,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         record["tcp_congestion_control"] = topology.congestion_control()
         with tqdm(total=total, unit="run", dynamic_ncols=True) as progress:
             # The lone worker: dense with the same recipe on one worker, no link to wait on.
-            lone = launcher.run(1, [LONE], {**options, "cap_s": args.reference_cap_s},
-                                "lone", progress)
+            lone = launcher.run(1, [LONE], {**options, "cap_s": args.reference_cap_s,
+                                            "sites": None}, "lone", progress)
             record["lone"] = lone[0] if lone else None
             for index, (rate, rate_bps) in enumerate(zip(args.rate_list, args.rate_bps)):
                 # The first rate's runs establish the steps to target: give them longer.
@@ -458,6 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for workers in args.worker_list:
                     label = f"{rate}-{workers}w"
                     before = topology.qdisc_stats()
+                    loop_before = topology.loopback_stats() if args.sites else {}
                     for round_ in range(args.rounds):  # each round runs every scheme once
                         for result in launcher.run(workers, entries, rate_options, label,
                                                    progress):
@@ -465,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          "workers": workers, "cap_s": cap, "round": round_})
                     record.setdefault("qdisc", {})[label] = _delta(before,
                                                                    topology.qdisc_stats())
+                    if args.sites:  # a site's own traffic, which must not meet a shaper
+                        record.setdefault("loopback", {})[label] = _delta(
+                            loop_before, topology.loopback_stats())
     except Interrupted as why:
         print(f"\ninterrupted ({why}): cleaning up", file=sys.stderr)
         status = 130
@@ -483,6 +546,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     record["others_cpu_share"] = watch.others_share()
     record["runs"] = derive(runs)
     record["references"] = reference_rows(median_runs(record["runs"]), record.get("lone"))
+    if args.sites:
+        record["site_traffic_check"] = site_check_summary(record["runs"])
     # An interrupted run is kept for inspection but never taken for the results page.
     path = folder / ("results.json" if status == 0 else "results-incomplete.json")
     path.write_text(json.dumps(record, indent=2))

@@ -47,14 +47,18 @@ def derive(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     this run's training seconds so far plus its median step time for each of
     the remaining steps. Runs with the same seed follow the same trajectory
     whatever the link (``trajectory_matches`` checks this on the losses).
+    A sharded run (``sites``) counts its site's cross-site bytes in the floor (the
+    site's ranks share one port) and gets :func:`site_traffic` as ``site_traffic``.
     Returns the same list, modified in place.
     """
     for run in runs:
         if run.get("status") != "ok":
             continue
         rate = run["rate_bps"]
-        run["floor_s"] = floor_s(run["compute_s"], run["wire_sent_per_step"],
-                                 run["bytes_received_per_step"], rate)
+        # a site's ranks share its port: the floor carries all their cross-site bytes
+        share = run.get("shards_per_site", 1)
+        run["floor_s"] = floor_s(run["compute_s"], share * run["wire_sent_per_step"],
+                                 share * run["bytes_received_per_step"], rate)
         run["floor_ratio"] = run["median_step_s"] / run["floor_s"]
         charged = [b for b in (run.get("shaper_tx_per_step"), run.get("shaper_rx_per_step"))
                    if b is not None]
@@ -62,7 +66,11 @@ def derive(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             charged) else None
         run["wire_floor_ratio"] = (run["median_step_s"] / run["wire_floor_s"]
                                    if run["wire_floor_s"] else None)
-        run["compression_ratio"] = run["dense_bytes"] / max(run["bytes_handed_per_step"], 1e-9)
+        # sharded runs exchange each rank's shard, so that is what dense would hand over
+        dense = run.get("dense_shard_bytes", run["dense_bytes"])
+        run["compression_ratio"] = dense / max(run["bytes_handed_per_step"], 1e-9)
+        if run.get("sites") is not None:
+            run["site_traffic"] = site_traffic(run)
     for run in runs:
         if run.get("status") != "ok":
             continue
@@ -136,7 +144,8 @@ def fmt_seconds(value: float | None) -> str:
 
 # The rows every time-to-target table carries beside the schemes.
 REFERENCE_ROWS = ("lone worker", "compute-only bound")
-DENSE = ("torch-dense", "dense")  # whose steps at n workers make the compute-only bound
+# whose steps at n workers make the compute-only bound (native-hsdp: with sites)
+DENSE = ("torch-dense", "native-hsdp", "dense")
 
 
 def reference_rows(runs: list[dict[str, Any]],
@@ -179,3 +188,61 @@ def reference_rows(runs: list[dict[str, Any]],
                                      if seconds and bound["time_to_target_s"] else None)
         rows += [alone, bound]
     return rows
+
+
+# A site's shaped port must carry its ranks' cross-site bytes as frames (headers and the
+# acknowledgements of what it receives on top) and nothing of its own traffic; the band
+# is wide because small messages pay more headers, while a leak of the site's own
+# traffic (FSDP's all-gather and reduce-scatter, ~2 (shards - 1) shards per step) would
+# multiply the ratio.
+SITE_RATIO_BAND = (0.9, 1.5)
+
+
+def site_traffic(run: dict[str, Any]) -> dict[str, Any]:
+    """Did the shaped port carry the site's cross-site bytes, and only those?
+
+    Compares, per step over the timed window, what the site port's two shapers charged
+    with what the Meter says the site's ranks send and receive across sites (the ring
+    model, rank 0's bytes times the shards per site: every rank of a site holds a shard
+    of the same size), and reports what the namespace's loopback carried against the
+    least FSDP moves inside the site: an all-gather of the parameters and a
+    reduce-scatter of the gradients, each ``(shards - 1) x shard`` bytes per rank.
+
+    Returns:
+        ``{"meter_tx", "meter_rx", "shaper_tx", "shaper_rx", "tx_ratio", "rx_ratio",
+        "loopback_tx", "intra_site_least", "ok"}`` (bytes per step; ratios and ``ok``
+        None where a counter could not be read).
+    """
+    shards = int(run["shards_per_site"])
+    meter_tx = shards * run["wire_sent_per_step"]
+    meter_rx = shards * run["bytes_received_per_step"]
+    shaper_tx, shaper_rx = run.get("shaper_tx_per_step"), run.get("shaper_rx_per_step")
+    loopback = run.get("loopback_tx_per_step")
+    shard = run.get("dense_shard_bytes", 0)
+    least = shards * 2 * (shards - 1) * shard
+
+    def ratio(charged: float | None, counted: float) -> float | None:
+        return None if charged is None or counted <= 0 else charged / counted
+
+    tx_ratio, rx_ratio = ratio(shaper_tx, meter_tx), ratio(shaper_rx, meter_rx)
+    low, high = SITE_RATIO_BAND
+    ok = (None if tx_ratio is None or rx_ratio is None or loopback is None
+          else low <= tx_ratio <= high and low <= rx_ratio <= high and loopback >= least)
+    return {"meter_tx": meter_tx, "meter_rx": meter_rx, "shaper_tx": shaper_tx,
+            "shaper_rx": shaper_rx, "tx_ratio": tx_ratio, "rx_ratio": rx_ratio,
+            "loopback_tx": loopback, "intra_site_least": least, "ok": ok}
+
+
+def site_check_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every sharded run's :func:`site_traffic` in one place, and whether all passed."""
+    checks = {f"{r['rate']}-{r['workers']}w-{r['scheme']}-r{r.get('round', 0)}":
+              r["site_traffic"] for r in runs if "site_traffic" in r}
+    verdicts = [c["ok"] for c in checks.values()]
+    return {"band": list(SITE_RATIO_BAND), "runs": checks,
+            "all_ok": bool(verdicts) and all(v is True for v in verdicts),
+            "meaning": "per step over each run's timed window: shaper bytes on the site's "
+                       "port against the Meter's cross-site bytes of the site's ranks "
+                       "(tx_ratio, rx_ratio, inside the band: frames and acknowledgements "
+                       "only), and the site namespace's loopback bytes against the least "
+                       "FSDP moves inside the site (loopback_tx >= intra_site_least: the "
+                       "site's own traffic stayed off the shaper)"}

@@ -7,6 +7,9 @@
 Trains the demo MLP (scaled up) on digits, or a workload of ``thinwire
 compare`` (``options["workload"]``), under each scheme of the spec in turn,
 timing every step and reading what the shapers charged over the timed window.
+With ``options["sites"]`` the model is sharded as ``thinwire compare --sites``
+shards it (:func:`thinwire.jobs.sharded.shard_model`: FSDP2 inside a site, the
+scheme or native HSDP across sites) instead of wrapped in DDP.
 Rank 0 appends one JSON line per scheme to ``out/results.jsonl`` as soon as
 the scheme ends, so the harness keeps what finished even if a later one hangs.
 A scheme that raises ends the process: the group may be out of step after it.
@@ -33,12 +36,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.netem.anchors import ANCHORS, Installed
-from benchmarks.netem.net import port
+from benchmarks.netem.net import SITE, WORKER, host_of, port
 from thinwire import ddp, optim, schemes
 from thinwire.comm import Meter
 from thinwire.data.digits import batches, load_digits, shard
 from thinwire.jobs import workloads
 from thinwire.jobs.dataparallel import accuracy, compute_seconds, step_seconds
+from thinwire.jobs.sharded import NATIVE, shard_model
 from thinwire.models.mlp import mlp
 
 
@@ -58,34 +62,50 @@ def shaper_bytes(interface: str, namespace: str | None = None) -> int | None:
         return None
 
 
-class WireMeter:
-    """What the shaper charged in each direction of this rank's link, between two reads.
+def loopback_bytes() -> int | None:
+    """Bytes this network namespace's loopback has sent (``/proc/net/dev``), or None."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])  # receive has 8 columns, then transmit bytes
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
-    Sent: the tbf on the worker's own interface. Received: the tbf on the
+
+class WireMeter:
+    """What the shaper charged in each direction of this host's link, between two reads.
+
+    Sent: the tbf on the host's own interface. Received: the tbf on the
     bridge port towards it, in the bridge's namespace (None outside the harness).
+    Loopback: what the namespace's loopback carried (a site's ranks among themselves).
+    A site's ranks share all three: each reads the whole site's traffic.
     """
 
-    def __init__(self, interface: str, bridge_namespace: str | None, rank: int) -> None:
+    def __init__(self, interface: str, bridge_namespace: str | None, host: int,
+                 kind: str = WORKER) -> None:
         self.interface = interface
         self.bridge = bridge_namespace
-        self.port = port(rank)
-        self.start: tuple[int | None, int | None] = (None, None)
+        self.port = port(host, kind)
+        self.start: tuple[int | None, ...] = (None, None, None)
 
-    def read(self) -> tuple[int | None, int | None]:
+    def read(self) -> tuple[int | None, ...]:
         return (shaper_bytes(self.interface),
-                shaper_bytes(self.port, self.bridge) if self.bridge else None)
+                shaper_bytes(self.port, self.bridge) if self.bridge else None,
+                loopback_bytes())
 
     def begin(self) -> None:
         self.start = self.read()
 
-    def per_step(self, steps: int) -> tuple[float | None, float | None]:
-        """Mean (sent, received) bytes per step since :meth:`begin` over ``steps`` steps."""
+    def per_step(self, steps: int) -> tuple[float | None, ...]:
+        """Mean (sent, received, loopback) bytes per step since :meth:`begin` over ``steps``."""
         end = self.read()
 
         def mean(first: int | None, last: int | None) -> float | None:
             return None if first is None or last is None or steps < 1 else (last - first) / steps
 
-        return mean(self.start[0], end[0]), mean(self.start[1], end[1])
+        return tuple(mean(first, last) for first, last in zip(self.start, end))
 
 
 def label_of(entry: dict[str, Any]) -> str:
@@ -93,8 +113,12 @@ def label_of(entry: dict[str, Any]) -> str:
     return str(entry.get("label", entry["name"]))
 
 
-def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int) -> Installed:
-    """PyTorch's own anchor, or DDP with a thinwire scheme's hook."""
+def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int,
+            sites: int | None = None) -> Installed:
+    """PyTorch's own anchor, or DDP with a thinwire scheme's hook; with ``sites``, the
+    model sharded inside each site and native HSDP or the scheme across sites."""
+    if sites is not None:
+        return install_sharded(entry, model, meter, sites)
     if entry["name"] in ANCHORS:
         return ANCHORS[entry["name"]](model, meter, rank)
     net = DistributedDataParallel(model)
@@ -112,6 +136,22 @@ def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int) ->
                    if streaming else {})}
 
     return Installed(net, lambda: None, lambda: scheme.overhead_s, details, scheme, hook)
+
+
+def install_sharded(entry: dict[str, Any], model: nn.Module, meter: Meter,
+                    sites: int) -> Installed:
+    """``model`` sharded as ``thinwire compare --sites`` shards it: FSDP2 over each site's
+    ranks, native HSDP (``native-hsdp``) or ``thinwire.fsdp`` with the scheme across sites."""
+    sharded = shard_model(entry["name"], entry["config"], model, sites, meter)
+    scheme = sharded.scheme
+
+    def details() -> dict[str, Any]:
+        return {"skipped_steps": 0 if scheme is None else scheme.skipped,
+                "dense_shard_bytes": sharded.shard_bytes}
+
+    return Installed(model, sharded.after_step,
+                     lambda: 0.0 if scheme is None else scheme.overhead_s, details, scheme,
+                     sharded.state)
 
 
 def window_traffic(meter: Meter, first_step: int) -> dict[str, float]:
@@ -169,12 +209,14 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     job = task(options, rank, world_size)
     model, compute_s = job.model, job.compute_s
     meter = Meter(rank, world_size, window=None)  # window_traffic reads every record
-    installed = install(entry, model, meter, options["rank"])
+    sites = options.get("sites")
+    installed = install(entry, model, meter, options["rank"], sites)
     optimizer = workloads.optimizer(options.get("optimizer", "sgd"), installed.net.parameters(),
                                     options["lr"], options["momentum"])
     if installed.hook is not None:  # as the README's quick start: momentum into the workers
         optim.couple(optimizer, installed.hook)
-    wire = WireMeter(options["interface"], options.get("bridge_namespace"), rank)
+    wire = WireMeter(options["interface"], options.get("bridge_namespace"),
+                     host_of(rank, world_size, sites), WORKER if sites is None else SITE)
     warmup, target = options["warmup"], options["target"]
     step_s: list[float] = []
     losses: list[float] = []
@@ -214,10 +256,11 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     steps = len(step_s)
     window = slice(min(warmup, max(0, steps - 1)), steps)
     first = window.start
-    wire_tx, wire_rx = wire.per_step(steps - warmup) if steps > warmup else (None, None)
+    wire_tx, wire_rx, loopback = (wire.per_step(steps - warmup) if steps > warmup
+                                  else (None, None, None))
     return {
         "scheme": label_of(entry),
-        "kind": "torch" if entry["name"] in ANCHORS else "thinwire",
+        "kind": "torch" if entry["name"] in (*ANCHORS, NATIVE) else "thinwire",
         "recipe": {key: options.get(key) for key in RECIPE},
         "config": entry["config"],
         "status": status,
@@ -233,6 +276,8 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         **window_traffic(meter, first),
         "shaper_tx_per_step": wire_tx,
         "shaper_rx_per_step": wire_rx,
+        **({"sites": sites, "shards_per_site": world_size // sites,
+            "loopback_tx_per_step": loopback} if sites is not None else {}),
         "bytes_per_entity": meter.bytes_per_step("entity"),
         "reached_step": None if reached is None else reached[0],
         "reached_train_s": None if reached is None else reached[1],

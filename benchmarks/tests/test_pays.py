@@ -42,7 +42,9 @@ def test_steps_to_a_lower_is_better_target_and_the_verdict() -> None:
 def _run(scheme: str, steps: int | None, wire: float, overhead_ms: float = 1.0) -> dict[str, Any]:
     return {"scheme": scheme, "steps_to_target": steps, "compute_ms_per_step": 20.0,
             "overhead_ms_per_step": overhead_ms, "wire_sent_per_step": wire,
-            "bytes_received_per_step": wire / 2, "collectives_per_step": 2, "recipe": RECIPE}
+            "bytes_received_per_step": wire / 2, "collectives_per_step": 2, "recipe": RECIPE,
+            "workload": "text-lm", "target": 2.5, "metric": "bits per byte",
+            "test_score": 2.4, "test_accuracy": 0.4, "final_loss": 1.7}
 
 
 def _linkmodel() -> dict[str, Any]:
@@ -74,6 +76,57 @@ def test_time_to_target_is_steps_times_compute_codec_bytes_and_latency() -> None
     assert rate is not None
     assert 100 * (0.02 + 8 * 4e6 / rate) == pytest.approx(8.0)
     assert linkmodel.break_even(_run("dense", 500, 4e6), 4, 8.0, 0.0) is None  # never
+
+
+def test_streaming_diloco_waits_only_for_the_link_time_its_delay_does_not_cover() -> None:
+    # a fragment syncs every 50 / 2 = 25 steps; its exchange carries 25 steps' link time
+    synced = {**_run("diloco", 100, 1e5), "local": {"every": 50, "fragments": 2, "delay": 0}}
+    overlapped = {**synced, "local": {"every": 50, "fragments": 2, "delay": 5}}
+    link = 8 * 1e5 / 1e7  # s per step at 10 Mbit/s, delay 0
+    assert linkmodel.time_at(synced, 4, 1e7, 0.0) == pytest.approx(100 * (0.021 + link))
+    hidden = 5 * 0.021  # five steps of compute and codec per exchange
+    assert linkmodel.time_at(overlapped, 4, 1e7, 0.0) == pytest.approx(
+        100 * (0.021 + (25 * link - hidden) / 25))
+    assert linkmodel.time_at(overlapped, 4, 1e9, 0.0) == pytest.approx(100 * 0.021)  # hidden
+    lone = 100 * 0.03
+    rate = linkmodel.break_even(overlapped, 4, lone, 0.0)
+    assert rate is not None
+    assert linkmodel.time_at(overlapped, 4, rate, 0.0) == pytest.approx(lone)
+
+
+def test_a_later_run_adds_its_schemes_to_an_earlier_file_of_the_same_recipe(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    earlier = _linkmodel()
+    earlier["lone"] = {**_run("dense", 400, 0.0), "recipe": RECIPE}
+    path = tmp_path / "linkmodel.json"
+    path.write_text(json.dumps(earlier))
+    fresh = [_run("topk", 90, 8e4), _run("diloco:every=10", 150, 2e4)]
+    monkeypatch.setattr(linkmodel, "recipe", lambda options: RECIPE)
+    monkeypatch.setattr(linkmodel, "compare", lambda *args, **kwargs: [dict(r) for r in fresh])
+    assert linkmodel.main(["--workers", "4", "--schemes", "topk,diloco:every=10",
+                           "--add-to", str(path), "--rates", "100mbit"]) == 0
+    record = json.loads(path.read_text())
+    runs = {r["scheme"]: r["steps_to_target"] for r in record["cells"]["4"]["runs"]}
+    assert runs == {"dense": 100, "clt-k": None, "topk": 90, "diloco:every=10": 150}
+    bound = next(r for r in record["cells"]["4"]["references"]
+                 if r["scheme"] == "compute-only bound")
+    assert bound["steps_to_target"] == 100  # the earlier dense run's
+    assert record["earlier"]["command"] == earlier["command"]
+    monkeypatch.setattr(linkmodel, "recipe", lambda options: {**RECIPE, "steps": 900})
+    assert linkmodel.main(["--workers", "4", "--schemes", "topk", "--add-to", str(path),
+                           "--rates", "100mbit"]) == 0  # a budget does not change a run
+    codec = tmp_path / "codec.json"
+    codec.write_text(json.dumps({"ms_per_step": {"topk": 3.5, "floor": 0.1},
+                                 "command": "python -m benchmarks.codec"}))
+    assert linkmodel.main(["--workers", "4", "--schemes", "", "--add-to", str(path),
+                           "--codec-from", str(codec), "--rates", "100mbit"]) == 0
+    runs = {r["scheme"]: r for r in json.loads(path.read_text())["cells"]["4"]["runs"]}
+    assert runs["topk"]["overhead_ms_per_step"] == 3.5
+    assert runs["topk"]["probe_overhead_ms"] == 1.0  # the run's own, kept
+    assert runs["dense"]["overhead_ms_per_step"] == 0.0  # not in the codec file: as measured
+    monkeypatch.setattr(linkmodel, "recipe", lambda options: {**RECIPE, "lr": 1.0})
+    with pytest.raises(SystemExit):  # another recipe's runs do not mix
+        linkmodel.main(["--workers", "4", "--schemes", "topk", "--add-to", str(path)])
 
 
 def test_the_page_shows_every_workloads_verdict_and_both_reference_rows(

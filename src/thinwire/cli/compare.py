@@ -104,7 +104,9 @@ def add_sites(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                         help="comma-separated scheme names, from thinwire schemes; diloco and "
-                             "diloco+SCHEME run local updates (docs/local-updates.md)")
+                             "diloco+SCHEME run local updates (docs/local-updates.md); "
+                             "NAME:KEY=VALUE gives one run its own options, e.g. "
+                             "powersgd,powersgd:rank=4")
     parser.add_argument("--workers", type=int, default=4, help="local worker processes")
     add_sites(parser)
     add_recipe_options(parser)

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 -m thinwire train --scheme dct-dp --ratio 0.01
     torchrun --nproc-per-node 4 -m thinwire train --scheme topk --sites 2   # FSDP2 in 2 sites
+    torchrun --nproc-per-node 4 -m thinwire train --scheme diloco+int4 --option every=50
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 -m thinwire train ...
 
 Rendezvous, multi-node included, is torchrun's; this only reads its environment.
@@ -21,18 +22,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thinwire import schemes
 from thinwire.cli.compare import add_recipe_options, add_scheme_options, add_sites, run_options
-from thinwire.jobs import board, common
+from thinwire.jobs import board, common, local_run
 from thinwire.jobs.compare import parse_options, plot, scheme_config
-from thinwire.jobs.dataparallel import run_scheme
 from thinwire.jobs.sharded import NATIVE, check_sites, run_sharded
 from thinwire.launch import RankFailed, add_timeout, current_phase
 from thinwire.progress import StepBar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scheme", default="dct-dp", help="a name from thinwire schemes")
+    parser.add_argument("--scheme", default="dct-dp",
+                        help="a name from thinwire schemes; diloco or diloco+SCHEME train "
+                             "with local updates (docs/local-updates.md)")
     add_sites(parser)
     add_recipe_options(parser)
     add_scheme_options(parser)
@@ -56,12 +57,16 @@ def run(args: argparse.Namespace) -> int:
     sites = args.sites
     if sites is not None:  # validate before joining the job
         check_sites(sites, int(os.environ.get("WORLD_SIZE", "1")))
+        if local_run.is_local(args.scheme):
+            raise ValueError(f"--scheme {args.scheme!r} takes no --sites: local updates run on "
+                             "the workers' own replicas (thinwire.local takes a sharded model "
+                             "in Python)")
     native = args.scheme == NATIVE and sites is not None
     config: dict[str, Any] = {}
     if not native:
         parse_options(args.option, [args.scheme])
         config = scheme_config(args.scheme, args.ratio, args.life_span, args.option)
-        schemes.build(args.scheme, **config)
+        local_run.validate(args.scheme, config)
     device = rank_device(args.device)
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         bar = StepBar(options.steps, show=rank == 0)
         try:
-            result = (run_scheme(args.scheme, config, options, progress=bar.update)
+            result = (local_run.run(args.scheme, config, options, progress=bar.update)
                       if sites is None else
                       run_sharded(args.scheme, config, options, sites, progress=bar.update))
         except RuntimeError as error:  # a collective's timeout names neither rank nor step

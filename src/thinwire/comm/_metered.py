@@ -11,8 +11,9 @@ Segments = Sequence[tuple[str, int]]  # (layer, bytes) parts of one buffer, in o
 
 def record_segments(meter: Meter | None, entity: str, collective: str, segments: Segments,
                     world_size: int, root: int = 0) -> None:
-    """Record each ``(layer, nbytes)`` of one buffer handed to ``collective``."""
+    """Record each ``(layer, nbytes)`` of one buffer handed to ``collective`` (one call)."""
     if meter is None:
         return
-    for layer, nbytes in segments:
-        meter.record(entity, layer, collective, nbytes, world_size=world_size, root=root)
+    for index, (layer, nbytes) in enumerate(segments):
+        meter.record(entity, layer, collective, nbytes, world_size=world_size, root=root,
+                     joined=index > 0)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from thinwire.comm._metered import record_segments
 from thinwire.comm.meter import Meter
 
 Group = dist.ProcessGroup | None
@@ -139,10 +140,8 @@ def all_gather_bytes(payload: torch.Tensor, group: Group = None,
     padded[: payload.numel()] = payload
     if meter is not None:
         meter.record("size", "(lengths)", "all_gather", length.numel() * 8, world_size=n)
-        for layer, nbytes in segments:
-            meter.record(entity, layer, "all_gather", nbytes, world_size=n)
-        meter.record(entity, "(padding)", "all_gather", longest - payload.numel(),
-                     world_size=n)
+        record_segments(meter, entity, "all_gather", [*segments, ("(padding)", longest -
+                                                                   payload.numel())], n)
     sizes = lengths.tolist()
     rows = all_gather_fixed(padded, group)  # unmetered: recorded above
     unpadded: Future[Any] = rows.then(
@@ -171,9 +170,8 @@ def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | 
         (this rank's is ``payload`` itself).
     """
     rank, n = world(group)
-    if meter is not None and (n > 1 or isinstance(group, Alone)):
-        for layer, nbytes in segments:
-            meter.record(entity, layer, "all_gather", nbytes, world_size=n)
+    if n > 1 or isinstance(group, Alone):
+        record_segments(meter, entity, "all_gather", segments, n)
     if n == 1:
         return done([payload])
     roots = _pair_groups(group) if n == 2 and payload.numel() >= PAIR_MIN_BYTES else None

@@ -95,11 +95,17 @@ class Meter:
         self.records: deque[Record] = deque(maxlen=window)
         # (entity, layer, collective) -> [nbytes, sent, received] summed over the run
         self._totals: dict[tuple[str, str, str], list[float]] = {}
+        self.calls = 0  # collectives recorded over the run (a buffer's segments: one)
         self._lock = threading.Lock()
 
     def record(self, entity: str, layer: str, collective: str, nbytes: int, *,
-               world_size: int | None = None, root: int = 0) -> None:
-        """Record ``nbytes`` handed to ``collective`` for ``layer``'s ``entity``."""
+               world_size: int | None = None, root: int = 0, joined: bool = False) -> None:
+        """Record ``nbytes`` handed to ``collective`` for ``layer``'s ``entity``.
+
+        Args:
+            joined: these bytes travel in the same call as the previous record's (one
+                segment of a buffer): they count no new collective (a latency).
+        """
         if entity not in ENTITIES:
             raise ValueError(f"entity={entity!r} must be one of {ENTITIES}")
         if collective not in TRAFFIC:
@@ -109,10 +115,15 @@ class Meter:
         with self._lock:
             self.records.append(Record(self.step, entity, layer, collective, nbytes, sent,
                                        received))
+            self.calls += 0 if joined else 1
             sums = self._totals.setdefault((entity, layer, collective), [0.0, 0.0, 0.0])
             sums[0] += nbytes
             sums[1] += sent
             sums[2] += received
+
+    def collectives_per_step(self) -> float:
+        """Mean collectives per closed step: each is one latency on the link."""
+        return self.calls / self.step if self.step else 0.0
 
     def next_step(self) -> None:
         """Close the current training step."""

@@ -25,6 +25,11 @@ LOSS = "train/loss"
 ACCURACY = "test/accuracy"
 
 
+def score_tag(metric: str) -> str:
+    """The tag of a workload's test metric: ``test/accuracy``, ``test/bits_per_byte``."""
+    return ACCURACY if metric == "test accuracy" else "test/" + metric.replace(" ", "_")
+
+
 def writer_class() -> Any:
     """``torch.utils.tensorboard.SummaryWriter``; call it early to fail before training.
 
@@ -82,9 +87,9 @@ class MeterBoard:
                 self._density_steps[layer] = points[-1][0]
                 self.writer.add_scalar(DENSITY + layer, points[-1][2], step)
 
-    def accuracy(self, step: int, value: float) -> None:
-        """Log a test-accuracy point."""
-        self.writer.add_scalar(ACCURACY, value, step)
+    def score(self, step: int, value: float, metric: str = "test accuracy") -> None:
+        """Log a point of the workload's test metric, under :func:`score_tag`."""
+        self.writer.add_scalar(score_tag(metric), value, step)
 
     def close(self) -> None:
         """Flush the events to disk and close the file."""

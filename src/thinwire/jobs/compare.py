@@ -49,6 +49,14 @@ def parse_options(options: list[str], names: list[str]) -> dict[str, Any]:
     return common.parse_options(options, configs)
 
 
+def split_spelling(spelling: str) -> tuple[str, list[str]]:
+    """A scheme as ``--schemes`` spells it to its name and its own options:
+    ``"powersgd:rank=4"`` -> ``("powersgd", ["rank=4"])``, so one run can compare
+    settings of one scheme side by side (``powersgd,powersgd:rank=4``)."""
+    name, *options = spelling.split(":")
+    return name.strip(), [option.strip() for option in options]
+
+
 def scheme_config(name: str, ratio: float | None, life_span: int | None,
                   options: list[str]) -> dict[str, Any]:
     """Map the shared command-line knobs onto the options scheme ``name`` has.
@@ -161,25 +169,33 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
     """
     if workers < 1:
         raise ValueError(f"workers={workers!r} must be >= 1")
+    spelled = [split_spelling(spelling) for spelling in names]
+    bare = [name for name, _ in spelled]
     if sites is not None:
         check_sites(sites, workers)
-        local = [name for name in names if local_run.is_local(name)]
+        local = [name for name in bare if local_run.is_local(name)]
         if local:
             raise ValueError(f"{local[0]!r} takes no --sites: local updates run on the "
                              "workers' own replicas (thinwire.local takes a sharded model "
                              "in Python)")
-    elif NATIVE in names:
+    elif NATIVE in bare:
         raise ValueError(f"{NATIVE!r} is the sharded anchor: give --sites with it")
-    built = [name for name in names if name != NATIVE or sites is None]
+    built = [name for name, _ in spelled if name != NATIVE or sites is None]
     parse_options(extra or [], built)  # validate before spawning anything
-    runs = [(name, scheme_config(name, ratio, life_span, extra or []) if name in built
-             else {}) for name in names]
-    for name, config in runs:
+    runs = []
+    for name, own in spelled:
+        config: dict[str, Any] = {}
         if name in built:
+            parse_options(own, [name])
+            config = scheme_config(name, ratio, life_span, [*(extra or []), *own])
             local_run.validate(name, config)
+        elif own:
+            raise ValueError(f"{name!r} takes no options (got {':'.join(own)})")
+        runs.append((name, config))
     per_rank = spawn(_worker, workers, runs, options, sites, timeout_s=timeout_s)
     results: list[dict[str, Any]] = per_rank[0]
     for index, result in enumerate(results):
+        result["scheme"] = names[index]  # as spelled: a scheme's settings tell rows apart
         weights = [rank_results[index].pop("weights") for rank_results in per_rank]
         result["replicas_identical"] = all(
             all(torch.equal(a, b) for a, b in zip(weights[0], other)) for other in weights[1:])

@@ -27,7 +27,6 @@ from thinwire.jobs import workloads
 from thinwire.jobs.board import MeterBoard
 from thinwire.launch import phase
 from thinwire.schemes import CompressedScheme
-from thinwire.schemes.scalecom import CyclicLocalTopK
 
 # What couple() may put behind a coupled clt-k for every scheme of a run: "ef21" is clt-k's
 # only, so a run of several schemes says "auto" for it.
@@ -104,6 +103,13 @@ RECIPE_FIELDS = ("workload", "optimizer", "lr", "momentum", "weight_decay", "bat
 def recipe(options: RunOptions) -> dict[str, Any]:
     """The fields of ``options`` that make a run's recipe (:data:`RECIPE_FIELDS`)."""
     return {name: getattr(options, name) for name in RECIPE_FIELDS}
+
+
+def same_trajectory(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """Whether two recipes train alike, step for step: all fields but the step budget,
+    which only cuts a run short (no schedule depends on it, the batch stream is endless)."""
+    return ({k: v for k, v in first.items() if k != "steps"}
+            == {k: v for k, v in second.items() if k != "steps"})
 
 
 def accuracy(model: nn.Module, split: Split) -> float:
@@ -238,8 +244,8 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     state = ddp.register(net, scheme, meter=meter,
                          max_norm=options.max_norm if in_hook else None, scaler=scaler)
     after_backward = options.max_norm if options.max_norm is not None and not in_hook else None
-    if isinstance(scheme, CyclicLocalTopK):
-        scheme.energy = {}  # diagnostic: how much of each rank's top-k the leader captures
+    if hasattr(scheme, "energy"):  # a shared-index scheme's diagnostic (clt-k): turn it on
+        scheme.energy = {}  # how much of each rank's top-k the leader's indices capture
     optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
                                     options.momentum, options.weight_decay)
     coupled = (optim.couple(optimizer, state, feedback=options.feedback).coupled
@@ -276,7 +282,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
             handed = meter.bytes_per_step().get("total", 0.0) * meter.step
             curve.append((step, handed, work.score(model, options.eval_rows)))
             if board is not None:
-                board.accuracy(step, curve[-1][2])
+                board.score(step, curve[-1][2], work.metric)
             if steps_to_target is None and work.reached(curve[-1][2]):
                 steps_to_target = step
             if options.until_target and _anyone(steps_to_target is not None, group, device):
@@ -328,8 +334,8 @@ def run_record(name: str, work: workloads.Workload, options: RunOptions, model: 
         "final_loss": statistics.fmean(losses[-options.eval_every:]),
         **meter.summary(),
         "traffic_per_collective": traffic_per_collective(meter),
-        # collectives of the last step: each a latency on the link (of the ring's 2(n-1) hops)
-        "collectives_per_step": sum(1 for r in meter.records if r.step == meter.step - 1),
+        # each a latency on the link (of the ring's 2(n-1) hops); a buffer's segments: one
+        "collectives_per_step": meter.collectives_per_step(),
         "overhead_ms_per_step": (0.0 if scheme is None
                                  else 1000.0 * scheme.overhead_s / max(1, meter.step)),
         "compute_ms_per_step": 1000.0 * compute_s,

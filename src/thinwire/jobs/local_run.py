@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import math
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -195,7 +194,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
                 moved = False
             curve.append((step, handed, score))
             if board is not None:
-                board.accuracy(step, score)
+                board.score(step, score, work.metric)
             if steps_to_target is None and work.reached(score):
                 steps_to_target = step
             if options.until_target and _anyone(steps_to_target is not None, group, device):
@@ -215,8 +214,5 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
                         scheme=scheme, compute_s=compute_s, wall_s=wall_s, curve=curve)
     result.update({
         "local": {**asdict(local_options), "syncs": syncs},
-        # collectives of a step that launches an exchange: each a latency on the link
-        "collectives_per_step": max(Counter(r.step for r in meter.records).values(),
-                                    default=0),
     })
     return result

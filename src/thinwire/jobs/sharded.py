@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -73,23 +73,15 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
     phase(f"{name} setup (sharded)")
     device = torch.device(options.device)
     work, local, model, compute_s = prepare(options, device, rank, world_size, compute_s)
-    mesh = fsdp.site_mesh(sites, device.type)
     meter = Meter(rank, world_size)
-    scheme = None
-    if name == NATIVE:
-        fully_shard(model, mesh=mesh)
-        config = {}
-    else:
-        fully_shard(model, mesh=mesh["shard"])
-        scheme = schemes.build(name, **config)
-        state = fsdp.register(model, scheme, mesh["site"].get_group(), meter=meter)
+    sharded = shard_model(name, config, model, sites, meter, device.type)
+    scheme, state = sharded.scheme, sharded.state
+    config = {} if scheme is None else config
     optimizer = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
                                     options.momentum, options.weight_decay)
-    coupled = (scheme is not None and options.couple
+    coupled = (state is not None and options.couple
                and optim.couple(optimizer, state, feedback=options.feedback).coupled)
-    # what an uncompressed exchange hands over per step: this rank's shards, padding included
-    element = next(model.parameters()).element_size()
-    shard_bytes = sum(math.prod(s.shape) for s in fsdp.shards(model)) * element
+    shard_bytes = sharded.shard_bytes
     dtype = PRECISIONS[options.precision]
     stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)
     curve: list[tuple[int, float, float]] = []
@@ -100,9 +92,7 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
         phase(f"{name} step {step}")
         loss = backward(work, model, local.rows(next(stream)), optimizer, dtype)
         optimizer.step()
-        if scheme is None:  # native HSDP all-reduces each rank's shard across sites
-            meter.record("W_grad", "(all parameters)", "all_reduce", shard_bytes,
-                         world_size=sites)
+        sharded.after_step()
         meter.next_step()
         losses.append(float(loss.detach()))
         if not math.isfinite(losses[-1]):
@@ -125,6 +115,56 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
     result.update({"sites": sites, "shards_per_site": world_size // sites,
                    "weights": full_weights(model), "dense_shard_bytes": shard_bytes})
     return result
+
+
+@dataclass
+class Sharded:
+    """A model sharded inside each site, with what carries its gradient shards across sites."""
+
+    scheme: schemes.Scheme | None  # thinwire's cross-site exchange; None for native HSDP
+    state: fsdp.FSDPState | None  # the hook's state (what optim.couple takes); None for native
+    shard_bytes: int  # this rank's gradient shards, padding included: a dense exchange's bytes
+    after_step: Callable[[], None]  # meters native HSDP's all-reduce (no hook to live in)
+
+
+def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int, meter: Meter,
+                device_type: str = "cpu") -> Sharded:
+    """``fully_shard`` ``model`` over each site's ranks and connect the sites.
+
+    A collective over the default group: every rank calls it with the same arguments.
+
+    Args:
+        name: a scheme for the cross-site exchange (through :func:`thinwire.fsdp.register`),
+            or :data:`NATIVE` for torch's own HSDP on the 2-D mesh, whose all-reduce of each
+            rank's shard ``after_step`` records in ``meter`` (torch reports no bytes).
+        config: the scheme's options (ignored for :data:`NATIVE`).
+        sites: sites; each holds world size / sites shards (:func:`check_sites`).
+        meter: records the bytes handed to torch.distributed across sites.
+
+    Returns:
+        The scheme, the hook's state and the shard bytes; ``model`` is sharded in place.
+
+    Raises:
+        ValueError: ``sites`` does not divide the world size, or a bad scheme name or option.
+    """
+    check_sites(sites, dist.get_world_size())
+    mesh = fsdp.site_mesh(sites, device_type)
+    if name == NATIVE:
+        fully_shard(model, mesh=mesh)
+        scheme, state = None, None
+    else:
+        fully_shard(model, mesh=mesh["shard"])
+        scheme = schemes.build(name, **config)
+        state = fsdp.register(model, scheme, mesh["site"].get_group(), meter=meter)
+    element = next(model.parameters()).element_size()
+    shard_bytes = sum(math.prod(s.shape) for s in fsdp.shards(model)) * element
+
+    def after_step() -> None:
+        if scheme is None:  # native HSDP all-reduces each rank's shard across sites
+            meter.record("W_grad", "(all parameters)", "all_reduce", shard_bytes,
+                         world_size=sites)
+
+    return Sharded(scheme, state, shard_bytes, after_step)
 
 
 def full_weights(model: nn.Module) -> list[torch.Tensor]:

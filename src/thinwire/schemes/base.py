@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 
 from thinwire.comm import Meter, all_reduce_mean, world
+from thinwire.comm._metered import record_segments
 from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect, split_flat
 from thinwire.compress import Compressor, DensePayload, Payload, Sparsifier, TensorInfo
 from thinwire.compress import decode as decode_payload
@@ -402,9 +403,7 @@ class CompressedScheme(Scheme):
             buffer.index_copy_(0, sent, buffer.index_select(0, sent).div_(n))
 
     def _record(self, segments: Sequence[tuple[str, int]], collective: str, n: int) -> None:
-        if self.meter is not None:
-            for key, nbytes in segments:
-                self.meter.record("W_grad", key, collective, nbytes, world_size=n)
+        record_segments(self.meter, "W_grad", collective, segments, n)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict(),
