@@ -7,8 +7,8 @@ labels from a known logistic "teacher" (linear dense terms, a dense product,
 per-id effects and factorisation-machine products of eight features' latent
 vectors: the signal DLRM's dot interaction can learn), with an intercept giving
 about a quarter positive labels, as Criteo's click rate; the teacher's
-probabilities come with the data, so the Bayes accuracy is known (and its
-spread can be set so that the Bayes log loss is a given value).
+probabilities come with the data, so the Bayes accuracy is known (and the
+teacher can be sharpened until its log loss on the test rows is a given value).
 :func:`breast_cancer` puts scikit-learn's breast cancer set (569 samples, 30
 features) in the same shape: standardised features as the dense input, each
 feature's quantile bin (fitted on the training split) as a categorical one.
@@ -137,11 +137,12 @@ def _entropy(probability: torch.Tensor) -> torch.Tensor:
     return -(p * p.log() + (1 - p) * (1 - p).log())
 
 
-INTERCEPT_ROWS = 20_000  # rows the intercept of the bayes_loss teacher is fitted on
+INTERCEPT_ROWS = 20_000  # the bayes_loss teacher's intercept is fitted on these first rows,
+# which keeps its search (an intercept per candidate sharpness) to about a second
 
 
 def _sharpness_for(logit: torch.Tensor, draws: torch.Tensor, n_train: int,
-                loss: float) -> tuple[float, float]:
+                   loss: float) -> tuple[float, float]:
     """(s, b) where the teacher ``p = sigmoid(s logit + b)``, its intercept b keeping the
     click rate on the first rows, scores log loss ``loss`` on the test rows
     (``logit[n_train:]``) with labels ``draws < p``, by bisection (the loss falls as s
