@@ -234,6 +234,16 @@ if __name__ == "__main__":
 REFERENCE_ROWS = ("lone worker", "compute-only bound")
 
 
+def measurements(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs that made ``record``, earliest first: each later one added to (--add-to)
+    or recomputed the earlier file."""
+    chain = []
+    while record:
+        chain.append(record)
+        record = record.get("earlier") or {}
+    return chain[::-1]
+
+
 def section(records: list[tuple[dict[str, Any], Path]], figures: Path, docs: Path) -> str:
     """Markdown: per workload, time to target at each rate and worker count for every scheme
     and the two reference rows, each as a multiple of the bound; one figure per workload."""
@@ -250,7 +260,11 @@ def section(records: list[tuple[dict[str, Any], Path]], figures: Path, docs: Pat
              "steps at n x compute, the limit of synchronous training. In brackets: the time "
              "as a multiple of the bound (`x bound`), then how many times sooner than the "
              "lone worker. `dense` and `fp16` send what PyTorch's `allreduce_hook` and "
-             "`fp16_compress_hook` send.", ""]
+             "`fp16_compress_hook` send. A local-update row (`diloco...`) spreads each "
+             "sync's bytes, calls and codec over the steps between syncs; under Streaming "
+             "DiLoCo (`delay` > 0) a fragment's exchange overlaps `delay` steps of compute "
+             "and only the rest of its link time counts. `NAME:KEY=VALUE` is a scheme run "
+             "with its own options.", ""]
     for record, path in records:
         rates, table_ = record["rates"], record["table"]
         counts = sorted(record["cells"], key=int)
@@ -265,9 +279,10 @@ def section(records: list[tuple[dict[str, Any], Path]], figures: Path, docs: Pat
                   f"batch {recipe['batch_size']} per worker, seed {recipe['seed']}; a compute "
                   f"step {compute:.1f} ms. One-way delay assumed: " + ", ".join(
                       f"{rate} {1000 * record['delay_s'][rate]:g} ms" for rate in rates)
-                  + f". Source `{path.as_posix()}`: `{record['command']}` (load average "
-                  f"{record['load_before'][0]:.1f} before, {record['load_after'][0]:.1f} "
-                  f"after, {record['cores']} cores).", "",
+                  + f". Source `{path.as_posix()}`, measured by " + "; then ".join(
+                      f"`{m['command']}` (load average {m['load_before'][0]:.1f} before, "
+                      f"{m['load_after'][0]:.1f} after)" for m in measurements(record))
+                  + f", on {record['cores']} cores.", "",
                   "| " + " | ".join(header) + " | steps (" + " / ".join(
                       f"{n} workers" for n in counts) + ") |",
                   "|" + "---|" * (len(header) + 1)]
@@ -287,13 +302,18 @@ def section(records: list[tuple[dict[str, Any], Path]], figures: Path, docs: Pat
             lines.append("| " + " | ".join(row) + " |")
         runs = [r for n in counts for r in record["cells"][n]["runs"]]
         missed = [f"{r['scheme']} ({r['test_score']:.2f} {record['metric']} after its "
-                  f"{record['recipe']['steps']} steps)" for r in runs
+                  f"{r['recipe']['steps']} steps)" for r in runs
                   if r["steps_to_target"] is None and r.get("test_score") is not None]
+        codec = record.get("codec_from")
         probes = sorted({round(r["probe_compute_ms"], 1) for r in runs
                          if r.get("probe_compute_ms") is not None})
-        lines += ["", "Codec ms per step as measured in the run (inside the load it ran "
-                  "under): " + ", ".join(f"{r['scheme']} {r['overhead_ms_per_step']:.1f}"
-                                          for r in runs) + "."
+        lines += ["", ("Codec ms per step, measured apart on the workload's gradient "
+                       f"(`{codec['command']}`, load average {codec['load_before'][0]:.1f}) "
+                       "where it has the scheme, else as measured in the run: " if codec else
+                       "Codec ms per step as measured in the run (inside the load it ran "
+                       "under): ")
+                  + ", ".join(f"{r['scheme']} {r['overhead_ms_per_step']:.1f}"
+                              for r in runs) + "."
                   + (f" Not reached: {', '.join(missed)}." if missed else "")
                   + (f" The compute step is `--compute-ms`; the run's own probe read "
                      f"{', '.join(map(str, probes))} ms on the busy machine." if probes
