@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from thinwire.jobs import workloads
-from thinwire.jobs.compare import compare, lone_worker, parse_bandwidth, references
+from thinwire.jobs import local_run, workloads
+from thinwire.jobs.compare import compare, lone_worker, parse_bandwidth, references, split_spelling
 from thinwire.jobs.dataparallel import RunOptions, recipe, same_trajectory
 
 SCHEMES = "dense,fp16,topk,dct-dp,powersgd,clt-k"
@@ -76,6 +76,22 @@ def exposed(run: dict[str, Any], link_s: float, busy_s: float) -> float:
         return link_s
     spacing = local["every"] / local["fragments"]
     return max(0.0, link_s * spacing - local["delay"] * busy_s) / spacing
+
+
+def codec_ms(run: dict[str, Any], measured: dict[str, float]) -> float | None:
+    """``run``'s codec time per step from a codec file's ``measured`` ms per step (None:
+    the file lacks its scheme). A local-update run encodes the whole model once per
+    ``every`` steps (its fragments in turn), through its inner scheme and that scheme's
+    own options: ``diloco+int4:every=50`` costs int4's time / 50."""
+    if run["scheme"] in measured:
+        return measured[run["scheme"]]
+    name, own = split_spelling(run["scheme"])
+    if not local_run.is_local(name) or not run.get("local"):
+        return None
+    local = {f.name for f in dataclasses.fields(local_run.DiLoCoOptions)}
+    inner = ":".join([local_run.inner_scheme(name),
+                      *(o for o in own if o.partition("=")[0].replace("-", "_") not in local)])
+    return measured[inner] / run["local"]["every"] if inner in measured else None
 
 
 def break_even(run: dict[str, Any], workers: int, lone_s: float | None,
@@ -185,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             kept = [r for r in earlier["cells"][str(n)]["runs"] if r["scheme"] not in new] + kept
         if codec is not None:  # measured apart, on a quieter machine
             for run in kept:
-                if run["scheme"] in codec["ms_per_step"]:
+                ms = codec_ms(run, codec["ms_per_step"])
+                if ms is not None:
                     if run.get("probe_overhead_ms") is None:  # the run's own, kept once
                         run["probe_overhead_ms"] = run["overhead_ms_per_step"]
-                    run["overhead_ms_per_step"] = codec["ms_per_step"][run["scheme"]]
+                    run["overhead_ms_per_step"] = ms
         if kept:
             cells[str(n)] = {"runs": kept, "references": references(kept, lone, n)}
     if earlier is not None:  # the worker counts this run did not measure stand as they were

@@ -129,6 +129,18 @@ def test_a_later_run_adds_its_schemes_to_an_earlier_file_of_the_same_recipe(
         linkmodel.main(["--workers", "4", "--schemes", "topk", "--add-to", str(path)])
 
 
+def test_a_local_update_run_pays_its_inner_schemes_codec_once_per_sync() -> None:
+    measured = {"int4": 20.0, "topk:ratio=0.1": 8.0, "dense": 1.0}
+    run = {**_run("diloco+int4:every=50:fragments=2", 100, 1e4),
+           "local": {"every": 50, "fragments": 2, "delay": 0}}
+    assert linkmodel.codec_ms(run, measured) == pytest.approx(20.0 / 50)
+    own = {**run, "scheme": "diloco+topk:ratio=0.1:every=25", "local": {"every": 25}}
+    assert linkmodel.codec_ms(own, measured) == pytest.approx(8.0 / 25)
+    plain = {**run, "scheme": "diloco", "local": {"every": 10}}
+    assert linkmodel.codec_ms(plain, measured) == pytest.approx(0.1)
+    assert linkmodel.codec_ms(_run("powersgd", 100, 1e4), measured) is None  # not measured
+
+
 def test_the_page_shows_every_workloads_verdict_and_both_reference_rows(
         tmp_path: Path) -> None:
     data = tmp_path / "data"
