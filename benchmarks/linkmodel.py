@@ -365,13 +365,16 @@ def plot(record: dict[str, Any], path: Path) -> None:
 
     counts = sorted(record["cells"], key=int)
     rates = sorted(record["rates"], key=parse_bandwidth)
-    fig, axes = plt.subplots(1, len(counts), figsize=(5.5 * len(counts), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(counts), figsize=(8.5 * len(counts), 4.6), squeeze=False)
+    colours = plt.get_cmap("tab20").colors
     for axis, n in zip(axes[0], counts):
         xs = [parse_bandwidth(rate) / 1e6 for rate in rates]
-        for run in record["cells"][n]["runs"]:
+        for index, run in enumerate(record["cells"][n]["runs"]):
             ys = [record["table"][rate][n][run["scheme"]]["time_s"] for rate in rates]
-            if all(y is not None for y in ys):
-                axis.plot(xs, ys, marker="o", label=run["scheme"])
+            local = local_run.is_local(split_spelling(run["scheme"])[0])
+            if all(y is not None for y in ys):  # local updates dashed, per-step solid
+                axis.plot(xs, ys, marker="s" if local else "o", linestyle="--" if local else "-",
+                          color=colours[index % len(colours)], label=run["scheme"])
         for name, style in zip(REFERENCE_ROWS, ("k--", "k:")):
             value = record["table"][rates[0]][n][name]["time_s"]
             if value is not None:
@@ -380,7 +383,7 @@ def plot(record: dict[str, Any], path: Path) -> None:
                  ylabel=f"time to {record['target']:g} {record['metric']} (s)",
                  title=f"{record['workload']}, {n} workers")
         axis.grid(alpha=0.3, which="both")
-    axes[0][0].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
