@@ -23,7 +23,6 @@ Everything it creates is removed on exit, Ctrl-C, SIGTERM or failure.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -52,6 +51,7 @@ from benchmarks.netem.summary import (
 )
 from benchmarks.netem.worker import label_of
 from thinwire import schemes
+from thinwire.jobs import local_run
 from thinwire.jobs.common import split_option
 from thinwire.jobs.compare import parse_bandwidth, scheme_config
 from thinwire.jobs.sharded import NATIVE
@@ -241,14 +241,17 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
             if variant:
                 raise ValueError(f"{label!r}: PyTorch's {name} takes no options")
             entries.append({"name": name, "config": {}})
-        elif name in schemes.names():
-            fields = {f.name for f in dataclasses.fields(schemes.config_class(name))}
+        elif name in schemes.names() or local_run.is_local(name):
+            if sited and local_run.is_local(name):
+                raise ValueError(f"{label!r} takes no --sites: local updates run on the "
+                                 "workers' own replicas")
+            fields = local_run.fields(name)  # diloco+SCHEME: the local options and SCHEME's
             unknown = sorted(key for key, _ in map(split_option, variant) if key not in fields)
             if unknown:
                 raise ValueError(f"{label!r}: {name} has no option {', '.join(unknown)} "
                                  f"(it has {', '.join(sorted(fields))})")
             config = scheme_config(name, args.ratio, args.life_span, [*options, *variant])
-            schemes.build(name, **config)  # a bad option fails here, before any namespace
+            local_run.validate(name, config)  # a bad option fails here, before any namespace
             entries.append({"name": name, "config": config, **({"label": label} if variant
                                                                  else {})})
         else:

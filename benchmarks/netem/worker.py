@@ -18,13 +18,15 @@ A scheme that raises ends the process: the group may be out of step after it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -40,9 +42,10 @@ from benchmarks.netem.net import SITE, WORKER, host_of, port
 from thinwire import ddp, optim, schemes
 from thinwire.comm import Meter
 from thinwire.data.digits import batches, load_digits, shard
-from thinwire.jobs import workloads
+from thinwire.jobs import local_run, workloads
 from thinwire.jobs.dataparallel import accuracy, compute_seconds, step_seconds
 from thinwire.jobs.sharded import NATIVE, shard_model
+from thinwire.local import LocalUpdates, nesterov
 from thinwire.models.mlp import mlp
 
 
@@ -154,6 +157,51 @@ def install_sharded(entry: dict[str, Any], model: nn.Module, meter: Meter,
                      sharded.state)
 
 
+def install_local(entry: dict[str, Any], model: nn.Module, inner: torch.optim.Optimizer,
+                  meter: Meter) -> tuple[Installed, LocalUpdates]:
+    """``diloco`` or ``diloco+SCHEME``: the workers train their own replicas with
+    ``inner`` and sync through :class:`thinwire.local.LocalUpdates`, as ``thinwire compare``
+    runs them; the installed step hook counts an inner step (and lands or launches syncs)."""
+    name = entry["name"]
+    local_options, scheme_config = local_run.parts(name, entry["config"])
+    scheme = schemes.build(local_run.inner_scheme(name), **scheme_config)
+    updates = LocalUpdates(model, inner, scheme, every=local_options.every,
+                           fragments=local_options.fragments, delay=local_options.delay,
+                           mix=local_options.mix,
+                           outer=nesterov(local_options.outer_lr, local_options.outer_momentum),
+                           meter=meter)
+    syncs = []
+
+    def after_step() -> None:
+        syncs.extend(updates.step())
+
+    def details() -> dict[str, Any]:
+        return {"skipped_steps": scheme.skipped,
+                "local": {**dataclasses.asdict(local_options), "syncs": len(syncs)}}
+
+    return Installed(model, after_step, lambda: scheme.overhead_s, details, scheme), updates
+
+
+@contextmanager
+def global_weights(model: nn.Module, updates: LocalUpdates | None) -> Iterator[None]:
+    """Within: ``model`` holds the global weights of ``updates`` (what a local-update run is
+    judged by, as ``thinwire compare`` judges it); after: its own again."""
+    if updates is None:
+        yield
+        return
+    params = dict(model.named_parameters())
+    own = {key: p.detach().clone() for key, p in params.items()}
+    with torch.no_grad():
+        for key, value in updates.global_state().items():
+            params[key].copy_(value)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for key, value in own.items():
+                params[key].copy_(value)
+
+
 def window_traffic(meter: Meter, first_step: int) -> dict[str, float]:
     """Mean bytes per step from step index ``first_step`` on: handed, ring sent, received."""
     steps = max(1, meter.step - first_step)
@@ -210,9 +258,14 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     model, compute_s = job.model, job.compute_s
     meter = Meter(rank, world_size, window=None)  # window_traffic reads every record
     sites = options.get("sites")
-    installed = install(entry, model, meter, options["rank"], sites)
+    local = local_run.is_local(entry["name"])
+    installed = (Installed(model, lambda: None, lambda: 0.0) if local
+                 else install(entry, model, meter, options["rank"], sites))
     optimizer = workloads.optimizer(options.get("optimizer", "sgd"), installed.net.parameters(),
                                     options["lr"], options["momentum"])
+    updates = None
+    if local:  # the workers' own replicas, synced every H steps
+        installed, updates = install_local(entry, model, optimizer, meter)
     if installed.hook is not None:  # as the README's quick start: momentum into the workers
         optim.couple(optimizer, installed.hook)
     wire = WireMeter(options["interface"], options.get("bridge_namespace"),
@@ -242,7 +295,8 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         if step % options["eval_every"] and step != options["max_steps"]:
             continue
         elapsed = sum(step_s)
-        acc = job.accuracy()
+        with global_weights(model, updates):
+            acc = job.accuracy()
         curve.append((step, elapsed, acc))
         # Every rank must stop at the same step: agree on (reached, elapsed) first.
         met = acc <= target if options.get("lower_is_better") else acc >= target

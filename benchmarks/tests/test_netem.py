@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
 from benchmarks import overhead, report
@@ -28,7 +29,15 @@ from benchmarks.netem.summary import (
     same_trajectory,
     speedups,
 )
-from benchmarks.netem.worker import WireMeter, label_of, shaper_bytes, task, train, window_traffic
+from benchmarks.netem.worker import (
+    WireMeter,
+    global_weights,
+    label_of,
+    shaper_bytes,
+    task,
+    train,
+    window_traffic,
+)
 from thinwire import schemes
 from thinwire.comm import Meter
 from thinwire.launch import spawn
@@ -212,6 +221,34 @@ def test_a_variant_runs_a_scheme_with_its_own_options_under_its_label() -> None:
         harness.plan(_args("--schemes", "dct-dp:capacity=0.5"))
     with pytest.raises(ValueError, match="takes no options"):
         harness.plan(_args("--schemes", "torch-powersgd:rank=4"))
+
+
+def test_local_updates_are_planned_with_their_own_and_their_schemes_options() -> None:
+    entries, notes = harness.plan(_args("--schemes",
+                                        "diloco,diloco+int4:every=10:fragments=2:delay=4"))
+    assert not notes and [label_of(e) for e in entries] == [
+        "diloco", "diloco+int4:every=10:fragments=2:delay=4"]
+    assert entries[1]["name"] == "diloco+int4"
+    assert entries[1]["config"] == {"every": 10, "fragments": 2, "delay": 4}
+    with pytest.raises(ValueError, match="no option rank"):  # int4 has no rank
+        harness.plan(_args("--schemes", "diloco+int4:rank=2"))
+    with pytest.raises(ValueError, match="delay"):  # a delay no fragment's spacing allows
+        harness.plan(_args("--schemes", "diloco:every=10:fragments=2:delay=5"))
+
+
+def test_a_local_update_run_is_judged_on_its_global_weights() -> None:
+    model = mlp(4, 8, 1, classes=2)
+    own = {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    class Updates:  # what global_weights reads of LocalUpdates
+        def global_state(self) -> dict[str, Any]:
+            return {k: v + 1.0 for k, v in own.items()}
+
+    with global_weights(model, Updates()):  # type: ignore[arg-type]
+        assert all(torch.equal(p, own[k] + 1.0) for k, p in model.named_parameters())
+    assert all(torch.equal(p, own[k]) for k, p in model.named_parameters())
+    with global_weights(model, None):  # per-step schemes: the model as it is
+        assert all(torch.equal(p, own[k]) for k, p in model.named_parameters())
 
 
 # Floors and projections ---------------------------------------------------------------------
