@@ -340,9 +340,9 @@ class _ReplicaMeter(Meter):
         self.shared = meter
 
     def record(self, entity: str, layer: str, collective: str, nbytes: int, *,
-               world_size: int | None = None, root: int = 0) -> None:
+               world_size: int | None = None, root: int = 0, joined: bool = False) -> None:
         self.shared.record(entity, layer, collective, nbytes, world_size=self.world_size,
-                           root=root)
+                           root=root, joined=joined)
 
 
 def train_local(config: RunConfig, *, progress: bool = False, task: Task | None = None,
