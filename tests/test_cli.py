@@ -501,11 +501,16 @@ def _free_port() -> int:
         return port
 
 
-def test_train_rank_zero_writes_the_run_folder(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+def _as_torchrun_rank(monkeypatch: pytest.MonkeyPatch, world_size: int = 1) -> None:
+    """The environment torchrun gives rank 0 of ``world_size`` on this machine."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
         monkeypatch.setenv(key, value)
+
+
+def test_train_rank_zero_writes_the_run_folder(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_torchrun_rank(monkeypatch)
     code = main(["train", "--scheme", "dct-dp", "--steps", "3", "--batch-size", "16",
                  "--backend", "gloo", "--out", str(tmp_path / "run"),
                  "--json", str(tmp_path / "copy.json")])
@@ -518,9 +523,7 @@ def test_train_rank_zero_writes_the_run_folder(tmp_path: Path,
 
 def test_train_runs_local_updates_under_torchrun(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
-        monkeypatch.setenv(key, value)
+    _as_torchrun_rank(monkeypatch)
     code = main(["train", "--scheme", "diloco+int8", "--option", "every=2", "--steps", "4",
                  "--batch-size", "16", "--backend", "gloo", "--out", str(tmp_path / "run"),
                  "--json", str(tmp_path / "copy.json")])
@@ -531,8 +534,7 @@ def test_train_runs_local_updates_under_torchrun(tmp_path: Path,
 
 def test_train_refuses_local_updates_with_sites_before_joining_the_job(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(key, value)
+    _as_torchrun_rank(monkeypatch, world_size=4)
     assert main(["train", "--scheme", "diloco", "--sites", "2"]) == 2
     assert "takes no --sites" in capsys.readouterr().err
 
