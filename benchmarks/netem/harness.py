@@ -53,7 +53,7 @@ from benchmarks.netem.worker import label_of
 from thinwire import schemes
 from thinwire.jobs import local_run
 from thinwire.jobs.common import split_option
-from thinwire.jobs.compare import parse_bandwidth, scheme_config
+from thinwire.jobs.compare import parse_bandwidth, scheme_config, split_spelling
 from thinwire.jobs.sharded import NATIVE
 from thinwire.jobs.workloads import RECIPES, WORKLOADS, load
 
@@ -232,7 +232,7 @@ def plan(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     entries, notes = [], []
     options = [f"rank={args.rank}", *args.option]  # an explicit --option KEY=VALUE wins
     for label in requested:
-        name, *variant = label.split(":")
+        name, variant = split_spelling(label)
         if name in (*ANCHORS, NATIVE) and name not in anchors:
             raise ValueError(f"{label!r} is a {'DDP' if sited else 'sharded (--sites)'} "
                              f"anchor; {'with' if sited else 'without'} --sites use "
