@@ -468,7 +468,8 @@ def workloads_section(records: list[tuple[dict[str, Any], Path]]) -> str:
         rounds = record.get("rounds", 1)
         lines.append(f"- {opts['workload']}: {opts['optimizer']} lr {opts['lr']} momentum "
                      f"{opts['momentum']}, batch {opts['batch_size']} per worker, target "
-                     f"{opts['target']:.1%}"
+                     + (f"{opts['target']:g} {opts['metric']}" if opts.get("lower_is_better")
+                        else f"{opts['target']:.1%}")
                      + (f", median of {rounds} rounds" if rounds > 1 else "")
                      + f". Source `{path.as_posix()}`: `{record['command']}`, "
                      f"{record['date']}. {activity(record)}"
@@ -495,6 +496,20 @@ def workloads_section(records: list[tuple[dict[str, Any], Path]]) -> str:
                            f"@{run['steps_to_target']}"
                            + (f" ({versus:.2f}x)" if versus else ""))
         lines.append("| " + " | ".join(row) + " |")
+    for name in ("lone worker", "compute-only bound"):  # where the run measured them
+        row = [f"**{name}**"]
+        for record, rate, _ in cells:
+            ref = next((r for r in record.get("references", [])
+                        if (r["scheme"], r["rate"]) == (name, rate)), None)
+            row.append("" if ref is None else "not reached" if ref["time_to_target_s"] is None
+                       else f"{fmt_seconds(ref['time_to_target_s'])} "
+                            f"{'m' if ref['time_to_target_kind'] == 'measured' else 'c'} "
+                            f"@{ref['steps_to_target']}")
+        if any(row[1:]):
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "**lone worker**: torch-dense with the same recipe on one worker, no link "
+              "(`m` measured); **compute-only bound**: torch-dense's steps at n workers x the "
+              "median compute step (`c` computed). A blank: that run predates the rows."]
     return "\n".join(lines) + "\n"
 
 

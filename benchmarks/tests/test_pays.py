@@ -159,3 +159,13 @@ def test_the_page_shows_every_workloads_verdict_and_both_reference_rows(
     assert "| **lone worker** |" in page and "| **compute-only bound** |" in page
     assert "topk 2.0 Mbit/s" in page and "clt-k never" in page
     assert (tmp_path / "figures" / "time_vs_rate_text-lm.png").stat().st_size > 0
+
+
+def test_the_workload_matrix_carries_both_reference_rows_and_a_lower_is_better_target() -> None:
+    path = Path(__file__).parents[2] / "docs" / "data" / "netem-workload-text-lm.json"
+    record = json.loads(path.read_text())
+    text = report.workloads_section([(record, path)])
+    assert "target 2.58 bits per byte" in text
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| **")}
+    assert rows["| **lone worker**"].count("60.94 m @2600") == 3  # one run, every rate
+    assert rows["| **compute-only bound**"].count(" c @1600") == 3  # dense's steps x compute
