@@ -105,6 +105,17 @@ def recipe(options: RunOptions) -> dict[str, Any]:
     return {name: getattr(options, name) for name in RECIPE_FIELDS}
 
 
+def evaluation_point(step: int, score: float, work: workloads.Workload, meter: Meter,
+                     curve: list[tuple[int, float, float]], steps_to_target: int | None,
+                     board: MeterBoard | None = None) -> int | None:
+    """Add ``(step, bytes handed so far, score)`` to ``curve`` (and the board); return the
+    first step whose score reached the workload's target (None: not yet)."""
+    curve.append((step, meter.bytes_per_step().get("total", 0.0) * meter.step, score))
+    if board is not None:
+        board.score(step, score, work.metric)
+    return step if steps_to_target is None and work.reached(score) else steps_to_target
+
+
 def same_trajectory(first: dict[str, Any], second: dict[str, Any]) -> bool:
     """Whether two recipes train alike, step for step: all fields but the step budget,
     which only cuts a run short (no schedule depends on it, the batch stream is endless)."""
@@ -279,12 +290,8 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         if not math.isfinite(losses[-1]):
             break
         if step % options.eval_every == 0 or step == options.steps:
-            handed = meter.bytes_per_step().get("total", 0.0) * meter.step
-            curve.append((step, handed, work.score(model, options.eval_rows)))
-            if board is not None:
-                board.score(step, curve[-1][2], work.metric)
-            if steps_to_target is None and work.reached(curve[-1][2]):
-                steps_to_target = step
+            steps_to_target = evaluation_point(step, work.score(model, options.eval_rows), work,
+                                               meter, curve, steps_to_target, board)
             if options.until_target and _anyone(steps_to_target is not None, group, device):
                 break
         if progress is not None:

@@ -37,6 +37,7 @@ from thinwire.jobs.dataparallel import (
     RunOptions,
     _anyone,
     backward,
+    evaluation_point,
     prepare,
     run_record,
     run_scheme,
@@ -188,15 +189,11 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
         if not math.isfinite(losses[-1]):
             break
         if step % options.eval_every == 0 or step == options.steps:
-            handed = meter.bytes_per_step().get("total", 0.0) * meter.step
             if moved or not curve:  # the global weights change only when a sync lands
                 score = work.score(_global_copy(model, updates), options.eval_rows)
                 moved = False
-            curve.append((step, handed, score))
-            if board is not None:
-                board.score(step, score, work.metric)
-            if steps_to_target is None and work.reached(score):
-                steps_to_target = step
+            steps_to_target = evaluation_point(step, score, work, meter, curve, steps_to_target,
+                                               board)
             if options.until_target and _anyone(steps_to_target is not None, group, device):
                 break
         if progress is not None:

@@ -30,6 +30,7 @@ from thinwire.jobs.dataparallel import (
     RunOptions,
     _anyone,
     backward,
+    evaluation_point,
     prepare,
     run_record,
 )
@@ -98,10 +99,8 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
         if not math.isfinite(losses[-1]):
             break
         if step % options.eval_every == 0 or step == options.steps:
-            handed = meter.bytes_per_step().get("total", 0.0) * meter.step
-            curve.append((step, handed, work.score(model, options.eval_rows)))
-            if steps_to_target is None and work.reached(curve[-1][2]):
-                steps_to_target = step
+            steps_to_target = evaluation_point(step, work.score(model, options.eval_rows), work,
+                                               meter, curve, steps_to_target)
             if options.until_target and _anyone(steps_to_target is not None, None, device):
                 break
         if progress is not None:
