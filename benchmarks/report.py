@@ -498,9 +498,10 @@ def workloads_section(records: list[tuple[dict[str, Any], Path]]) -> str:
         lines.append("| " + " | ".join(row) + " |")
     for name in ("lone worker", "compute-only bound"):  # where the run measured them
         row = [f"**{name}**"]
-        for record, rate, _ in cells:
+        for record, rate, workers in cells:  # the lone worker is one worker in every cell
             ref = next((r for r in record.get("references", [])
-                        if (r["scheme"], r["rate"]) == (name, rate)), None)
+                        if (r["scheme"], r["rate"]) == (name, rate)
+                        and r["workers"] in (1, workers)), None)
             row.append("" if ref is None else "not reached" if ref["time_to_target_s"] is None
                        else f"{fmt_seconds(ref['time_to_target_s'])} "
                             f"{'m' if ref['time_to_target_kind'] == 'measured' else 'c'} "

@@ -169,3 +169,18 @@ def test_the_workload_matrix_carries_both_reference_rows_and_a_lower_is_better_t
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| **")}
     assert rows["| **lone worker**"].count("60.94 m @2600") == 3  # one run, every rate
     assert rows["| **compute-only bound**"].count(" c @1600") == 3  # dense's steps x compute
+
+
+def test_each_workload_matrix_cell_shows_its_own_worker_counts_bound() -> None:
+    path = Path(__file__).parents[2] / "docs" / "data" / "netem-workload-text-lm.json"
+    record = json.loads(path.read_text())
+    record["workers"] = [2, 4]
+    record["runs"] += [{**run, "workers": 4} for run in record["runs"]]
+    record["references"] += [{**ref, "workers": 4, "steps_to_target": 950}
+                             for ref in record["references"]
+                             if ref["scheme"] == "compute-only bound"]
+    text = report.workloads_section([(record, path)])
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| **")}
+    assert rows["| **compute-only bound**"].count(" c @1600") == 3
+    assert rows["| **compute-only bound**"].count(" c @950") == 3
+    assert rows["| **lone worker**"].count("60.94 m @2600") == 6
