@@ -185,14 +185,15 @@ def dlrm_large(seed: int, hidden: int = 256) -> Workload:
     more workers, and its 20,000 rows are overfitted before the per-id effects are
     learnt. Here AdamW scales each row's step by that row's own gradient size, so a
     rare row moves about as far as a frequent one each time it is seen, and a global
-    batch n times larger shows it n times as often; a small per-worker batch (32) leaves
+    batch n times larger shows it n times as often; a per-worker batch of 112 still leaves
     a lone worker noise-bound, which the mean over n workers cuts; 300,000 rows over ids
     up to 10,000 a feature carry enough per-id signal that training is not data-bound;
     and the target is a test log loss 0.075 above the Bayes one (the teacher's), near
     where the noise of a small batch holds a lone worker at a fixed learning rate. The
     teacher is scaled to one log loss on the test rows on every seed, so that one target
     is as hard on each; the wider MLPs (MLPerf DLRM's top MLP, embedding dimension 32)
-    lengthen a step's compute (measured: ``docs/guide/cli.md``).
+    and the batch of 112 make a step's compute long enough (about 24 ms on one thread)
+    that a 100 Mbit/s to 1 Gbit/s link matters (measured: ``docs/guide/cli.md``).
     """
     rows, evaluated = LARGE_ROWS
     train, test = criteo.synthetic_criteo(rows, evaluated, seed=seed,
@@ -259,7 +260,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "fashion-convnet": {**SGD, "lr": 0.05, "batch_size": 32, "steps": 600},
     # lr 0.1: a larger rate reaches the target sooner but then overfits the 20,000 rows.
     "dlrm-click": {**SGD, "lr": 0.1, "batch_size": 64, "steps": 800},
-    "dlrm-large": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3, "batch_size": 32,
+    "dlrm-large": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3, "batch_size": 112,
                    "steps": 4000},
     "transformer-digits": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3,
                            "batch_size": 32, "steps": 600},
