@@ -120,32 +120,34 @@ class AgedAdam:
 
     def _move(self, index: int, parameters: list[torch.Tensor], group: dict[str, Any]) -> None:
         """Adam's step for ``parameters`` (one group), on flat buffers: a few kernels per
-        group rather than per tensor."""
+        group rather than per tensor, and the moments touched only where an entry arrived
+        (a sparsifier sends about one in ``1 / density``; elsewhere nothing changes but the
+        age, so a pass over every entry per moment would cost more than the step)."""
         age, square, weight = self._flat(index, parameters)
         grad = torch.cat([p.grad.reshape(-1).to(age.dtype)  # type: ignore[union-attr]
                           for p in parameters])
-        # Masks as 0/1 floats: multiplying by them is much cheaper on CPU than
-        # masked_fill or where with a bool mask, and exact.
-        waited = grad.eq(0).to(age.dtype)  # 1 where nothing arrived
         age.add_(1)
-        credited = age.clamp(max=self.horizon)
-        mean = grad / credited
-        # beta2^a where an entry arrived (its a steps), beta2^0 = 1 (no change) elsewhere
-        decay = credited.mul_(1 - waited).mul_(math.log(float(group["betas"][1]))).exp_()
+        arrived = grad.nonzero().squeeze(1)
+        sent = grad[arrived]
+        credited = age[arrived].clamp_(max=self.horizon)
+        mean = sent / credited
+        # beta2^a for an entry that arrived with its a steps
+        decay = credited.mul_(math.log(float(group["betas"][1]))).exp_()
         gain = 1 - decay
-        weight.mul_(decay).add_(gain)
-        square.mul_(decay).addcmul_(mean.mul_(mean), gain)
-        age.mul_(waited)
+        moment = weight[arrived].mul_(decay).add_(gain)
+        weight[arrived] = moment
+        averaged = square[arrived].mul_(decay).addcmul_(mean.mul_(mean), gain)
+        square[arrived] = averaged
+        age[arrived] = 0
         lr = float(group["lr"])
         if group["weight_decay"]:
             torch._foreach_mul_(parameters, 1 - lr * float(group["weight_decay"]))
-        # grad is 0 where nothing arrived: there the denominator only has to be positive
-        # (weight is 0 where nothing ever arrived, so clamp it away from 0 / 0)
-        denominator = (square / weight.clamp_min(torch.finfo(weight.dtype).tiny)).sqrt_()
-        denominator.add_(float(group["eps"])).add_(waited)
-        steps = grad.div_(denominator).split([p.numel() for p in parameters])
-        torch._foreach_add_(parameters, [step.view(p.shape).to(p.dtype)
-                                         for step, p in zip(steps, parameters)], alpha=-lr)
+        denominator = (averaged / moment).sqrt_()  # moment >= 1 - beta2 > 0 where arrived
+        step = torch.zeros_like(grad).index_copy_(
+            0, arrived, sent.div_(denominator.add_(float(group["eps"]))))
+        torch._foreach_add_(parameters, [part.view(p.shape).to(p.dtype) for part, p in
+                                         zip(step.split([p.numel() for p in parameters]),
+                                             parameters)], alpha=-lr)
 
     def _give_back(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for parameter, grad in self.stashed:
