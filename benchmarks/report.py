@@ -474,6 +474,14 @@ def workloads_section(records: list[tuple[dict[str, Any], Path]]) -> str:
                      + f". Source `{path.as_posix()}`: `{record['command']}`, "
                      f"{record['date']}. {activity(record)}"
                      + (f" Provisional: {note}." if note else ""))
+    shared = sorted({f"{record['options']['workload']} ({workers} workers)"
+                     for record, _, workers in cells
+                     if workers > record.get("machine", {}).get("cores", workers)})
+    if shared:  # the caveat: more processes than cores inflate wall time
+        lines += ["", f"More workers than cores in {', '.join(shared)}: the workers share "
+                  "cores, so each step's compute and time to target are inflated, while the "
+                  "lone worker ran alone; the bound there uses the run's own compute step, "
+                  "so its multiple is fair."]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     medians = {id(record): median_runs(record["runs"]) for record, _ in records}
     ratios = [speedups(medians[id(record)], "torch-powersgd") for record, _, _ in cells]

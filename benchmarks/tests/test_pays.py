@@ -184,3 +184,6 @@ def test_each_workload_matrix_cell_shows_its_own_worker_counts_bound() -> None:
     assert rows["| **compute-only bound**"].count(" c @1600") == 3
     assert rows["| **compute-only bound**"].count(" c @950") == 3
     assert rows["| **lone worker**"].count("60.94 m @2600") == 6
+    assert "More workers than cores in text-lm (4 workers)" in text
+    assert "More workers than cores" not in report.workloads_section(
+        [(json.loads(path.read_text()), path)])
