@@ -477,7 +477,7 @@ def workloads_section(records: list[tuple[dict[str, Any], Path]]) -> str:
     shared = sorted({f"{record['options']['workload']} ({workers} workers)"
                      for record, _, workers in cells
                      if workers > record.get("machine", {}).get("cores", workers)})
-    if shared:  # the caveat: more processes than cores inflate wall time
+    if shared:  # more processes than cores inflate wall time
         lines += ["", f"More workers than cores in {', '.join(shared)}: the workers share "
                   "cores, so each step's compute and time to target are inflated, while the "
                   "lone worker ran alone; the bound there uses the run's own compute step, "
