@@ -3,7 +3,6 @@ against torch's AdamW and by hand, its state resumed exactly, and the look-ahead
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -94,42 +93,6 @@ def test_a_burst_is_credited_with_at_most_the_horizons_steps() -> None:
                                rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match="horizon=0"):
         AgedAdam(adam, {}, _memory(), horizon=0)
-
-
-def _every_entry_rule(param: torch.Tensor, grads: list[torch.Tensor], lr: float, beta2: float,
-                      eps: float, decay_rate: float, horizon: int) -> torch.Tensor:
-    """The burst-aware rule applied to every entry each step, arrived or not (an entry
-    that waited keeps its moments: beta2^0 = 1; its step is 0 / (denominator + 1))."""
-    age, square, weight = (torch.zeros_like(param) for _ in range(3))
-    for grad in grads:
-        waited = grad.eq(0).to(param.dtype)
-        age.add_(1)
-        credited = age.clamp(max=horizon)
-        mean = grad / credited
-        decay = credited.mul_(1 - waited).mul_(math.log(beta2)).exp_()
-        weight.mul_(decay).add_(1 - decay)
-        square.mul_(decay).addcmul_(mean.mul_(mean), 1 - decay)
-        age.mul_(waited)
-        param = param * (1 - lr * decay_rate)
-        denominator = (square / weight.clamp_min(torch.finfo(weight.dtype).tiny)).sqrt_()
-        param = param.add(grad / denominator.add_(eps).add_(waited), alpha=-lr)
-    return param
-
-
-def test_touching_only_the_arrived_entries_gives_the_every_entry_rule_exactly() -> None:
-    torch.manual_seed(3)
-    start = torch.randn(400, dtype=torch.float64)
-    grads = [torch.randn(400, dtype=torch.float64) * (torch.rand(400) < 0.05)
-             for _ in range(40)]
-    weights = nn.Parameter(start.clone())
-    adam = torch.optim.AdamW([weights], lr=0.01, betas=(0.0, 0.99), eps=1e-8,
-                             weight_decay=0.1)
-    AgedAdam(adam, {id(weights): "w"}, _memory(), horizon=20)
-    for grad in grads:
-        weights.grad = grad.clone()
-        adam.step()
-    assert torch.equal(weights.detach(),
-                       _every_entry_rule(start, grads, 0.01, 0.99, 1e-8, 0.1, 20))
 
 
 def test_its_state_rides_in_the_memorys_state_dict_and_resumes_exactly() -> None:
