@@ -9,6 +9,7 @@ from thinwire.schemes import quantised as _quantised  # noqa: F401
 from thinwire.schemes import scalecom as _scalecom  # noqa: F401
 from thinwire.schemes.base import CompressedScheme, Scheme
 from thinwire.schemes.registry import build, config_class, fingerprint, names, register
+from thinwire.schemes.traits import Traits
 
-__all__ = ["CompressedScheme", "Scheme", "build", "config_class", "fingerprint", "names",
+__all__ = ["CompressedScheme", "Scheme", "Traits", "build", "config_class", "fingerprint", "names",
            "register"]

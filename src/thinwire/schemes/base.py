@@ -19,6 +19,7 @@ from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.compress.pieces import Streams
 from thinwire.feedback import Memory, all_finite
 from thinwire.schemes.streaming import Streaming, joined, offsets_of
+from thinwire.schemes.traits import ALL_GATHER, ALL_REDUCE, Traits
 
 T = TypeVar("T")
 
@@ -38,14 +39,14 @@ class Scheme(ABC):
     """
 
     origin: tuple[str, Any] | None = None
-    # Whether every rank sends at the same indices (CLT-k's leader chooses them): optim
-    # then steps with an EF21 estimate where gradients are not taken at the virtual iterate.
-    shared_indices = False
 
     def __init__(self) -> None:
         self.meter: Meter | None = None
         self.overhead_s = 0.0
         self.skipped = 0
+        # Set to {} to record, where traits.energy: key -> per launch, the share of this
+        # rank's own top-k energy that the shared indices captured.
+        self.energy: dict[str, list[float]] | None = None
         self._lock = threading.Lock()
         self._scratch: torch.Tensor | None = None  # |p|, reused across launches
 
@@ -96,9 +97,16 @@ class Scheme(ABC):
         return self.launch(grads, group).then(write)
 
     @property
-    def density(self) -> float | None:
-        """Target fraction of the entries a step sends; None: not a sparsifier."""
-        return None
+    def traits(self) -> Traits:
+        """What this scheme is (:class:`~thinwire.schemes.traits.Traits`): the layers
+        above read this, never the scheme's class. Here: a dense all-reduce."""
+        return Traits()
+
+    @property
+    def trace(self) -> Mapping[str, Sequence[tuple[int, float, float]]]:
+        """Per tensor, its threshold's recent (call, threshold, achieved density); empty
+        where nothing is thresholded."""
+        return {}
 
     @property
     def error_memory(self) -> Memory | None:
@@ -208,12 +216,19 @@ class CompressedScheme(Scheme):
         self.pieces = Streaming(compressor, self) if isinstance(compressor, Streams) else None
 
     @property
-    def density(self) -> float | None:
-        return self.compressor.density
+    def traits(self) -> Traits:
+        density = self.compressor.density
+        return Traits(density, None if self.memory is None else self.memory.rule,
+                      streams=self.pieces is not None,
+                      collectives=(ALL_REDUCE,) if density is None else (ALL_GATHER, ALL_REDUCE))
+
+    @property
+    def trace(self) -> Mapping[str, Sequence[tuple[int, float, float]]]:
+        return self.compressor.trace if isinstance(self.compressor, Sparsifier) else {}
 
     @property
     def error_memory(self) -> Memory | None:
-        return self.memory if self.density is not None else None
+        return self.memory if self.compressor.density is not None else None
 
     def couple_memory(self, memory: Memory) -> None:
         if self.error_memory is None:

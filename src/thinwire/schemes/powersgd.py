@@ -31,6 +31,7 @@ from thinwire.compress.powersgd import PowerSGD, as_matrix, orthonormalize, righ
 from thinwire.feedback import Residual
 from thinwire.schemes.base import Scheme, count_step
 from thinwire.schemes.registry import register, validate_common
+from thinwire.schemes.traits import ALL_REDUCE, Traits
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ class PowerSGDScheme(Scheme):
         self.memory = Residual() if config.error_feedback else None
         self.steps: dict[str, int] = {}  # key -> launches so far
         self.rounds = TwoRounds()  # holds at most one bucket whose Q round waits for its P
+
+    @property
+    def traits(self) -> Traits:
+        return Traits(memory=None if self.memory is None else self.memory.rule,
+                      collectives=(ALL_REDUCE, ALL_REDUCE))
 
     def low_rank(self, shape: tuple[int, ...], step: int) -> bool:
         """Whether a tensor of ``shape`` is compressed at ``step`` (the same on every rank)."""

@@ -41,6 +41,7 @@ from thinwire.compress.sparse import MIN_NUMEL
 from thinwire.feedback import Memory, Residual, all_finite
 from thinwire.schemes.base import Scheme
 from thinwire.schemes.registry import register, validate_common, validate_ratio
+from thinwire.schemes.traits import ALL_GATHER, Traits
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,22 @@ class QuantisedScheme(Scheme):
         self.memory = memory
         self.sparsifier = sparsifier
         self.nonfinite = nonfinite
+
+    @property
+    def traits(self) -> Traits:
+        return Traits(None if self.sparsifier is None else self.sparsifier.density,
+                      None if self.memory is None else self.memory.rule,
+                      collectives=(ALL_GATHER,))
+
+    @property
+    def error_memory(self) -> Memory | None:
+        """The memory of ``topk+KIND``, which couples as the other sparsifiers'."""
+        return self.memory if self.sparsifier is not None else None
+
+    def couple_memory(self, memory: Memory) -> None:
+        if self.error_memory is None:
+            super().couple_memory(memory)
+        self.memory = memory
 
     def _sparse(self, info: TensorInfo) -> bool:
         return self.sparsifier is not None and not self.sparsifier.is_dense(info)

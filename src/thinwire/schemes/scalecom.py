@@ -48,6 +48,7 @@ from thinwire.schemes.registry import (
     validate_ratio,
 )
 from thinwire.schemes.streaming import joined
+from thinwire.schemes.traits import ALL_REDUCE, BROADCAST, Traits
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,6 @@ class _SelectedTopK(Scheme):
         self.memory: Memory = LowPass(config.beta)  # couple_memory may replace it
         self.steps: dict[str, int] = {}  # key -> launches so far
         self.groups: dict[str, tuple[str, ...]] = {}  # key -> the keys last selected with it
-
-    @property
-    def density(self) -> float:
-        return self.config.ratio
 
     @property
     def error_memory(self) -> Memory:
@@ -159,14 +156,16 @@ class CyclicLocalTopK(_SelectedTopK):
             A diagnostic: it costs a top-k per layer and launch.
     """
 
-    shared_indices = True
-
     def __init__(self, config: CLTkConfig) -> None:
         super().__init__(config)
         self.leader = 0
         self.indices: dict[str, torch.Tensor] = {}
-        self.energy: dict[str, list[float]] | None = None
         self.rounds = TwoRounds()  # at most one bucket whose values wait for their indices
+
+    @property
+    def traits(self) -> Traits:
+        return Traits(self.config.ratio, self.memory.rule, shared_indices=True, energy=True,
+                      collectives=(BROADCAST, ALL_REDUCE))
 
     def launch(self, grads: Mapping[str, torch.Tensor], group: Group = None) -> Future[Any]:
         """Average ``grads`` (not modified) with CLT-k; the future holds a dict of results.
