@@ -73,6 +73,9 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
                              "error feedback, as gradients are taken at the virtual iterate; "
                              "EF21 where they cannot be: Adam with amsgrad) or error (its own "
                              "always)")
+    parser.add_argument("--rule", default="momentum")
+    parser.add_argument("--no-virtual", dest="virtual", action="store_false")
+    parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None,
                         help="optimiser steps per scheme (default: the workload's recipe)")
     parser.add_argument("--batch-size", type=int, default=None,
@@ -128,7 +131,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     resolved = {key: recipe[key] if value is None else value for key, value in chosen.items()}
     return RunOptions(hidden=args.hidden, seed=args.seed, workload=args.workload,
                       eval_every=args.eval_every,
-                      couple=args.couple, feedback=args.feedback,
+                      couple=args.couple, feedback=args.feedback, rule=args.rule,
+                      virtual=args.virtual, warmup=args.warmup,
                       weight_decay=args.weight_decay, max_norm=args.max_norm,
                       clip_at=args.clip_at, precision=args.precision,
                       tensorboard=args.tensorboard, **resolved)

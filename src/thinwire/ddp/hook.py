@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import optim
 from thinwire._version import __version__
-from thinwire.comm import Meter
+from thinwire.comm import Meter, world
 from thinwire.comm.collectives import Future, Group
 from thinwire.comm.fingerprint import check_peers
 from thinwire.compress import TensorInfo
@@ -38,6 +38,35 @@ class HookState:
     hold: StepHold | None = None  # holds a step's buckets for the two above
     guard: GradGuard | None = None  # warns if the sparse update is rewritten before the step
     coupling: optim.Coupling | None = None  # what couple did, when given the optimiser
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's scheme state (error memory, velocity, thresholds, counters), with the
+        rank and world size it belongs to and the error memory's rule: save one per rank."""
+        rank, world_size = world(self.group)
+        return {"rank": rank, "world_size": world_size,
+                "memory": self.scheme.traits.memory, "scheme": self.scheme.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` saved on this rank.
+
+        Raises:
+            ValueError: ``state`` belongs to another rank or world size, or to a scheme
+                whose error memory was coupled otherwise (register with the same
+                ``optimizer`` and ``coupling`` before loading).
+        """
+        rank, world_size = world(self.group)
+        if (state.get("rank"), state.get("world_size")) != (rank, world_size):
+            raise ValueError(f"this scheme state was saved by rank {state.get('rank')} of "
+                             f"{state.get('world_size')}; this is rank {rank} of {world_size}. "
+                             "Each rank's error memory is its own: save and load one file "
+                             "per rank")
+        memory = self.scheme.traits.memory
+        if state.get("memory") != memory:
+            raise ValueError(f"this scheme state keeps an error memory of rule "
+                             f"{state.get('memory')!r}, the registered scheme {memory!r}: "
+                             "register with the same scheme, optimizer and coupling as the "
+                             "run that saved it, then load")
+        self.scheme.load_state_dict(state["scheme"])
 
 
 def agree(state: HookState, device: torch.device | None) -> None:
@@ -149,6 +178,8 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
         scheme.meter = meter
     named = list(module.named_parameters())
     parameters = {name: f"{tuple(p.shape)} {p.dtype}" for name, p in named if p.requires_grad}
+    if scaler is not None and not scaler.is_enabled():
+        scaler = None  # a disabled scaler (float32) scales nothing: no overflow vote to take
     clip = None if max_norm is None else LocalClip(max_norm, group=group)
     loss_scale = None if scaler is None else LossScale(scaler, group, meter)
     stages: list[Stage] = [s for s in (loss_scale, clip) if s is not None]  # unscale first

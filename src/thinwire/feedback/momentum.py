@@ -38,19 +38,25 @@ class MomentumCorrection(Memory):
     worker's look-ahead by it. ``arrivals`` keeps that module's per-entry step
     state (the same on every rank), so one ``state_dict`` holds all of Adam's.
 
+    With ``decay``, SGD's weight decay enters the velocity as
+    ``torch.optim.SGD`` adds it, ``g <- g + wd p`` before the momentum, so
+    with nothing dropped the step is the user's, decay included.
+
     Args:
         inner: the memory that keeps what was not sent (Residual, LowPass).
         momentum: mu, in [0, 1).
         dampening: as ``torch.optim.SGD``: ``u <- mu u + (1 - dampening) g``.
         nesterov: send ``g + mu u`` instead of ``u``.
         beta2: keep the local second moment with this decay, in [0, 1); None: not kept.
+        decay: key -> (its parameter, its weight decay), for the keys that decay.
 
     Raises:
         ValueError: ``momentum`` or ``beta2`` outside [0, 1), ``dampening`` outside [0, 1].
     """
 
     def __init__(self, inner: Memory, momentum: float, dampening: float = 0.0,
-                 nesterov: bool = False, beta2: float | None = None) -> None:
+                 nesterov: bool = False, beta2: float | None = None,
+                 decay: Mapping[str, tuple[torch.Tensor, float]] | None = None) -> None:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum!r} must lie in [0, 1)")
         if not 0.0 <= dampening <= 1.0:
@@ -64,6 +70,7 @@ class MomentumCorrection(Memory):
         self.nesterov = nesterov
         self.velocity: dict[str, torch.Tensor] = {}
         self.beta2 = beta2
+        self.decay = {key: pair for key, pair in (decay or {}).items() if pair[1]}
         self.squares: dict[str, torch.Tensor] = {}  # key -> s, when beta2 is set
         self.counts: dict[str, int] = {}  # key -> gradients s has seen
         self.arrivals: dict[str, dict[str, torch.Tensor]] = {}  # thinwire.optim.adam's
@@ -91,17 +98,28 @@ class MomentumCorrection(Memory):
         a key that :meth:`advance_` already moved on this round is not moved again.
         """
         velocity = self.velocity.get(key)
-        if key in self._advanced and velocity is not None:
+        moved = key in self._advanced and velocity is not None
+        decayed = grad if moved and not self.nesterov else self._decayed(key, grad)
+        if moved:
             self._advanced.discard(key)
         elif velocity is None:
-            velocity = self.velocity[key] = grad.clone()
+            velocity = self.velocity[key] = decayed.clone()
             self._square(key, grad)
         else:
-            velocity.mul_(self.momentum).add_(grad.view(velocity.shape),
+            velocity.mul_(self.momentum).add_(decayed.view(velocity.shape),
                                               alpha=1.0 - self.dampening)
             self._square(key, grad)
-        return grad.add(velocity.view(grad.shape), alpha=self.momentum) if self.nesterov \
+        assert velocity is not None
+        return decayed.add(velocity.view(grad.shape), alpha=self.momentum) if self.nesterov \
             else velocity.view(grad.shape)
+
+    def _decayed(self, key: str, grad: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``grad + wd p`` (of the part from ``start``) where ``key`` decays, else ``grad``."""
+        if key not in self.decay:
+            return grad
+        parameter, weight_decay = self.decay[key]
+        weights = parameter.detach().reshape(-1)[start: start + grad.numel()]
+        return grad.add(weights.view(grad.shape).to(grad.dtype), alpha=weight_decay)
 
     def advance_(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Advance the velocity of every key of ``grads`` that has one, batched.
@@ -119,8 +137,9 @@ class MomentumCorrection(Memory):
         if keys:
             velocities = [self.velocity[key] for key in keys]
             torch._foreach_mul_(velocities, self.momentum)
-            torch._foreach_add_(velocities, [grads[key].view(self.velocity[key].shape)
-                                             for key in keys], alpha=1.0 - self.dampening)
+            torch._foreach_add_(velocities,
+                                [self._decayed(key, grads[key]).view(self.velocity[key].shape)
+                                 for key in keys], alpha=1.0 - self.dampening)
             for key in keys:
                 self._square(key, grads[key])
 
@@ -184,9 +203,10 @@ class MomentumCorrection(Memory):
         The same ``mul_`` / ``add_`` kernels as :meth:`advance_`, on the part.
         """
         part = self.velocity[key].view(-1)[start: start + grad.numel()]
-        part.mul_(self.momentum).add_(grad, alpha=1.0 - self.dampening)
+        decayed = self._decayed(key, grad, start)
+        part.mul_(self.momentum).add_(decayed, alpha=1.0 - self.dampening)
         self._square(key, grad, start)
-        sent = grad.add(part, alpha=self.momentum) if self.nesterov else part
+        sent = decayed.add(part, alpha=self.momentum) if self.nesterov else part
         return self.inner.absorb_part_(key, sent, start)
 
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:

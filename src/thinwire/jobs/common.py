@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import inspect
 import io
@@ -13,6 +12,8 @@ import tokenize
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from thinwire.schemes.registry import parse_value
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -115,17 +116,6 @@ def add_renamed_flags(parser: argparse.ArgumentParser) -> None:
         if new.split()[0] in flags and old not in flags:
             parser.add_argument(old, action=_Renamed, nargs="*", metavar=new,
                                 help=argparse.SUPPRESS)
-
-
-def parse_value(text: str) -> Any:
-    """A Python literal (``0.9``, ``(1, 2)``, ``None``, ``true`` in any case), else the text."""
-    lowered = text.strip().lower()
-    if lowered in ("true", "false", "none"):
-        return {"true": True, "false": False, "none": None}[lowered]
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
 
 
 def split_option(text: str, flag: str = "--option") -> tuple[str, Any]:

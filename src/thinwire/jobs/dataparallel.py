@@ -54,6 +54,9 @@ class RunOptions:
     workload: str = "digits-mlp"  # a name of thinwire.jobs.workloads.WORKLOADS
     optimizer: str = "sgd"  # "sgd", "nesterov" or "adamw" (beta1 = momentum)
     couple: bool = True  # move the optimiser's momentum into sparse schemes (thinwire.optim)
+    rule: str = "momentum"
+    virtual: bool = True
+    warmup: int = 0
     feedback: str = "auto"  # clt-k's coupled memory (thinwire.optim.couple's feedback)
     eval_rows: int | None = 2000  # test rows per evaluation point (None: all)
     until_target: bool = False  # stop at the first evaluation that reaches the target
@@ -246,6 +249,9 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                                   process_group=group)
     meter = Meter(rank, world_size)
     scheme = schemes.build(name, **config)
+    if options.warmup:
+        from thinwire.schemes.warmup import Warmup
+        scheme = Warmup(scheme, options.warmup)
     in_hook = (options.max_norm is not None and options.clip_at == "worker"
                and scheme.traits.clips_in_hook)
     dtype = PRECISIONS[options.precision]
@@ -257,7 +263,8 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         scheme.energy = {}  # how much of each rank's top-k the leader's indices capture
     optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
                                     options.momentum, options.weight_decay)
-    coupled = (optim.couple(optimizer, state, feedback=options.feedback).coupled
+    coupled = (optim.couple(optimizer, state, feedback=options.feedback, rule=options.rule,
+                            virtual=options.virtual).coupled
                if options.couple else False)
     stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)
     curve: list[tuple[int, float, float]] = []  # (step, cumulative bytes, test metric)

@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from thinwire.feedback import Estimate, Memory, MomentumCorrection
 from thinwire.optim.adam import AgedAdam, look_ahead, refuses
+from thinwire.optim.aged import AgedMoment
 from thinwire.optim.virtual import VirtualIterate
 from thinwire.schemes.base import Scheme
 
@@ -42,6 +43,7 @@ class Coupling:
     reason: str  # why it did or did not couple, in a sentence
     virtual: VirtualIterate | None = None  # gradients at x - lr e (its remove() undoes it)
     adam: AgedAdam | None = None  # Adam's step for the scheme's parameters (remove() too)
+    aged: Any = None
 
 
 def sparse_memory(scheme: Scheme) -> Memory | None:
@@ -81,7 +83,7 @@ def _scheme_of(target: Any) -> Scheme:
 
 
 def couple(optimizer: torch.optim.Optimizer, target: Any, *,
-           feedback: str = "auto", virtual: bool = True) -> Coupling:
+           feedback: str = "auto", virtual: bool = True, rule: str = "momentum") -> Coupling:
     """Move ``optimizer``'s SGD momentum into ``target``'s error feedback, if both have one.
 
     Args:
@@ -112,6 +114,52 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
         TypeError: ``target`` is neither a scheme nor a hook state.
     """
     scheme = _scheme_of(target)
+    if rule == "none":
+        return Coupling(False, 0.0, False, "rule none")
+    if rule in ("aged", "local", "ef21", "frozen", "frozen-pre") and scheme.error_memory is None:
+        return Coupling(False, 0.0, False, "nothing to couple")
+    if rule == "aged":
+        return _aged(optimizer, target, scheme, virtual)
+    if rule == "local":
+        from thinwire.optim.local import LocalAdamMemory, SGDStep
+        group = optimizer.param_groups[0]
+        memory = LocalAdamMemory(scheme.error_memory, float(group["betas"][0]),
+                                 float(group["betas"][1]), float(group["eps"]))
+        scheme.couple_memory(memory)
+        for g in optimizer.param_groups:
+            g["betas"] = (0.0, g["betas"][1])
+        moved = (VirtualIterate(optimizer, target.module, target.names, memory)
+                 if virtual and target.module is not None else None)
+        SGDStep(optimizer, target.names)
+        return Coupling(True, 0.0, False, "local", moved)
+    if rule in ("frozen", "frozen-pre"):
+        from thinwire.optim.frozen import FrozenAdam, Preconditioned, frozen_square
+        pre = rule == "frozen-pre"
+        params = {target.names[id(p)]: p for p in target.module.parameters()}
+        memory = scheme.error_memory
+        if pre:
+            memory = Preconditioned(memory, optimizer, params)
+            scheme.couple_memory(memory)
+        moved = None
+        if virtual:
+            def move(name: str, error: torch.Tensor,
+                     group: dict[str, Any]) -> torch.Tensor | None:
+                square = frozen_square(optimizer.state.get(params[name], {}),
+                                       float(group["betas"][1]))
+                if square is None:
+                    return None
+                if pre:
+                    return error
+                return error / square.sqrt().add_(float(group["eps"])).view(error.shape)
+            moved = VirtualIterate(optimizer, target.module, target.names, memory, move)
+        FrozenAdam(optimizer, target.names, scheme, pre, _mean_wait(scheme))
+        return Coupling(True, 0.0, False, rule, moved)
+    if rule == "ef21":
+        from thinwire.optim.estimate import SteppedEstimate, WorkerEstimate
+        worker = WorkerEstimate()
+        scheme.couple_memory(worker)
+        SteppedEstimate(optimizer, target.names, worker)
+        return Coupling(True, 0.0, False, "ef21")
     if feedback not in FEEDBACKS:
         raise ValueError(f"feedback={feedback!r} must be one of {FEEDBACKS}")
     if feedback == "ef21" and not scheme.traits.shared_indices:
@@ -153,6 +201,36 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
         return Coupling(True, momentum, nesterov, reason)
     moved, stepped = install_virtual(optimizer, target, scheme, coupled)
     return Coupling(True, momentum, nesterov, reason, moved, stepped)
+
+
+def _aged(optimizer: torch.optim.Optimizer, target: Any, scheme: Scheme,
+          virtual: bool) -> Coupling:
+    module = getattr(target, "module", None)
+    memory = scheme.error_memory
+    moved = None
+    horizon = _mean_wait(scheme)
+    if virtual and module is not None and memory is not None:
+        params = {target.names[id(p)]: p for p in module.parameters()}
+
+        def move(name: str, error: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
+            state = optimizer.state.get(params[name], {})
+            square = state.get("exp_avg_sq")
+            if square is None:
+                return None
+            step = float(state["step"]) + 1
+            beta2 = float(group["betas"][1])
+            waited = state.get("waited")
+            credited = (torch.ones_like(square) if waited is None
+                        else waited.add(1).clamp_(max=horizon)).view(error.shape)
+            mean = error / credited
+            after = (square.view(error.shape) * beta2
+                     + (1 - torch.pow(beta2, credited)) * mean * mean) / (1 - beta2 ** step)
+            return error / after.sqrt_().add_(float(group["eps"]))
+
+        moved = VirtualIterate(optimizer, module, target.names, memory, move)
+    parameters = list(module.parameters()) if module is not None else []
+    aged = AgedMoment(optimizer, parameters, _mean_wait(scheme))
+    return Coupling(True, 0.0, False, "aged", moved, None, aged)
 
 
 def read_momentum(optimizer: torch.optim.Optimizer) -> list[tuple[float, float, bool]]:

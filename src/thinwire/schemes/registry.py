@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 from collections.abc import Callable
@@ -44,9 +45,18 @@ def config_class(name: str) -> type:
 def build(name: str, **config: Any) -> Scheme:
     """Build scheme ``name`` from keyword config (see ``config_class(name)``).
 
+    ``name`` may carry options as the command line spells them,
+    ``"powersgd:rank=8"`` or ``"topk:ratio=0.05:scope=layer"`` (:func:`parse_spelling`);
+    a keyword may not set one of them again.
+
     Raises:
-        ValueError: unknown name, unknown option or an option out of range.
+        ValueError: unknown name, unknown option, an option given twice or out of range.
     """
+    name, spelled = parse_spelling(name)
+    twice = sorted(set(spelled) & set(config))
+    if twice:
+        raise ValueError(f"scheme {name!r}: {twice} given in the name and as keywords")
+    config = {**spelled, **config}
     _known(name)
     config_type, factory = _REGISTRY[name]
     fields = {f.name for f in dataclasses.fields(config_type)}
@@ -60,6 +70,36 @@ def build(name: str, **config: Any) -> Scheme:
     scheme = factory(config_instance)
     scheme.origin = (name, config_instance)
     return scheme
+
+
+def parse_value(text: str) -> Any:
+    """A Python literal (``0.9``, ``(1, 2)``, ``None``, ``true`` in any case), else the text."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_spelling(spelling: str) -> tuple[str, dict[str, Any]]:
+    """``"powersgd:rank=8"`` -> ``("powersgd", {"rank": 8})``, as ``--schemes`` spells a
+    scheme (a dash in a key reads as an underscore: ``life-span=10``).
+
+    Raises:
+        ValueError: an option without ``=`` or with an empty key.
+    """
+    name, *options = spelling.split(":")
+    config: dict[str, Any] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"scheme {spelling!r}: option {option!r} must look like KEY=VALUE, "
+                             "e.g. powersgd:rank=8")
+        config[key] = parse_value(value)
+    return name.strip(), config
 
 
 # Options spelled another way before: naming the new spelling beats "no option".
