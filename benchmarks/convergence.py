@@ -69,7 +69,8 @@ def measure(workload: str, workers: int, seed: int, schemes: list[str],
             continue
         options = RunOptions(steps=recipe["steps"], batch_size=recipe["batch_size"],
                              lr=recipe["lr"], momentum=recipe["momentum"], seed=seed,
-                             workload=workload, optimizer=recipe["optimizer"], couple=couple,
+                             workload=workload, optimizer=recipe["optimizer"],
+                             coupling="auto" if couple else "none",
                              until_target=True)
         extra = sparse_options(names)
         for result in compare(names, workers, options, 100e6, ratio=0.01, life_span=1000,

@@ -22,6 +22,7 @@ from thinwire.jobs import common, compare
 from thinwire.jobs.common import HelpFormatter
 from thinwire.jobs.compare import parse_bandwidth, scheme_config
 from thinwire.ps import launch as ps_launch
+from thinwire.schemes.registry import split_option
 
 
 def test_parse_bandwidth() -> None:
@@ -476,11 +477,11 @@ def test_every_subcommand_rejects_unknown_option_keys_naming_the_valid_ones(
 
 
 def test_option_values_are_python_literals_in_any_case() -> None:
-    assert common.split_option("life-span=10") == ("life_span", 10)
-    assert common.split_option("values=fp16") == ("values", "fp16")
-    assert common.split_option("refresh_above=None") == ("refresh_above", None)
-    assert common.split_option("warm_start=false") == ("warm_start", False)
-    assert common.split_option("exclude=('0.*',)") == ("exclude", ("0.*",))
+    assert split_option("life-span=10") == ("life_span", 10)
+    assert split_option("values=fp16") == ("values", "fp16")
+    assert split_option("refresh_above=None") == ("refresh_above", None)
+    assert split_option("warm_start=false") == ("warm_start", False)
+    assert split_option("exclude=('0.*',)") == ("exclude", ("0.*",))
 
 
 def test_schemes_lists_each_options_meaning_and_range(capsys: pytest.CaptureFixture[str]) -> None:

@@ -80,16 +80,18 @@ def _ddp_run(rank: int, world_size: int, scheme: str | None, config: dict[str, A
         torch.optim.AdamW(net.parameters(), lr=0.01) if adamw
         else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     given = optimizer if one_call else None
+    rule = "momentum" if adamw else "auto"  # Adam's default is "none": the momentum rule here
     state = None
     if scheme is not None and via_hook_state:  # as Lightning's strategy registers it
         state = ddp.hook_state(model, build(scheme, **config), max_norm=max_norm,
-                               scaler=scaler, optimizer=given)
+                               scaler=scaler, optimizer=given, coupling=rule, warmup=0)
         net.register_comm_hook(state, ddp.comm_hook)
     elif scheme is not None:
         state = ddp.register(net, build(scheme, **config), meter=Meter(rank, world_size),
-                             max_norm=max_norm, scaler=scaler, optimizer=given)
+                             max_norm=max_norm, scaler=scaler, optimizer=given,
+                             coupling=rule, warmup=0)
     if couple and not one_call:
-        optim.couple(optimizer, state, feedback=feedback, virtual=virtual)
+        optim.couple(optimizer, state, rule=rule, feedback=feedback, virtual=virtual)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train(net, rank, range(STEPS), optimizer, poison, clip_after, scaler, skip)
@@ -182,7 +184,8 @@ def _resume_run(rank: int, world_size: int, split: int,
                 adamw: bool = False) -> list[torch.Tensor]:
     """Train STEPS steps, checkpointing and rebuilding everything after ``split``.
 
-    ``adamw``: topk under a coupled AdamW (the burst-aware Adam step and its look-ahead),
+    ``adamw``: topk under AdamW coupled by rule "momentum" (the burst-aware Adam step and
+    its look-ahead),
     else dct-dp under uncoupled SGD with momentum.
     """
     name = "topk" if adamw else "dct-dp"
@@ -196,7 +199,7 @@ def _resume_run(rank: int, world_size: int, split: int,
             torch.optim.AdamW(net.parameters(), lr=0.01) if adamw
             else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
         if adamw:
-            optim.couple(optimizer, state)
+            optim.couple(optimizer, state, rule="momentum")
         return net, state, optimizer
 
     model = _model()

@@ -299,3 +299,15 @@ def test_the_generic_engine_and_optim_name_no_concrete_codec_or_scheme() -> None
                  if f"{name}(" in code or f"{name})" in code or f"{name}," in code
                  or f"import {name}" in code]
         assert not named, (module.__name__, named)
+
+
+def test_build_takes_the_command_lines_spelling() -> None:
+    """``NAME:KEY=VALUE`` as ``--schemes`` spells it, parsed by the same function."""
+    assert schemes.build("powersgd:rank=8").origin == schemes.build("powersgd", rank=8).origin
+    spelled = schemes.build("topk:ratio=0.05:min-numel=0")
+    assert spelled.origin == schemes.build("topk", ratio=0.05, min_numel=0).origin
+    assert schemes.parse_spelling("dct-dp:life-span=4") == ("dct-dp", {"life_span": 4})
+    with pytest.raises(ValueError, match="must look like KEY=VALUE"):
+        schemes.build("powersgd:rank")
+    with pytest.raises(ValueError, match="given in the name and as keywords"):
+        schemes.build("powersgd:rank=8", rank=4)

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.launch import spawn
-from thinwire.schemes.warmup import Warmup, warmup
+from thinwire.schemes.warmup import Warmup, warm_up
 
 STEPS, WARM = 6, 3
 
@@ -56,7 +56,7 @@ def _run(rank: int, world_size: int, name: str, warm: int, couple: bool,
         meter = Meter(rank, world_size)
         state = None
         if name != "dense":
-            scheme = warmup(schemes.build(name, ratio=0.1), warm)
+            scheme = warm_up(schemes.build(name, ratio=0.1), warm)
             state = ddp.register(net, scheme, meter=meter,
                                  optimizer=optimizer if couple else None)
         return net, state, optimizer, meter
@@ -155,7 +155,7 @@ def test_loading_a_cold_schemes_state_names_the_mismatch() -> None:
 
 def test_no_warm_up_is_the_scheme_itself() -> None:
     scheme = schemes.build("topk")
-    assert warmup(scheme, 0) is scheme
-    wrapped = warmup(scheme, 5)
+    assert warm_up(scheme, 0) is scheme
+    wrapped = warm_up(scheme, 5)
     assert isinstance(wrapped, Warmup) and wrapped.traits == scheme.traits
     assert wrapped.origin == scheme.origin

@@ -52,10 +52,10 @@ from benchmarks.netem.summary import (
 from benchmarks.netem.worker import label_of
 from thinwire import schemes
 from thinwire.jobs import local_run
-from thinwire.jobs.common import split_option
 from thinwire.jobs.compare import parse_bandwidth, scheme_config, split_spelling
 from thinwire.jobs.sharded import NATIVE
 from thinwire.jobs.workloads import RECIPES, WORKLOADS, load
+from thinwire.schemes.registry import split_option
 
 # The line-up: PyTorch's own anchors, then thinwire's schemes (skipped until registered).
 DEFAULT_SCHEMES = ("torch-dense", "torch-fp16", "torch-powersgd", "dct-dp", "topk", "clt-k",

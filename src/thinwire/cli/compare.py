@@ -13,7 +13,7 @@ import dataclasses
 import math
 import sys
 
-from thinwire import schemes
+from thinwire import optim, schemes
 from thinwire.jobs import board, common
 from thinwire.jobs.compare import (
     compare,
@@ -65,17 +65,21 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default=RunOptions.precision, choices=list(PRECISIONS),
                         help="autocast of the forward and loss; fp16 adds a GradScaler, "
                              "registered with the hook (thinwire.ddp.register's scaler)")
-    parser.add_argument("--no-couple", dest="couple", action="store_false",
-                        help="leave the momentum in the optimiser instead of moving it into "
-                             "the sparse schemes' error feedback")
+    parser.add_argument("--coupling", default=RunOptions.coupling, choices=optim.RULES,
+                        help="how the optimiser meets the scheme (thinwire.ddp.register's "
+                             "coupling): auto, the optimiser family's (SGD: momentum; Adam, "
+                             "AdamW: none); momentum: its momentum moves into the workers' "
+                             "error feedback; none: the optimiser as it is")
+    parser.add_argument("--no-couple", dest="coupling", action="store_const", const="none",
+                        help="the same as --coupling none")
+    parser.add_argument("--warmup", type=int, default=None, metavar="STEPS",
+                        help="steps averaged dense before the schemes compress (default: the "
+                             f"optimiser family's: {optim.ADAM_WARMUP} under AdamW, 0 under SGD)")
     parser.add_argument("--feedback", default=RunOptions.feedback, choices=RUN_FEEDBACKS,
                         help="what a coupled clt-k keeps the momentum in: auto (its own "
                              "error feedback, as gradients are taken at the virtual iterate; "
                              "EF21 where they cannot be: Adam with amsgrad) or error (its own "
                              "always)")
-    parser.add_argument("--rule", default="momentum")
-    parser.add_argument("--no-virtual", dest="virtual", action="store_false")
-    parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None,
                         help="optimiser steps per scheme (default: the workload's recipe)")
     parser.add_argument("--batch-size", type=int, default=None,
@@ -131,8 +135,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     resolved = {key: recipe[key] if value is None else value for key, value in chosen.items()}
     return RunOptions(hidden=args.hidden, seed=args.seed, workload=args.workload,
                       eval_every=args.eval_every,
-                      couple=args.couple, feedback=args.feedback, rule=args.rule,
-                      virtual=args.virtual, warmup=args.warmup,
+                      coupling=args.coupling, warmup=args.warmup, feedback=args.feedback,
                       weight_decay=args.weight_decay, max_norm=args.max_norm,
                       clip_at=args.clip_at, precision=args.precision,
                       tensorboard=args.tensorboard, **resolved)
@@ -167,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         f"momentum {options.momentum}, weight decay "
         f"{'default' if options.weight_decay is None else options.weight_decay}, "
         f"{clipping(options)}, {options.precision}, "
-        f"coupled {options.couple}), target {metric} "
+        f"coupling {options.coupling}, warm-up "
+        f"{'default' if options.warmup is None else options.warmup}), target {metric} "
         f"{results[0]['target']}; {args.workers} workers"
         f"{'' if args.sites is None else f' in {args.sites} sites (FSDP2 inside each)'}, "
         f"{options.steps} steps, "

@@ -2,6 +2,8 @@
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire import optim
+from thinwire import optim, schemes
 from thinwire._version import __version__
 from thinwire.comm import Meter, world
 from thinwire.comm.collectives import Future, Group
@@ -21,6 +23,8 @@ from thinwire.ddp.guard import GradGuard
 from thinwire.ddp.hold import Stage, StepHold
 from thinwire.schemes.base import Scheme
 from thinwire.schemes.registry import fingerprint
+
+_LOG = logging.getLogger("thinwire.ddp")
 
 
 @dataclass(slots=True)
@@ -101,7 +105,8 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
 def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = None,
              meter: Meter | None = None, max_norm: float | None = None,
              scaler: torch.amp.GradScaler | None = None,
-             optimizer: torch.optim.Optimizer | None = None) -> HookState:
+             optimizer: torch.optim.Optimizer | None = None, coupling: str = "auto",
+             warmup: int | None = None, feedback: str = "auto") -> HookState:
     """Install ``scheme`` as ``ddp_model``'s communication hook.
 
     Under a sparse error-feedback scheme, ``.grad`` after ``backward`` holds the
@@ -121,17 +126,28 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
         scaler: the ``torch.amp.GradScaler`` of fp16 autocast, if any: its loss scale
             is divided out before the scheme and put back after, and a step that
             overflowed on any rank is skipped on every rank (:mod:`thinwire.ddp.amp`).
-        optimizer: the user's optimiser, coupled to the scheme in the same call
-            (:func:`thinwire.optim.couple` with its defaults; what it did is in the
-            state's ``coupling``). None: call ``couple`` yourself, or leave it uncoupled.
+        optimizer: the user's optimiser, coupled to the scheme in the same call by the
+            rule its family takes (:func:`thinwire.optim.couple`; SGD with momentum:
+            ``"momentum"``; Adam, AdamW: ``"none"``), with its family's warm-up
+            (:func:`thinwire.optim.default_warmup`). What was chosen, and why, is in
+            the state's ``coupling`` and in one ``logging`` line (logger
+            ``thinwire.ddp``). Build it, load its state if resuming, then register.
+            None: nothing is coupled and there is no warm-up unless asked for.
+        coupling: the rule, one of :data:`thinwire.optim.RULES` (``"auto"``: the
+            optimiser family's).
+        warmup: steps averaged dense before the scheme compresses
+            (:class:`thinwire.schemes.Warmup`); None: the optimiser family's.
+        feedback: what a coupled clt-k keeps the velocity in (``couple``'s ``feedback``).
 
     Returns:
-        The hook state (holds the scheme, whose ``state_dict`` checkpoints it).
+        The hook state; its ``state_dict`` checkpoints this rank's scheme (one file per
+        rank), its ``scheme`` is the one registered (the warm-up around yours, if any).
 
     Raises:
         TypeError: ``ddp_model`` is not DistributedDataParallel.
-        ValueError: ``max_norm`` is not a finite number > 0, or the model has sparse
-            gradients (see :func:`hook_state`).
+        ValueError: ``max_norm`` is not a finite number > 0, the model has sparse
+            gradients (see :func:`hook_state`), or a ``coupling`` or ``warmup`` out of range
+            (:func:`thinwire.optim.couple`).
         PeerMismatchError: another rank registered a different scheme, config, value
             format, parameter set or thinwire version (raised on every rank alike;
             ``register`` is a collective over the hook's group).
@@ -140,18 +156,20 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
         raise TypeError(f"expected DistributedDataParallel, got {type(ddp_model).__name__}")
     state = hook_state(ddp_model.module, scheme,
                        group if group is not None else ddp_model.process_group, meter,
-                       max_norm=max_norm, scaler=scaler, optimizer=optimizer)
+                       max_norm=max_norm, scaler=scaler, optimizer=optimizer,
+                       coupling=coupling, warmup=warmup, feedback=feedback)
     parameter = next(ddp_model.module.parameters(), None)
     agree(state, parameter.device if parameter is not None else None)
     ddp_model.register_comm_hook(state, comm_hook)
-    optim.watch(scheme, ddp_model.module.parameters())  # warns if SGD momentum is not coupled
+    optim.watch(state.scheme, ddp_model.module.parameters())  # warns if SGD is not coupled
     return state
 
 
 def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
                meter: Meter | None = None, max_norm: float | None = None,
                scaler: torch.amp.GradScaler | None = None,
-               optimizer: torch.optim.Optimizer | None = None) -> HookState:
+               optimizer: torch.optim.Optimizer | None = None, coupling: str = "auto",
+               warmup: int | None = None, feedback: str = "auto") -> HookState:
     """The state for :func:`comm_hook`, for frameworks that register the hook themselves.
 
     PyTorch Lightning takes it as ``DDPStrategy(ddp_comm_state=hook_state(model, scheme),
@@ -162,7 +180,7 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
         scheme: from :func:`thinwire.schemes.build`.
         group: the process group to reduce over; None: the default group.
         meter: records the bytes handed to torch.distributed; attached to the scheme.
-        max_norm, scaler, optimizer: as for :func:`register`.
+        max_norm, scaler, optimizer, coupling, warmup, feedback: as for :func:`register`.
 
     Raises:
         ValueError: an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` (sparse
@@ -174,6 +192,9 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
         raise ValueError(f"modules {sparse} have sparse=True: thinwire's hook works on dense "
                          "gradient buckets; build them with sparse=False (a sparse scheme "
                          "sends only the largest entries of the rows a batch touched anyway)")
+    if warmup is None:
+        warmup = 0 if optimizer is None else optim.default_warmup(optimizer, scheme)
+    scheme = schemes.warm_up(scheme, warmup)
     if meter is not None:
         scheme.meter = meter
     named = list(module.named_parameters())
@@ -188,9 +209,13 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
              if trained and scheme.traits.sparse else None)
     state = HookState(scheme, {id(p): name for name, p in named}, group,
                       {**fingerprint(scheme), "parameters": parameters, "thinwire": __version__,
-                       "max_norm": max_norm, "scaler": scaler is not None},
+                       "max_norm": max_norm, "scaler": scaler is not None, "warmup": warmup},
                       module=module, clip=clip, loss_scale=loss_scale,
                       hold=StepHold(stages) if stages else None, guard=guard)
     if optimizer is not None:
-        state.coupling = optim.couple(optimizer, state)
+        chosen = optim.couple(optimizer, state, rule=coupling, feedback=feedback)
+        state.coupling = dataclasses.replace(chosen, warmup=warmup, reason=chosen.reason + (
+            f"; the first {warmup} steps averaged dense" if warmup else ""))
+        _LOG.info("thinwire.ddp: %s coupled by rule %r: %s", fingerprint(scheme)["scheme"],
+                  chosen.rule, state.coupling.reason)
     return state

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from thinwire.schemes.registry import parse_value
+from thinwire.schemes.registry import split_option
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -116,19 +116,6 @@ def add_renamed_flags(parser: argparse.ArgumentParser) -> None:
         if new.split()[0] in flags and old not in flags:
             parser.add_argument(old, action=_Renamed, nargs="*", metavar=new,
                                 help=argparse.SUPPRESS)
-
-
-def split_option(text: str, flag: str = "--option") -> tuple[str, Any]:
-    """``"life-span=10"`` -> ``("life_span", 10)``.
-
-    Raises:
-        ValueError: no ``=``, or an empty key.
-    """
-    key, sep, value = text.partition("=")
-    key = key.strip().replace("-", "_")
-    if not sep or not key:
-        raise ValueError(f"{flag} {text!r} must look like KEY=VALUE, e.g. ratio=0.1")
-    return key, parse_value(value)
 
 
 def parse_options(texts: Sequence[str], configs: Mapping[str, type],

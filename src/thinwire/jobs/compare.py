@@ -22,6 +22,7 @@ from thinwire.jobs.dataparallel import RunOptions, shared_compute_seconds
 from thinwire.jobs.sharded import NATIVE, check_sites, run_sharded
 from thinwire.launch import DEFAULT_TIMEOUT_S, spawn
 from thinwire.progress import StepBar
+from thinwire.schemes.registry import split_option, split_spelling
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3, "mbps": 1e6,
           "gbps": 1e9}
@@ -49,14 +50,6 @@ def parse_options(options: list[str], names: list[str]) -> dict[str, Any]:
     return common.parse_options(options, configs)
 
 
-def split_spelling(spelling: str) -> tuple[str, list[str]]:
-    """A scheme as ``--schemes`` spells it to its name and its own options:
-    ``"powersgd:rank=4"`` -> ``("powersgd", ["rank=4"])``, so one run can compare
-    settings of one scheme side by side (``powersgd,powersgd:rank=4``)."""
-    name, *options = spelling.split(":")
-    return name.strip(), [option.strip() for option in options]
-
-
 def scheme_config(name: str, ratio: float | None, life_span: int | None,
                   options: list[str]) -> dict[str, Any]:
     """Map the shared command-line knobs onto the options scheme ``name`` has.
@@ -71,7 +64,7 @@ def scheme_config(name: str, ratio: float | None, life_span: int | None,
         config["ratio"] = ratio
     if life_span is not None and "life_span" in fields:
         config["life_span"] = life_span
-    config.update({key: value for key, value in map(common.split_option, options)
+    config.update({key: value for key, value in map(split_option, options)
                    if key in fields})
     return config
 

@@ -53,10 +53,8 @@ class RunOptions:
     eval_every: int = 25  # steps between test-metric points of the curves
     workload: str = "digits-mlp"  # a name of thinwire.jobs.workloads.WORKLOADS
     optimizer: str = "sgd"  # "sgd", "nesterov" or "adamw" (beta1 = momentum)
-    couple: bool = True  # move the optimiser's momentum into sparse schemes (thinwire.optim)
-    rule: str = "momentum"
-    virtual: bool = True
-    warmup: int = 0
+    coupling: str = "auto"  # the optimiser's coupling rule (thinwire.optim.RULES)
+    warmup: int | None = None  # steps sent dense first; None: the optimiser family's
     feedback: str = "auto"  # clt-k's coupled memory (thinwire.optim.couple's feedback)
     eval_rows: int | None = 2000  # test rows per evaluation point (None: all)
     until_target: bool = False  # stop at the first evaluation that reaches the target
@@ -84,6 +82,10 @@ class RunOptions:
         if self.workload not in workloads.WORKLOADS:
             raise ValueError(f"workload={self.workload!r} must be one of "
                              f"{sorted(workloads.WORKLOADS)}")
+        if self.coupling not in optim.RULES:
+            raise ValueError(f"coupling={self.coupling!r} must be one of {optim.RULES}")
+        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 0):
+            raise ValueError(f"warmup={self.warmup!r} must be None or an integer >= 0")
         if self.feedback not in RUN_FEEDBACKS:
             raise ValueError(f"feedback={self.feedback!r} must be one of {RUN_FEEDBACKS}")
         if self.optimizer not in workloads.OPTIMIZERS:
@@ -227,10 +229,10 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                compute_s: float | None = None) -> dict[str, Any]:
     """Train ``options.workload`` under scheme ``name`` in the current process group.
 
-    The optimiser is the user's (``options.optimizer``, ``lr``, ``momentum``);
-    with ``options.couple`` its momentum moves into sparse schemes
-    (:func:`thinwire.optim.couple`, a no-op for the others). Every rank calls
-    this with the same arguments.
+    The optimiser is the user's (``options.optimizer``, ``lr``, ``momentum``),
+    registered with the scheme as a user's script does, coupled by
+    ``options.coupling`` with ``options.warmup`` (:func:`thinwire.ddp.register`).
+    Every rank calls this with the same arguments.
 
     Args:
         compute_s: a step's compute time for the modelled time (see
@@ -249,23 +251,21 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                                   process_group=group)
     meter = Meter(rank, world_size)
     scheme = schemes.build(name, **config)
-    if options.warmup:
-        from thinwire.schemes.warmup import Warmup
-        scheme = Warmup(scheme, options.warmup)
     in_hook = (options.max_norm is not None and options.clip_at == "worker"
                and scheme.traits.clips_in_hook)
     dtype = PRECISIONS[options.precision]
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
+                                    options.momentum, options.weight_decay)
     state = ddp.register(net, scheme, meter=meter,
-                         max_norm=options.max_norm if in_hook else None, scaler=scaler)
+                         max_norm=options.max_norm if in_hook else None, scaler=scaler,
+                         optimizer=optimizer, coupling=options.coupling, warmup=options.warmup,
+                         feedback=options.feedback)
+    scheme = state.scheme
     after_backward = options.max_norm if options.max_norm is not None and not in_hook else None
     if scheme.traits.energy:  # a shared-index scheme's diagnostic (clt-k): turn it on
         scheme.energy = {}  # how much of each rank's top-k the leader's indices capture
-    optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
-                                    options.momentum, options.weight_decay)
-    coupled = (optim.couple(optimizer, state, feedback=options.feedback, rule=options.rule,
-                            virtual=options.virtual).coupled
-               if options.couple else False)
+    coupled = state.coupling is not None and state.coupling.coupled
     stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)
     curve: list[tuple[int, float, float]] = []  # (step, cumulative bytes, test metric)
     losses = []

@@ -80,8 +80,8 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
     config = {} if scheme is None else config
     optimizer = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
                                     options.momentum, options.weight_decay)
-    coupled = (state is not None and options.couple
-               and optim.couple(optimizer, state, feedback=options.feedback).coupled)
+    coupled = (state is not None and optim.couple(
+        optimizer, state, rule=options.coupling, feedback=options.feedback).coupled)
     shard_bytes = sharded.shard_bytes
     dtype = PRECISIONS[options.precision]
     stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)

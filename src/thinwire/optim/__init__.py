@@ -1,16 +1,19 @@
-"""Couple the user's optimiser to a sparse scheme: its momentum moves into the workers.
+"""Couple the user's optimiser to a compressed scheme, by a rule chosen per optimiser family.
 
-Error feedback releases what it held back in bursts, which a momentum applied
-after the all-reduce carries on for ``1 / (1 - mu)`` steps more. :func:`couple`
-moves SGD's momentum (Adam's first moment) in front of error feedback, DGC's
-momentum correction (Lin et al., ICLR 2018, §3.2; :class:`MomentumCorrection`),
-and through a DDP hook's state takes each worker's gradient at ``x - lr e``
-(:class:`~thinwire.optim.virtual.VirtualIterate`); under Adam the scheme's
-parameters step with :class:`~thinwire.optim.adam.AgedAdam`. It reads what it
-needs from the :class:`~thinwire.schemes.Scheme` contract (``error_memory``,
-``traits``). Schemes without error feedback and optimisers
-without momentum are left as they were, so calling it is always safe. Measured
-effects: docs/notes/engine.md and docs/convergence.md.
+:func:`couple` applies one of :data:`RULES`. ``"momentum"`` moves SGD's
+momentum (and weight decay) in front of error feedback, DGC's momentum
+correction (Lin et al., ICLR 2018, §3.2; :class:`MomentumCorrection`), and
+through a DDP hook's state takes each worker's gradient at ``x - lr e``
+(:class:`~thinwire.optim.virtual.VirtualIterate`); under Adam it moves
+``beta1`` instead and steps the scheme's parameters with
+:class:`~thinwire.optim.adam.AgedAdam`. ``"none"`` leaves the optimiser as it
+is. ``"auto"`` picks ``"momentum"`` for SGD with momentum and ``"none"`` for
+Adam and AdamW: with nothing dropped both are then the user's optimiser, to
+rounding, and they are what measured fastest (docs/convergence.md). A coupled
+optimiser's param groups record what was moved (:data:`MARK`), so its
+``state_dict`` loaded before or after :func:`couple` couples the same way. It
+reads what it needs from the :class:`~thinwire.schemes.Scheme` contract
+(``error_memory``, ``traits``).
 
 Floor: above schemes, below the front doors (the DDP hook couples through it).
 """
@@ -28,30 +31,165 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from thinwire.feedback import Estimate, Memory, MomentumCorrection
 from thinwire.optim.adam import AgedAdam, look_ahead, refuses
-from thinwire.optim.aged import AgedMoment
 from thinwire.optim.virtual import VirtualIterate
 from thinwire.schemes.base import Scheme
+from thinwire.schemes.warmup import Warmup
+
+__all__ = ["ADAM_WARMUP", "FEEDBACKS", "MARK", "RULES", "Coupling", "couple", "default_rule",
+           "default_warmup", "watch"]
+
+RULES = ("auto", "momentum", "none")
+FEEDBACKS = ("auto", "ef21", "error")
+# The param-group key where coupling records the settings it moved out of the optimiser.
+MARK = "thinwire_coupled"
 
 
 @dataclass(frozen=True)
 class Coupling:
     """What :func:`couple` did."""
 
+    rule: str  # the rule applied: "momentum" or "none"
     coupled: bool  # True when the momentum moved into the scheme
-    momentum: float  # the optimiser's momentum before coupling
+    momentum: float  # the optimiser's momentum (Adam: beta1) before coupling
     nesterov: bool  # the optimiser's Nesterov flag before coupling
-    reason: str  # why it did or did not couple, in a sentence
+    reason: str  # why, in a sentence
     virtual: VirtualIterate | None = None  # gradients at x - lr e (its remove() undoes it)
     adam: AgedAdam | None = None  # Adam's step for the scheme's parameters (remove() too)
-    aged: Any = None
+    warmup: int = 0  # steps the scheme averages dense first (thinwire.ddp.register's choice)
 
 
-def sparse_memory(scheme: Scheme) -> Memory | None:
-    """The error-feedback memory :func:`couple` couples (:attr:`Scheme.error_memory`)."""
-    return scheme.error_memory
+# Steps Adam and AdamW average dense before a compressing scheme starts (ScaleCom App. E's
+# compression warm-up; measured: docs/convergence.md).
+ADAM_WARMUP = 50
 
 
-FEEDBACKS = ("auto", "ef21", "error")
+def default_warmup(optimizer: torch.optim.Optimizer, scheme: Scheme) -> int:
+    """Steps :func:`thinwire.ddp.register` averages dense before ``scheme`` compresses:
+    :data:`ADAM_WARMUP` under Adam and AdamW for a scheme with error feedback (one that
+    compresses), else 0; 0 for a scheme that is a warm-up already."""
+    if (isinstance(optimizer, _ADAMS) and scheme.traits.memory is not None
+            and not isinstance(scheme, Warmup)):
+        return ADAM_WARMUP
+    return 0
+
+
+def default_rule(optimizer: torch.optim.Optimizer) -> str:
+    """The rule ``"auto"`` applies: ``"momentum"`` for SGD with momentum (or one coupled
+    before, :data:`MARK`), else ``"none"`` (Adam and AdamW take the scheme's mean as it is)."""
+    if _marked(optimizer) or (isinstance(optimizer, torch.optim.SGD)
+                              and any(group["momentum"] for group in optimizer.param_groups)):
+        return "momentum"
+    return "none"
+
+
+def couple(optimizer: torch.optim.Optimizer, target: Any, *, rule: str = "auto",
+           feedback: str = "auto", virtual: bool = True) -> Coupling:
+    """Couple ``optimizer`` to ``target``'s scheme by ``rule``.
+
+    Args:
+        optimizer: the user's optimiser, built as usual (its state may be loaded
+            already: an earlier coupling's settings are read back from :data:`MARK`).
+        target: the scheme, or the state :func:`thinwire.ddp.register` returned.
+        rule: one of :data:`RULES` (``"auto"``: :func:`default_rule`).
+        feedback: under ``"momentum"``, what CLT-k's velocity goes into: ``"ef21"``,
+            EF21 (:class:`Estimate`); ``"error"``, its own error feedback; ``"auto"``,
+            its own where the virtual iterate is installed, else EF21 (what measured
+            fastest, docs/convergence.md). The other sparsifiers use their own.
+        virtual: under ``"momentum"`` through a DDP hook's state: each worker computes its
+            gradient at ``x - lr * e``, its weights with its pending error applied
+            (:class:`VirtualIterate`); under Adam scaled as Adam's step, which
+            :class:`AgedAdam` then takes (not for ``amsgrad``, ``maximize`` or Adam's L2
+            ``weight_decay``: :func:`thinwire.optim.adam.refuses`).
+
+    Returns:
+        What was done. Side effects under ``"momentum"``: every param group's
+        ``momentum``, ``dampening``, ``nesterov`` and ``weight_decay`` (Adam:
+        ``betas[0]``) are set to 0/False and recorded under :data:`MARK`; the scheme's
+        memory is wrapped in :class:`MomentumCorrection`, which adds SGD's decay to each
+        worker's gradient before its velocity, as ``torch.optim.SGD`` does.
+
+    Raises:
+        ValueError: an unknown ``rule`` or ``feedback``; param groups with different
+            momentum settings; ``"none"`` for an optimiser whose state was saved coupled;
+            ``"momentum"`` with SGD weight decay and a bare scheme (its parameters are
+            unknown: pass the hook state).
+        TypeError: ``target`` is neither a scheme nor a hook state.
+    """
+    scheme = _scheme_of(target)
+    if rule not in RULES:
+        raise ValueError(f"rule={rule!r} must be one of {RULES}")
+    if feedback not in FEEDBACKS:
+        raise ValueError(f"feedback={feedback!r} must be one of {FEEDBACKS}")
+    if feedback == "ef21" and not scheme.traits.shared_indices:
+        raise ValueError(f"feedback='ef21' is for clt-k, not {_name(scheme)}: the "
+                         "local sparsifiers were slower with it (docs/convergence.md)")
+    _DECIDED.add(scheme)
+    marked = _marked(optimizer)
+    settings = marked or _settings(optimizer)
+    momentum, _, nesterov, _ = settings
+    memory = scheme.error_memory
+    if isinstance(memory, MomentumCorrection):
+        return Coupling("momentum", True, memory.momentum, memory.nesterov, "already coupled")
+    chosen = default_rule(optimizer) if rule == "auto" else rule
+    if chosen == "none":
+        if marked:
+            raise ValueError(f"the optimiser's state was saved coupled ({MARK}: {marked}): its "
+                             "momentum lives in the scheme's state; couple with rule='momentum' "
+                             "or 'auto', or load a state saved without coupling")
+        return Coupling("none", False, momentum, nesterov, _why_none(optimizer, rule))
+    if not isinstance(optimizer, (torch.optim.SGD, *_ADAMS)):
+        return Coupling("none", False, momentum, nesterov, f"{type(optimizer).__name__} is "
+                        "not SGD, Adam or AdamW: any momentum of its own stays in it")
+    if any(group.get("maximize") for group in optimizer.param_groups):
+        return Coupling("none", False, momentum, nesterov, "maximize=True: the momentum "
+                        "stays in the optimiser, which negates the gradient first")
+    if momentum == 0.0:
+        return Coupling("none", False, momentum, nesterov, "the optimiser applies no momentum")
+    if memory is None:
+        return Coupling("none", False, momentum, nesterov,
+                        "the scheme does not sparsify with feedback")
+    adam = isinstance(optimizer, _ADAMS)
+    decay = {} if adam else _decay(optimizer, target, settings)
+    module = getattr(target, "module", None)
+    refusal = refuses(optimizer) if adam else ""
+    wanted = virtual and not refusal
+    ahead = wanted and module is not None
+    coupled = _wrap_memory(scheme, memory, settings,
+                          "error" if feedback == "auto" and ahead else feedback,
+                          float(optimizer.param_groups[0]["betas"][1]) if adam else None,
+                          wanted and ahead, decay)
+    reason = _take_momentum(optimizer, settings)
+    pending = wanted and not isinstance(coupled.inner, Estimate)  # EF21 steps with all it has
+    if not (pending and ahead):
+        if refusal:
+            reason += f"; gradients stay at x and the optimiser steps as Adam: {refusal}"
+        elif pending:
+            reason += ("; gradients stay at x: pass the state thinwire.ddp.register returned "
+                       "for gradients at x - lr e")
+        return Coupling("momentum", True, momentum, nesterov, reason)
+    moved, stepped = _install_virtual(optimizer, target, scheme, coupled)
+    return Coupling("momentum", True, momentum, nesterov, reason, moved, stepped)
+
+
+def _why_none(optimizer: torch.optim.Optimizer, rule: str) -> str:
+    if rule == "none":
+        return "rule='none' asked for: the optimiser steps with the scheme's mean as it is"
+    if isinstance(optimizer, _ADAMS):
+        return ("Adam and AdamW step with the scheme's mean as it is: the user's optimiser "
+                "with nothing dropped, and the fastest rule measured under Adam "
+                "(docs/convergence.md)")
+    return f"{type(optimizer).__name__} applies no momentum to move"
+
+
+def _scheme_of(target: Any) -> Scheme:
+    scheme = getattr(target, "scheme", target)  # a ddp.HookState or a Scheme
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"expected a Scheme or a thinwire.ddp hook state, got {type(target)}")
+    return scheme
+
+
+def _name(scheme: Scheme) -> str:
+    return scheme.origin[0] if scheme.origin else type(scheme).__name__
 
 
 def _feedback(scheme: Scheme, memory: Memory, feedback: str) -> Memory:
@@ -71,214 +209,92 @@ def _feedback(scheme: Scheme, memory: Memory, feedback: str) -> Memory:
     return Estimate()
 
 
-def _name(scheme: Scheme) -> str:
-    return scheme.origin[0] if scheme.origin else type(scheme).__name__
+# (momentum, dampening, nesterov, weight decay by param-group index)
+Settings = tuple[float, float, bool, tuple[float, ...]]
 
 
-def _scheme_of(target: Any) -> Scheme:
-    scheme = getattr(target, "scheme", target)  # a ddp.HookState or a Scheme
-    if not isinstance(scheme, Scheme):
-        raise TypeError(f"expected a Scheme or a thinwire.ddp hook state, got {type(target)}")
-    return scheme
-
-
-def couple(optimizer: torch.optim.Optimizer, target: Any, *,
-           feedback: str = "auto", virtual: bool = True, rule: str = "momentum") -> Coupling:
-    """Move ``optimizer``'s SGD momentum into ``target``'s error feedback, if both have one.
-
-    Args:
-        optimizer: the user's optimiser, built as usual.
-        target: the scheme, or the state :func:`thinwire.ddp.register` returned.
-        feedback: what CLT-k's velocity goes into: ``"ef21"``, EF21 (:class:`Estimate`);
-            ``"error"``, CLT-k's own error feedback; ``"auto"``, its own where the
-            virtual iterate below is installed, else EF21 (what measured fastest in
-            each case, docs/convergence.md). The other sparsifiers always use their
-            own (``"auto"`` or ``"error"``).
-        virtual: through a DDP hook's state (:func:`thinwire.ddp.register`) and
-            plain error feedback: each worker computes its gradient at ``x - lr * e``,
-            its weights with its pending error applied (:class:`VirtualIterate`);
-            under Adam/AdamW scaled as Adam's step, which :class:`AgedAdam` then
-            takes for the scheme's parameters (not for ``amsgrad``, ``maximize`` or
-            Adam's L2 ``weight_decay``: :func:`thinwire.optim.adam.refuses`).
-
-    Returns:
-        What was done. Side effects when coupled: every param group's
-        ``momentum``, ``dampening`` and ``nesterov`` (Adam: ``betas[0]``) are set
-        to 0/False, SGD's ``weight_decay`` is multiplied by the momentum's gain
-        ``(1 - dampening) / (1 - momentum)``, and the scheme's memory is wrapped in
-        :class:`MomentumCorrection`.
+def _settings(optimizer: torch.optim.Optimizer) -> Settings:
+    """The optimiser's momentum settings, the same in every group (Adam's beta1 reads as a
+    momentum, :func:`_momentum`), and each group's weight decay.
 
     Raises:
-        ValueError: param groups with different momentum settings (one
-            velocity rule per scheme), or a ``feedback`` the scheme does not take.
-        TypeError: ``target`` is neither a scheme nor a hook state.
+        ValueError: param groups with different ``(momentum, dampening, nesterov)``.
     """
-    scheme = _scheme_of(target)
-    if rule == "none":
-        return Coupling(False, 0.0, False, "rule none")
-    if rule in ("aged", "local", "ef21", "frozen", "frozen-pre") and scheme.error_memory is None:
-        return Coupling(False, 0.0, False, "nothing to couple")
-    if rule == "aged":
-        return _aged(optimizer, target, scheme, virtual)
-    if rule == "local":
-        from thinwire.optim.local import LocalAdamMemory, SGDStep
-        group = optimizer.param_groups[0]
-        memory = LocalAdamMemory(scheme.error_memory, float(group["betas"][0]),
-                                 float(group["betas"][1]), float(group["eps"]))
-        scheme.couple_memory(memory)
-        for g in optimizer.param_groups:
-            g["betas"] = (0.0, g["betas"][1])
-        moved = (VirtualIterate(optimizer, target.module, target.names, memory)
-                 if virtual and target.module is not None else None)
-        SGDStep(optimizer, target.names)
-        return Coupling(True, 0.0, False, "local", moved)
-    if rule in ("frozen", "frozen-pre"):
-        from thinwire.optim.frozen import FrozenAdam, Preconditioned, frozen_square
-        pre = rule == "frozen-pre"
-        params = {target.names[id(p)]: p for p in target.module.parameters()}
-        memory = scheme.error_memory
-        if pre:
-            memory = Preconditioned(memory, optimizer, params)
-            scheme.couple_memory(memory)
-        moved = None
-        if virtual:
-            def move(name: str, error: torch.Tensor,
-                     group: dict[str, Any]) -> torch.Tensor | None:
-                square = frozen_square(optimizer.state.get(params[name], {}),
-                                       float(group["betas"][1]))
-                if square is None:
-                    return None
-                if pre:
-                    return error
-                return error / square.sqrt().add_(float(group["eps"])).view(error.shape)
-            moved = VirtualIterate(optimizer, target.module, target.names, memory, move)
-        FrozenAdam(optimizer, target.names, scheme, pre, _mean_wait(scheme))
-        return Coupling(True, 0.0, False, rule, moved)
-    if rule == "ef21":
-        from thinwire.optim.estimate import SteppedEstimate, WorkerEstimate
-        worker = WorkerEstimate()
-        scheme.couple_memory(worker)
-        SteppedEstimate(optimizer, target.names, worker)
-        return Coupling(True, 0.0, False, "ef21")
-    if feedback not in FEEDBACKS:
-        raise ValueError(f"feedback={feedback!r} must be one of {FEEDBACKS}")
-    if feedback == "ef21" and not scheme.traits.shared_indices:
-        raise ValueError(f"feedback='ef21' is for clt-k, not {_name(scheme)}: the "
-                         "local sparsifiers were slower with it (docs/convergence.md)")
-    every = read_momentum(optimizer)
-    settings = every[0] if every else (0.0, 0.0, False)
-    momentum, _, nesterov = settings
-    memory = scheme.error_memory
-    if isinstance(memory, MomentumCorrection):
-        return Coupling(True, memory.momentum, memory.nesterov, "already coupled")
-    if not isinstance(optimizer, (torch.optim.SGD, *_ADAMS)):
-        return Coupling(False, momentum, nesterov, f"{type(optimizer).__name__} is not SGD, "
-                        "Adam or AdamW: any momentum of its own stays in the optimiser")
-    if momentum == 0.0:
-        return Coupling(False, momentum, nesterov, "the optimiser applies no momentum")
+    every = sorted({_momentum(optimizer, group) for group in optimizer.param_groups})
     if len(every) > 1:
         raise ValueError(f"param groups use different (momentum, dampening, nesterov) "
                          f"{every}; couple needs one setting for all groups")
-    if memory is None:
-        return Coupling(False, momentum, nesterov, "the scheme does not sparsify with feedback")
-    module = getattr(target, "module", None)
-    adam = isinstance(optimizer, _ADAMS)
-    refusal = refuses(optimizer) if adam else ""
-    wanted = virtual and not refusal
-    ahead = wanted and module is not None
-    coupled = wrap_memory(scheme, memory, settings,
-                          "error" if feedback == "auto" and ahead else feedback,
-                          float(optimizer.param_groups[0]["betas"][1]) if adam else None,
-                          wanted and ahead)
-    reason = take_momentum(optimizer, settings)
-    pending = wanted and not isinstance(coupled.inner, Estimate)  # EF21 steps with all it has
-    if not (pending and ahead):
-        if refusal:
-            reason += f"; gradients stay at x and the optimiser steps as Adam: {refusal}"
-        elif pending:
-            reason += ("; gradients stay at x: pass the state thinwire.ddp.register returned "
-                       "for gradients at x - lr e")
-        return Coupling(True, momentum, nesterov, reason)
-    moved, stepped = install_virtual(optimizer, target, scheme, coupled)
-    return Coupling(True, momentum, nesterov, reason, moved, stepped)
+    momentum, dampening, nesterov = every[0] if every else (0.0, 0.0, False)
+    decays = tuple(float(group.get("weight_decay", 0.0)) for group in optimizer.param_groups)
+    return momentum, dampening, nesterov, decays
 
 
-def _aged(optimizer: torch.optim.Optimizer, target: Any, scheme: Scheme,
-          virtual: bool) -> Coupling:
-    module = getattr(target, "module", None)
-    memory = scheme.error_memory
-    moved = None
-    horizon = _mean_wait(scheme)
-    if virtual and module is not None and memory is not None:
-        params = {target.names[id(p)]: p for p in module.parameters()}
-
-        def move(name: str, error: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
-            state = optimizer.state.get(params[name], {})
-            square = state.get("exp_avg_sq")
-            if square is None:
-                return None
-            step = float(state["step"]) + 1
-            beta2 = float(group["betas"][1])
-            waited = state.get("waited")
-            credited = (torch.ones_like(square) if waited is None
-                        else waited.add(1).clamp_(max=horizon)).view(error.shape)
-            mean = error / credited
-            after = (square.view(error.shape) * beta2
-                     + (1 - torch.pow(beta2, credited)) * mean * mean) / (1 - beta2 ** step)
-            return error / after.sqrt_().add_(float(group["eps"]))
-
-        moved = VirtualIterate(optimizer, module, target.names, memory, move)
-    parameters = list(module.parameters()) if module is not None else []
-    aged = AgedMoment(optimizer, parameters, _mean_wait(scheme))
-    return Coupling(True, 0.0, False, "aged", moved, None, aged)
+def _marked(optimizer: torch.optim.Optimizer) -> Settings | None:
+    """The settings an earlier coupling recorded in the param groups (:data:`MARK`), if any."""
+    marks = [group.get(MARK) for group in optimizer.param_groups]
+    if not any(marks):
+        return None
+    first = marks[0] or {}
+    return (float(first["momentum"]), float(first["dampening"]), bool(first["nesterov"]),
+            tuple(float((mark or {}).get("weight_decay", 0.0)) for mark in marks))
 
 
-def read_momentum(optimizer: torch.optim.Optimizer) -> list[tuple[float, float, bool]]:
-    """The distinct ``(momentum, dampening, nesterov)`` of the param groups, sorted (one
-    for a usual optimiser; Adam's beta1 reads as a momentum, :func:`_momentum`)."""
-    return sorted({_momentum(optimizer, group) for group in optimizer.param_groups})
+def _decay(optimizer: torch.optim.Optimizer, target: Any,
+           settings: Settings) -> dict[str, tuple[torch.Tensor, float]]:
+    """SGD's weight decay by key (``name -> (parameter, decay)``), for the velocity.
+
+    Raises:
+        ValueError: a group decays but ``target`` names no parameters (a bare scheme).
+    """
+    names: dict[int, str] = getattr(target, "names", {})
+    decays = settings[3]
+    if any(decays) and not names:
+        raise ValueError("SGD's weight_decay enters each worker's velocity, which needs the "
+                         "parameters' names: pass the state thinwire.ddp.register returned, "
+                         "not the bare scheme")
+    return {names[id(p)]: (p, decay) for group, decay in zip(optimizer.param_groups, decays)
+            for p in group["params"] if decay and id(p) in names}
 
 
-def wrap_memory(scheme: Scheme, memory: Memory, settings: tuple[float, float, bool],
-                feedback: str, beta2: float | None, ahead: bool) -> MomentumCorrection:
+def _wrap_memory(scheme: Scheme, memory: Memory, settings: Settings, feedback: str,
+                beta2: float | None, ahead: bool,
+                decay: dict[str, tuple[torch.Tensor, float]]) -> MomentumCorrection:
     """Wrap ``scheme``'s error memory in momentum correction and put it in its place.
 
     Args:
         feedback: ``"error"``, ``"ef21"`` or ``"auto"`` (as :func:`couple` resolved it).
         beta2: Adam's second-moment decay, for the look-ahead of the virtual iterate.
         ahead: whether gradients will be taken at the virtual iterate.
+        decay: SGD's weight decay by key, added to each worker's gradient.
     """
-    momentum, dampening, nesterov = settings
+    momentum, dampening, nesterov, _ = settings
     inner = _feedback(scheme, memory, feedback)
     pending = ahead and not isinstance(inner, Estimate)
     coupled = MomentumCorrection(inner, momentum, dampening, nesterov,
-                                 beta2 if pending else None)
+                                 beta2 if pending else None, decay)
     scheme.couple_memory(coupled)
     return coupled
 
 
-def take_momentum(optimizer: torch.optim.Optimizer,
-                  settings: tuple[float, float, bool]) -> str:
-    """Set the optimiser's momentum to 0 (Adam: ``betas[0]``); SGD's ``weight_decay`` is
-    multiplied by the momentum's steady-state gain ``(1 - dampening) / (1 - mu)``, which
-    it no longer passes through. Returns what was done, in words."""
-    momentum, dampening, _ = settings
-    groups = optimizer.param_groups
+def _take_momentum(optimizer: torch.optim.Optimizer, settings: Settings) -> str:
+    """Set the optimiser's momentum (Adam: ``betas[0]``) and SGD's weight decay to 0, each
+    group recording what it had under :data:`MARK`. Returns what was done, in words."""
+    momentum, dampening, nesterov, decays = settings
     adam = isinstance(optimizer, _ADAMS)
-    gain = (1.0 - dampening) / (1.0 - momentum)
-    for group in groups:
+    for group, decay in zip(optimizer.param_groups, decays):
+        group[MARK] = {"momentum": momentum, "dampening": dampening, "nesterov": nesterov,
+                       "weight_decay": 0.0 if adam else decay}
         if adam:
             group["betas"] = (0.0, group["betas"][1])
         else:
-            group.update(momentum=0.0, dampening=0.0, nesterov=False,
-                         weight_decay=group["weight_decay"] * gain)
+            group.update(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
     reason = "momentum moved into the scheme's memory"
-    if not adam and any(group["weight_decay"] for group in groups):
-        reason += f"; weight_decay multiplied by the momentum's gain {gain:g}"
+    if not adam and any(decays):
+        reason += ", weight decay with it (added to each worker's gradient)"
     return reason
 
 
-def install_virtual(optimizer: torch.optim.Optimizer, target: Any, scheme: Scheme,
+def _install_virtual(optimizer: torch.optim.Optimizer, target: Any, scheme: Scheme,
                     coupled: MomentumCorrection) -> tuple[VirtualIterate, AgedAdam | None]:
     """Gradients at ``x - lr e`` (:class:`VirtualIterate`) through ``target``, a DDP hook's
     state; under Adam, :class:`AgedAdam` steps the scheme's parameters."""
@@ -315,11 +331,12 @@ def _momentum(optimizer: torch.optim.Optimizer,
 
 # Schemes registered on a DDP model, by parameter: the step pre-hook below looks them up.
 _WATCHED: dict[int, weakref.ReferenceType[Scheme]] = {}
+_DECIDED: weakref.WeakSet[Scheme] = weakref.WeakSet()  # schemes couple() has seen
 _HOOK: list[Any] = []
 
 
 def watch(scheme: Scheme, parameters: Iterable[torch.nn.Parameter]) -> None:
-    """Warn once if a momentum optimiser steps ``parameters`` while ``scheme`` is uncoupled.
+    """Warn once if SGD with momentum steps ``parameters`` while ``scheme`` is uncoupled.
 
     :func:`thinwire.ddp.register` calls this; a global optimiser step pre-hook
     (installed once) does the check.
@@ -334,7 +351,8 @@ def watch(scheme: Scheme, parameters: Iterable[torch.nn.Parameter]) -> None:
 
 
 def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before a step: warn if the momentum skips a sparse scheme, raise if it is applied twice.
+    """Before a step: raise if a coupled momentum is applied twice; warn once if SGD's
+    momentum skips a sparse scheme that :func:`couple` never saw.
 
     Raises:
         RuntimeError: a coupled scheme's parameters are stepped with momentum
@@ -356,12 +374,13 @@ def _check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                     "twice. A scheduler that cycles momentum (OneCycleLR, CyclicLR: build it "
                     "with cycle_momentum=False) or an optimiser state_dict saved before "
                     "coupling sets it back")
-            if memory is not None:
+            if (memory is not None and scheme not in _DECIDED
+                    and default_rule(optimizer) == "momentum"):
                 for key in [k for k, ref in _WATCHED.items() if ref() is scheme]:
                     del _WATCHED[key]  # once per scheme
                 warnings.warn(
-                    "the optimiser's momentum is applied after a sparse error-feedback scheme, "
-                    "which then needs about twice the steps it needs coupled; call "
-                    "thinwire.optim.couple(optimizer, hook_state) after building both "
-                    "(docs/convergence.md)", stacklevel=3)
+                    "SGD's momentum is applied after a sparse error-feedback scheme, which "
+                    "then needs about twice the steps it needs coupled; pass optimizer= to "
+                    "thinwire.ddp.register, or call thinwire.optim.couple(optimizer, "
+                    "hook_state) after building both (docs/convergence.md)", stacklevel=3)
                 return

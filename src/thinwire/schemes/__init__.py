@@ -8,8 +8,16 @@ from thinwire.schemes import powersgd as _powersgd  # noqa: F401
 from thinwire.schemes import quantised as _quantised  # noqa: F401
 from thinwire.schemes import scalecom as _scalecom  # noqa: F401
 from thinwire.schemes.base import CompressedScheme, Scheme
-from thinwire.schemes.registry import build, config_class, fingerprint, names, register
+from thinwire.schemes.registry import (
+    build,
+    config_class,
+    fingerprint,
+    names,
+    parse_spelling,
+    register,
+)
 from thinwire.schemes.traits import Traits
+from thinwire.schemes.warmup import Warmup, warm_up
 
-__all__ = ["CompressedScheme", "Scheme", "Traits", "build", "config_class", "fingerprint", "names",
-           "register"]
+__all__ = ["CompressedScheme", "Scheme", "Traits", "Warmup", "build", "config_class", "fingerprint",
+           "names", "parse_spelling", "register", "warm_up"]

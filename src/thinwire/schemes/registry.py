@@ -90,16 +90,29 @@ def parse_spelling(spelling: str) -> tuple[str, dict[str, Any]]:
     Raises:
         ValueError: an option without ``=`` or with an empty key.
     """
+    name, options = split_spelling(spelling)
+    return name, dict(split_option(option, f"scheme {spelling!r}: option") for option in options)
+
+
+def split_spelling(spelling: str) -> tuple[str, list[str]]:
+    """A scheme as ``--schemes`` spells it to its name and its own options:
+    ``"powersgd:rank=4"`` -> ``("powersgd", ["rank=4"])``, so one run can compare
+    settings of one scheme side by side (``powersgd,powersgd:rank=4``)."""
     name, *options = spelling.split(":")
-    config: dict[str, Any] = {}
-    for option in options:
-        key, sep, value = option.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise ValueError(f"scheme {spelling!r}: option {option!r} must look like KEY=VALUE, "
-                             "e.g. powersgd:rank=8")
-        config[key] = parse_value(value)
-    return name.strip(), config
+    return name.strip(), [option.strip() for option in options]
+
+
+def split_option(text: str, flag: str = "--option") -> tuple[str, Any]:
+    """``"life-span=10"`` -> ``("life_span", 10)`` (the value by :func:`parse_value`).
+
+    Raises:
+        ValueError: no ``=``, or an empty key.
+    """
+    key, sep, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise ValueError(f"{flag} {text!r} must look like KEY=VALUE, e.g. ratio=0.1")
+    return key, parse_value(value)
 
 
 # Options spelled another way before: naming the new spelling beats "no option".

@@ -63,7 +63,7 @@ class Warmup(Scheme):
         self.step = 0  # steps seen so far
         self.origin = scheme.origin
 
-    @property  # type: ignore[override]
+    @property
     def meter(self) -> Meter | None:
         """The wrapped scheme's meter (setting one sets it there)."""
         return self.scheme.meter
@@ -72,7 +72,7 @@ class Warmup(Scheme):
     def meter(self, meter: Meter | None) -> None:
         self.scheme.meter = meter
 
-    @property  # type: ignore[override]
+    @property
     def energy(self) -> dict[str, list[float]] | None:
         """The wrapped scheme's energy record (set to ``{}`` to record)."""
         return self.scheme.energy
@@ -81,7 +81,7 @@ class Warmup(Scheme):
     def energy(self, energy: dict[str, list[float]] | None) -> None:
         self.scheme.energy = energy
 
-    @property  # type: ignore[override]
+    @property
     def overhead_s(self) -> float:
         """Seconds of codec and memory work, the dense steps' and the wrapped scheme's."""
         return self._overhead_s + self.scheme.overhead_s
@@ -90,7 +90,7 @@ class Warmup(Scheme):
     def overhead_s(self, seconds: float) -> None:
         self._overhead_s = seconds - self.scheme.overhead_s
 
-    @property  # type: ignore[override]
+    @property
     def skipped(self) -> int:
         """Rounds dropped as non-finite, in the dense steps and by the wrapped scheme."""
         return self._skipped + self.scheme.skipped
@@ -185,7 +185,7 @@ class Warmup(Scheme):
         self._skipped = int(state["skipped"])
 
 
-def warmup(scheme: Scheme, steps: int) -> Scheme:
+def warm_up(scheme: Scheme, steps: int) -> Scheme:
     """``scheme`` averaged dense for its first ``steps`` steps (:class:`Warmup`); ``scheme``
     itself when ``steps`` is 0."""
     return Warmup(scheme, steps) if steps else scheme
