@@ -53,5 +53,5 @@ def digest_tensors(tensors: Sequence[torch.Tensor]) -> str:
     hasher = hashlib.sha256()
     for tensor in tensors:
         hasher.update(f"{tensor.dtype} {tuple(tensor.shape)};".encode())
-        hasher.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        hasher.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return hasher.hexdigest()
