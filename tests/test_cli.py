@@ -273,8 +273,8 @@ def test_top_level_help_speaks_to_users(capsys: pytest.CaptureFixture[str]) -> N
         main(["--help"])
     printed = capsys.readouterr().out
     assert "``" not in printed and "COMMANDS" not in printed and "thinwire." not in printed
-    for command in COMMANDS:
-        assert f"\n    {command} " in printed
+    for command in COMMANDS:  # a long name's help starts on the next line
+        assert f"\n    {command} " in printed or f"\n    {command}\n" in printed
 
 
 # The shared vocabulary: what each subcommand must take (train's workers are torchrun's;
@@ -593,3 +593,19 @@ def test_async_steps_stop_the_run(tmp_path: Path) -> None:
     assert code == 0
     summary = json.loads((tmp_path / "copy.json").read_text())["runs"][0]
     assert summary["updates"] == 3  # not 5 epochs x 4 batches
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--fault-tolerant"], "--fault-tolerant needs --replica-id N"),
+    (["--fault-tolerant", "--replica-id", "-1"], "--replica-id -1 must be >= 0"),
+    (["--fault-tolerant", "--replica-id", "0", "--sites", "2"], "takes no --sites"),
+    (["--fault-tolerant", "--replica-id", "0", "--option", "bogus=1"], "'bogus' is not"),
+    (["--lighthouse", "http://host:29510"], "--lighthouse needs --fault-tolerant"),
+    (["--replica-id", "0"], "--replica-id needs --fault-tolerant"),
+])
+def test_fault_tolerant_train_rejects_bad_flags_before_joining_anything(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--scheme", "dct-dp", *argv]) == 2
+    assert expected in capsys.readouterr().err

@@ -15,8 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from thinwire import schemes
+from thinwire import ddp, schemes
+from thinwire.comm import fingerprint
+from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.launch import spawn
 
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust logs, read when it is imported
@@ -299,12 +302,27 @@ def _rollbacks(rank: int, world_size: int) -> dict[str, Any]:
                                and _digest(state.get("memory"))
                                == _digest(schemes.build(name, **config).state_dict()
                                           .get("memory")))
+    # last, for it leaves the group broken: rank 0 registers thinwire's hook, rank 1 runs
+    # plain DDP; both must fail soon, not after the group's timeout
+    fingerprint.PEER_CHECK_S = 2.0
+    net = DistributedDataParallel(nn.Linear(6, 3))
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            ddp.register(net, schemes.build("topk", ratio=0.5))
+        net(torch.randn(4, 6)).sum().backward()
+        out["beside plain DDP"] = None
+    except (PeerMismatchError, RuntimeError) as error:
+        out["beside plain DDP"] = (type(error).__name__, str(error), time.monotonic() - start)
     return out
 
 
 @pytest.fixture(scope="module")
 def rollbacks() -> list[dict[str, Any]]:
-    return spawn(_rollbacks, 2, timeout_s=120, deadline_s=300)
+    return spawn(_rollbacks, 2, timeout_s=PLAIN_DDP_TIMEOUT_S, deadline_s=300)
+
+
+PLAIN_DDP_TIMEOUT_S = 120.0  # the group's timeout in that spawn: a wait this long would fail
 
 
 @pytest.mark.parametrize("name", schemes.names())
@@ -315,6 +333,15 @@ def test_a_failed_step_leaves_every_schemes_state_as_it_was_to_the_bit(
         assert result["restored"] and result["next step"] and result["joined"]
     stateless = {"dense", "fp16"}  # nothing but a counter of skipped rounds
     assert rollbacks[0][name]["changed"] == (name not in stateless)
+
+
+def test_thinwire_beside_plain_ddp_fails_clearly_well_before_the_groups_timeout(
+        rollbacks: list[dict[str, Any]]) -> None:
+    (kind, message, waited), (_, peer_message, peer_waited) = (rollbacks[rank]["beside plain DDP"]
+                                                               for rank in range(2))
+    assert kind == "PeerMismatchError" and "plain DDP" in message
+    assert "closed" in peer_message  # the plain-DDP rank's wait ends when thinwire's rank leaves
+    assert waited < PLAIN_DDP_TIMEOUT_S / 2 and peer_waited < PLAIN_DDP_TIMEOUT_S
 
 
 def test_a_lost_lighthouse_gives_a_clear_error_in_bounded_time() -> None:

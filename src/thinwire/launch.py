@@ -103,11 +103,20 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, tim
         phase("saving its result")
         torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
     finally:
-        # Free what ``fn`` left in reference cycles (a scheme and the futures and gloo
-        # work it keeps) while the process group and the interpreter are alive: freed
-        # during interpreter shutdown instead, gloo work can abort the process
-        # ("terminate called without an active exception", seen once in the tests).
-        gc.collect()
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy torch.distributed's process groups, freeing first what still holds them.
+
+    DDP, schemes, futures and gloo work left in reference cycles keep a group alive
+    past ``destroy_process_group``; freed later, during interpreter shutdown, its
+    gloo work can abort the process after the results were written ("terminate
+    called without an active exception"). Collected first, the groups end here,
+    while the interpreter is whole. A no-op without a process group.
+    """
+    gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

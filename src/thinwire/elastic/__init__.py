@@ -15,8 +15,8 @@ Needs torchft (``pip install thinwire[ft]``).
 from thinwire.elastic.ddp import ElasticDDP
 from thinwire.elastic.group import QuorumGroup
 from thinwire.elastic.local import ElasticLocalUpdates
-from thinwire.elastic.manager import LIGHTHOUSE_ENV, QuorumLost, connect
+from thinwire.elastic.manager import LIGHTHOUSE_ENV, QuorumLost, connect, start_lighthouse
 from thinwire.elastic.state import Rollback
 
 __all__ = ["LIGHTHOUSE_ENV", "ElasticDDP", "ElasticLocalUpdates", "QuorumGroup", "QuorumLost",
-           "Rollback", "connect"]
+           "Rollback", "connect", "start_lighthouse"]

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torchft.process_group import ProcessGroup, create_store_client
 
+from thinwire.launch import end_process_group
+
 BACKENDS = ("gloo", "nccl")
 
 
@@ -64,5 +66,4 @@ class QuorumGroup(ProcessGroup):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         """Destroy the default group, if one is formed."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()

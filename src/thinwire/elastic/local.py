@@ -68,7 +68,7 @@ class ElasticLocalUpdates:
                              "updates take a model that is not sharded")
         self.updates = updates
         self.membership = Membership(manager, updates.fields, "fault-tolerant local updates",
-                                     updates.device)
+                                     updates.device, updates.scheme.meter)
         self.launching: int | None = None  # the fragment whose quorum is under way
         self.joined = False
         self._peer_launch: tuple[int, int] | None = None  # (fragment, steps) found when healed
@@ -107,21 +107,22 @@ class ElasticLocalUpdates:
             return
         launched = {(int(fragment), int(steps)) for fragment, steps, _ in rows.tolist()
                     if fragment != JOINING}
-        if not launched:
+        if not launched:  # every worker joins (a start): commit it, or torchft heals them again
+            self.manager.should_commit()
             return
         if len(launched) > 1:
             self.membership.fail(f"workers launch different syncs: {sorted(launched)}")
             return
         (fragment, steps), = launched
-        if (fragment, steps) != self._peer_launch:  # not healed: behind, this sync is lost
-            self.membership.fail("joined a sync without the others' state")
-            self.updates.steps = steps
-        self._peer_launch = None
+        healed, self._peer_launch = (fragment, steps) == self._peer_launch, None
         updates = self.updates
+        updates.steps = steps
         zeros = {name: torch.zeros_like(updates.globals[name])
                  for name in updates.fragments[fragment]}
         updates.pending[fragment] = (steps + updates.config.delay,
                                      self._exchange(zeros, rows))
+        if not healed:  # without the others' state it takes part, but must not commit
+            self.membership.fail("joined a sync without the others' state")
         if updates.config.delay == 0:  # the others land it at the step that launched it
             updates.finish()
 

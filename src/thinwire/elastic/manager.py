@@ -104,3 +104,30 @@ def quorum(manager: Manager) -> bool:
                          "or unreachable, or fewer workers than the minimum are alive "
                          f"(torchft: {cause})") from error
     return manager.errored() is None and dist.is_initialized()
+
+
+def start_lighthouse(bind: str = "[::]:29510", *, min_workers: int = 1,
+                     join_timeout_s: float = 5.0, heartbeat_timeout_s: float = 5.0) -> Any:
+    """torchft's Lighthouse in this process (``shutdown()`` it when done).
+
+    Args:
+        bind: the address to listen on (``[::]:0``: any free port).
+        min_workers: the fewest workers that form a quorum.
+        join_timeout_s: how long a new quorum waits for workers that are alive (heartbeat)
+            but have not asked for it yet; torchft's own default is 60.
+        heartbeat_timeout_s: how long a silent worker counts as alive.
+
+    Returns:
+        The ``LighthouseServer``; its ``address()`` is what workers connect to.
+    """
+    from torchft.coordination import LighthouseServer
+
+    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
+        raise ValueError(f"min_workers={min_workers!r} must be an integer >= 1")
+    for name, value in (("join_timeout_s", join_timeout_s),
+                        ("heartbeat_timeout_s", heartbeat_timeout_s)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0")
+    return LighthouseServer(bind=bind, min_replicas=min_workers,
+                            join_timeout_ms=int(1000 * join_timeout_s),
+                            heartbeat_timeout_ms=int(1000 * heartbeat_timeout_s))

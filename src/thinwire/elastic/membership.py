@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torchft.manager import Manager
 
-from thinwire.comm import done
+from thinwire.comm import Meter, done
 from thinwire.comm.collectives import Future, all_gather_single
 from thinwire.comm.fingerprint import PeerMismatchError, check_peers
 from thinwire.elastic.manager import quorum
@@ -26,11 +26,13 @@ class Membership:
         fields: what every worker must share (:func:`thinwire.comm.fingerprint.check_peers`).
         where: names the front door in a peer-check message.
         device: where the small tensors of the roll call live (the worker's device).
+        meter: records the roll call's bytes (entity ``size``).
     """
 
     def __init__(self, manager: Manager, fields: Mapping[str, Any], where: str,
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, meter: Meter | None = None) -> None:
         self.manager = manager
+        self.meter = meter
         self.fields = fields
         self.where = where
         self.device = device or torch.device("cpu")
@@ -80,6 +82,10 @@ class Membership:
             rows = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.int64,
                                device=self.device)
             all_gather_single(rows, mine)
+            if self.meter is not None:
+                self.meter.record("size", "(roll call)", "all_gather",
+                                  mine.numel() * mine.element_size(),
+                                  world_size=dist.get_world_size())
             return rows.view(-1, mine.numel()).cpu()
         except PeerMismatchError:
             raise
