@@ -118,13 +118,14 @@ def _thinwire_worker(spec: Spec) -> None:
 
         ElasticLocalUpdates._exchange = killing_exchange  # type: ignore[method-assign]
         elastic_ddp.comm_hook = killing_hook  # type: ignore[assignment]
-    manager = elastic.connect(spec.lighthouse, min_workers=spec.min_workers,
-                              replica_id=f"worker{spec.replica}", timeout_s=60,
-                              quorum_timeout_s=900)
-    # called when torchft loads a peer's state here: a heal under way
-    manager.register_state_dict_fn("probe", lambda _: _signal(spec.folder,
-                                                              f"healing-{spec.replica}"),
-                                   lambda: None)
+    def connect() -> Any:
+        manager = elastic.connect(spec.lighthouse, min_workers=spec.min_workers,
+                                  replica_id=f"worker{spec.replica}", timeout_s=60,
+                                  quorum_timeout_s=900)
+        # called when torchft loads a peer's state here: a heal under way
+        manager.register_state_dict_fn(
+            "probe", lambda _: _signal(spec.folder, f"healing-{spec.replica}"), lambda: None)
+        return manager
 
     healed = {"heals": 0.0, "heal_s": 0.0}
 
@@ -142,11 +143,10 @@ def _thinwire_worker(spec: Spec) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     started = time.time()
-    result = run_elastic(spec.scheme, spec.config, spec.options, manager, spec.replica,
+    result = run_elastic(spec.scheme, spec.config, spec.options, connect, spec.replica,
                          on_step=on_step)
     append({"replica": spec.replica, "done": True, "started": started,
             "record": result["record"], "bytes_sent_per_step": result["bytes_sent_per_step"]})
-    manager.shutdown(wait=False)
 
 
 def _torchft_worker(spec: Spec) -> None:
@@ -240,8 +240,7 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
 
     worker = _thinwire_worker if side == "thinwire" else _torchft_worker
     context = mp.get_context("spawn")
-    lighthouse = start_lighthouse("[::]:0", min_workers=min_workers, join_timeout_s=2.0,
-                                  heartbeat_timeout_s=2.0)
+    lighthouse = start_lighthouse("[::]:0", min_workers=min_workers, heartbeat_timeout_s=2.0)
     processes: dict[int, Any] = {}
     lives: dict[int, int] = {}
     kills: list[dict[str, Any]] = []

@@ -5,7 +5,9 @@
 
 It runs until interrupted (Ctrl-C). Workers that stop answering for
 --heartbeat-timeout seconds leave the next quorum; a new quorum waits up to
---join-timeout seconds for live workers that have not asked for it yet.
+--join-timeout seconds for live workers that have not asked for it yet, which
+must exceed the time between two syncs: else workers that join while the
+others train form a quorum of their own.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on")
     parser.add_argument("--min-workers", type=int, default=1, metavar="N",
                         help="the fewest workers that form a quorum")
-    parser.add_argument("--join-timeout", type=float, default=5.0, metavar="SECONDS",
-                        help="how long a quorum waits for live workers that have not asked")
+    parser.add_argument("--join-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="how long a quorum waits for live workers that have not asked "
+                             "yet; longer than the time between two syncs")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="how long a silent worker still counts as alive")
 

@@ -150,20 +150,21 @@ def _run_elastic(args: argparse.Namespace) -> int:
     from thinwire import elastic
     from thinwire.jobs.elastic_run import run_elastic
 
-    manager = elastic.connect(args.lighthouse, min_workers=args.min_workers,
-                              replica_id=f"worker{args.replica_id}",
-                              backend=args.backend or ("nccl" if device.type == "cuda"
-                                                       else "gloo"),
-                              timeout_s=args.timeout, quorum_timeout_s=args.quorum_timeout)
+    def connect() -> Any:
+        return elastic.connect(args.lighthouse, min_workers=args.min_workers,
+                               replica_id=f"worker{args.replica_id}",
+                               backend=args.backend or ("nccl" if device.type == "cuda"
+                                                        else "gloo"),
+                               timeout_s=args.timeout, quorum_timeout_s=args.quorum_timeout)
+
     bar = StepBar(options.steps, show=True)
     try:
-        result = run_elastic(args.scheme, config, options, manager, args.replica_id,
+        result = run_elastic(args.scheme, config, options, connect, args.replica_id,
                              progress=bar.update)
     except elastic.QuorumLost as error:
         raise RankFailed(f"worker {args.replica_id}: {error}") from error
     finally:
         bar.close()
-        manager.shutdown(wait=False)
         end_process_group()
     out = common.run_folder(args.out, "train") / f"worker-{args.replica_id}"
     out.mkdir(parents=True, exist_ok=True)

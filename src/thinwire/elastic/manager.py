@@ -107,15 +107,18 @@ def quorum(manager: Manager) -> bool:
 
 
 def start_lighthouse(bind: str = "[::]:29510", *, min_workers: int = 1,
-                     join_timeout_s: float = 5.0, heartbeat_timeout_s: float = 5.0) -> Any:
+                     join_timeout_s: float = 60.0, heartbeat_timeout_s: float = 5.0) -> Any:
     """torchft's Lighthouse in this process (``shutdown()`` it when done).
 
     Args:
         bind: the address to listen on (``[::]:0``: any free port).
         min_workers: the fewest workers that form a quorum.
         join_timeout_s: how long a new quorum waits for workers that are alive (heartbeat)
-            but have not asked for it yet; torchft's own default is 60.
-        heartbeat_timeout_s: how long a silent worker counts as alive.
+            but have not asked for it yet. Longer than the time between two syncs: else
+            workers that join while the others train can form a quorum of their own,
+            their training apart. A dead worker is not waited for (see the next).
+        heartbeat_timeout_s: how long a silent worker counts as alive: what a lost worker
+            costs the others' next quorum.
 
     Returns:
         The ``LighthouseServer``; its ``address()`` is what workers connect to.

@@ -48,16 +48,21 @@ def weights_hash(tensors: list[torch.Tensor]) -> str:
     return hasher.hexdigest()[:16]
 
 
-def run_elastic(name: str, config: dict[str, Any], options: RunOptions, manager: Any,
-                replica: int, progress: Callable[[int], None] | None = None,
-                on_step: Callable[[int, tuple[Any, ...] | None, dict[str, float]], None]
-                | None = None) -> dict[str, Any]:
-    """Train ``options.workload`` as one fault-tolerant worker under ``manager``.
+OnStep = Callable[[int, "tuple[Any, ...] | None", dict[str, float]], None]
+
+
+def run_elastic(name: str, config: dict[str, Any], options: RunOptions,
+                connect: Callable[[], Any], replica: int,
+                progress: Callable[[int], None] | None = None,
+                on_step: OnStep | None = None) -> dict[str, Any]:
+    """Train ``options.workload`` as one fault-tolerant worker.
 
     Args:
         name: a scheme, or ``diloco+SCHEME`` (``diloco``) for local updates.
         config: the scheme's options (and the local ones, for local updates).
-        manager: from :func:`thinwire.elastic.connect`.
+        connect: makes this worker's torchft Manager (:func:`thinwire.elastic.connect`),
+            called once the model and data are ready: from then on the Lighthouse
+            counts the worker as alive, and a quorum waits for it; shut down at the end.
         replica: this worker's number (seeds its batch stream).
         progress: called with 1 after each step (a progress bar).
         on_step: called after each step with the step count, the event it logged (None if
@@ -65,77 +70,105 @@ def run_elastic(name: str, config: dict[str, Any], options: RunOptions, manager:
 
     Returns:
         ``events`` (:data:`EVENT_FIELDS`, one per sync or step), ``record`` (commits,
-        failures, heals, seconds waiting for quorums and heals), the meter's summary,
-        ``wall_s`` and the final weights' hash.
+        failures, heals, seconds waiting for quorums and heals), the meter's summary and
+        ``wall_s``.
     """
     phase(f"{name} setup, worker {replica}")
-    device = torch.device(options.device)
-    work = workloads.load(options.workload, seed=options.seed, hidden=options.hidden).to(device)
-    model = work.model(options.seed)
-    meter = Meter(replica, 1)
-    dtype = PRECISIONS[options.precision]
-    if dtype == torch.float16:
+    if options.precision == "fp16":
         raise ValueError("--precision fp16 is not supported with --fault-tolerant "
                          "(its loss scale is a per-step vote of its own); use bf16 or fp32")
+    work = workloads.load(options.workload, seed=options.seed,
+                          hidden=options.hidden).to(options.device)
+    model = work.model(options.seed)
     inner = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
                                 options.momentum, options.weight_decay)
     stream = batches(work.train, options.batch_size, seed=options.seed * 1000 + replica)
-    events: list[tuple[Any, ...]] = []
-    start = time.perf_counter()
-
-    def log(step: int, committed: bool, shared: list[torch.Tensor], probe: nn.Module) -> None:
-        first = dist.is_initialized() and dist.get_rank() == 0
-        score = (work.score(probe, options.eval_rows)
-                 if committed and first and (step % options.eval_every == 0
-                                             or step >= options.steps) else None)
-        events.append((step, time.time(), dist.get_world_size() if dist.is_initialized() else 0,
-                       committed, weights_hash(shared), score))
-
-    def stepped(step: int, logged: int, record: dict[str, float]) -> None:
-        if on_step is not None:
-            on_step(step, events[-1] if len(events) > logged else None, record)
-
-    if local_run.is_local(name):
-        local, scheme_config = local_run.parts(name, config)
-        scheme = schemes.build(local_run.inner_scheme(name), **scheme_config)
-        updates = ElasticLocalUpdates(LocalUpdates(
-            model, inner, scheme, every=local.every, fragments=local.fragments,
-            delay=local.delay, mix=local.mix, outer=nesterov(local.outer_lr,
-                                                             local.outer_momentum),
-            meter=meter), manager)
-        probe = copy.deepcopy(model)  # holds the global weights, for evaluation
-        while updates.steps < options.steps:
-            phase(f"{name} step {updates.steps + 1}, worker {replica}")
-            backward(work, model, work.train.rows(next(stream)), inner, dtype)
-            inner.step()
-            commits, logged = updates.record["commits"], len(events)
-            if updates.step():
-                globals_ = list(updates.updates.global_state().values())
-                with torch.no_grad():
-                    for target, value in zip(probe.parameters(), globals_):
-                        target.copy_(value)
-                log(updates.steps, updates.record["commits"] > commits, globals_, probe)
-            meter.next_step()
-            stepped(updates.steps, logged, updates.record)
-            if progress is not None:
-                progress(1)
-        updates.finish()
-        record, settings = updates.record, {**asdict(local), **scheme_config}
-    else:
-        net = ElasticDDP(model, inner, schemes.build(name, **config), manager, meter=meter,
-                         max_norm=options.max_norm)
-        while manager.current_step() < options.steps:
-            phase(f"{name} step {manager.current_step() + 1}, worker {replica}")
-            net.begin()
-            backward(work, net.ddp, work.train.rows(next(stream)), inner, dtype)
-            committed, logged = net.commit(), len(events)
-            log(manager.current_step(), committed, list(model.parameters()), model)
-            meter.next_step()
-            stepped(manager.current_step(), logged, net.record)
-            if progress is not None and committed:
-                progress(1)
-        record, settings = net.record, config
+    run = _Run(name, options, work, model, inner, stream, Meter(replica, 1), on_step, progress)
+    manager = connect()
+    try:
+        record, settings = (run.local(config, manager) if local_run.is_local(name)
+                            else run.per_step(config, manager))
+    finally:
+        manager.shutdown(wait=False)
     return {"scheme": name, "workload": work.name, "replica": replica, "config": settings,
             "target": work.target, "metric": work.metric, "lower_is_better": work.lower_is_better,
-            "events": events, "record": dict(record), "wall_s": time.perf_counter() - start,
-            **meter.summary()}
+            "events": run.events, "record": dict(record), "wall_s": run.wall_s(),
+            **run.meter.summary()}
+
+
+class _Run:
+    """One worker's training loop and its log of events."""
+
+    def __init__(self, name: str, options: RunOptions, work: workloads.Workload,
+                 model: nn.Module, inner: torch.optim.Optimizer, stream: Any, meter: Meter,
+                 on_step: OnStep | None, progress: Callable[[int], None] | None) -> None:
+        self.name, self.options, self.work, self.model = name, options, work, model
+        self.inner, self.stream, self.meter = inner, stream, meter
+        self.on_step, self.progress = on_step, progress
+        self.dtype = PRECISIONS[options.precision]
+        self.events: list[tuple[Any, ...]] = []
+        self.start = time.perf_counter()
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    def backward(self, model: nn.Module) -> None:
+        """One batch's forward and backward into fresh gradients."""
+        backward(self.work, model, self.work.train.rows(next(self.stream)), self.inner,
+                 self.dtype)
+
+    def log(self, step: int, committed: bool, shared: list[torch.Tensor],
+            evaluated: nn.Module) -> None:
+        """An event; the quorum's first worker evaluates ``evaluated`` every eval_every."""
+        options = self.options
+        first = dist.is_initialized() and dist.get_rank() == 0
+        due = step % options.eval_every == 0 or step >= options.steps
+        score = (self.work.score(evaluated, options.eval_rows) if committed and first and due
+                 else None)
+        self.events.append((step, time.time(),
+                            dist.get_world_size() if dist.is_initialized() else 0, committed,
+                            weights_hash(shared), score))
+
+    def stepped(self, step: int, logged: int, record: dict[str, float]) -> None:
+        self.meter.next_step()
+        if self.on_step is not None:
+            self.on_step(step, self.events[-1] if len(self.events) > logged else None, record)
+        if self.progress is not None:
+            self.progress(1)
+
+    def local(self, config: dict[str, Any], manager: Any) -> tuple[dict[str, float], Any]:
+        """Local updates, ``options.steps`` inner steps (a healed worker's are its peers')."""
+        local, scheme_config = local_run.parts(self.name, config)
+        scheme = schemes.build(local_run.inner_scheme(self.name), **scheme_config)
+        updates = ElasticLocalUpdates(LocalUpdates(
+            self.model, self.inner, scheme, every=local.every, fragments=local.fragments,
+            delay=local.delay, mix=local.mix,
+            outer=nesterov(local.outer_lr, local.outer_momentum), meter=self.meter), manager)
+        probe = copy.deepcopy(self.model)  # holds the global weights, for evaluation
+        while updates.steps < self.options.steps:
+            phase(f"{self.name} step {updates.steps + 1}")
+            self.backward(self.model)
+            self.inner.step()
+            commits, logged = updates.record["commits"], len(self.events)
+            if updates.step():
+                shared = list(updates.updates.global_state().values())
+                with torch.no_grad():
+                    torch._foreach_copy_(list(probe.parameters()), shared)
+                self.log(updates.steps, updates.record["commits"] > commits, shared, probe)
+            self.stepped(updates.steps, logged, updates.record)
+        updates.finish()
+        return updates.record, {**asdict(local), **scheme_config}
+
+    def per_step(self, config: dict[str, Any], manager: Any) -> tuple[dict[str, float], Any]:
+        """Per-step DDP, ``options.steps`` committed steps."""
+        net = ElasticDDP(self.model, self.inner, schemes.build(self.name, **config), manager,
+                         meter=self.meter, max_norm=self.options.max_norm)
+        while manager.current_step() < self.options.steps:
+            phase(f"{self.name} step {manager.current_step() + 1}")
+            net.begin()
+            self.backward(net.ddp)
+            committed, logged = net.commit(), len(self.events)
+            self.log(manager.current_step(), committed, list(self.model.parameters()),
+                     self.model)
+            self.stepped(manager.current_step(), logged, net.record)
+        return net.record, config
