@@ -240,7 +240,7 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
 
     worker = _thinwire_worker if side == "thinwire" else _torchft_worker
     context = mp.get_context("spawn")
-    lighthouse = start_lighthouse("[::]:0", min_workers=min_workers, heartbeat_timeout_s=2.0)
+    lighthouse = start_lighthouse("[::]:0", min_workers=min_workers)
     processes: dict[int, Any] = {}
     lives: dict[int, int] = {}
     kills: list[dict[str, Any]] = []
@@ -322,8 +322,10 @@ def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[d
         if event["committed"]:
             hashes.setdefault(event.get("sync", event["step"]), set()).add(event["weights_hash"])
     first = [e for e in events if e["replica"] == 0]
+    first_step = min((e["step"] for e in events if e["replica"] == 0), default=0)
     heals = [{"replica": e["replica"], "step": e["heal"], "after_s": e["time"] - start,
-              "seconds": e["seconds"]} for e in lines if "heal" in e and e["time"] > start]
+              "seconds": e["seconds"]} for e in lines
+             if "heal" in e and e["time"] > start and e["heal"] > first_step]  # not the start's
     return {
         "side": side, "scheme": scheme, "kills": [{**k, "died": k["died"] - start,
                                                    "relaunched": k.get("relaunched", start)
@@ -347,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="text-lm")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--min-workers", type=int, default=2)
+    parser.add_argument("--min-workers", type=int, default=3,
+                        help="more than half the workers, so that those that join or are "
+                             "relaunched cannot form a quorum of their own")
     parser.add_argument("--steps", type=int, default=1600)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--local", default="diloco+int4")
