@@ -322,10 +322,9 @@ def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[d
         if event["committed"]:
             hashes.setdefault(event.get("sync", event["step"]), set()).add(event["weights_hash"])
     first = [e for e in events if e["replica"] == 0]
-    first_step = min((e["step"] for e in events if e["replica"] == 0), default=0)
     heals = [{"replica": e["replica"], "step": e["heal"], "after_s": e["time"] - start,
               "seconds": e["seconds"]} for e in lines
-             if "heal" in e and e["time"] > start and e["heal"] > first_step]  # not the start's
+             if "heal" in e and e["time"] > start]  # the start's are before the first sync
     return {
         "side": side, "scheme": scheme, "kills": [{**k, "died": k["died"] - start,
                                                    "relaunched": k.get("relaunched", start)

@@ -32,7 +32,9 @@ STEPS = 16  # inner steps (local updates: a sync every 2) or steps (per-step)
 JOIN_AT = 4  # worker 2 starts once worker 0 has taken this many steps
 KILL_AT = 10  # worker 1 kills itself in the middle of this step's exchange
 DEADLINE_S = 240.0  # hang guard for a whole scenario
-SCHEMES = {"local": ("powersgd", {"rank": 1}), "ddp": ("clt-k", {"ratio": 0.25})}
+# int4 all-gathers each worker's codes, clt-k broadcasts its leader's indices: a lost peer
+# must fail both, not leave the survivors averaging half-filled buffers
+SCHEMES = {"local": ("int4", {"chunk": 8}), "ddp": ("clt-k", {"ratio": 0.25})}
 
 
 def _model() -> nn.Module:

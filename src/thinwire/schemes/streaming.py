@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from thinwire.comm import Meter, world
-from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect
+from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect, then_hold
 from thinwire.compress import TensorInfo
 from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.compress.pieces import TRIALS, Part, Streams, cut, pay
@@ -215,7 +215,7 @@ class Streaming:
             elif memory is not None:
                 memory.update_sparse(key, held[key], local, torch.cat(sent[key]))
             compressor.close_call(magnitudes(info), info, passed[key], local.numel())
-        return collect(futures, [buffer.device]).then(lambda _: None)
+        return then_hold(collect(futures, [buffer.device]), lambda: None)
 
     def _decode(self, buffer: torch.Tensor, layout: SparseLayout,
                 ranges: Sequence[tuple[int, int]], n: int, future: Future[Any]) -> None:
