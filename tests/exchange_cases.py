@@ -1,4 +1,4 @@
-"""Every scheme's exchange on fixed gradients, recorded: means, state and metered bytes.
+"""Every scheme's exchange on fixed gradients, recorded: means, error memory, metered bytes.
 
 ``tests/fixtures/exchange.json`` holds what the schemes gave before their
 exchanges were rewritten as one kernel; ``tests/test_exchange_fixtures.py``
@@ -95,6 +95,12 @@ def _records(meter: Meter) -> dict[str, Any]:
     return {"bytes": totals, "records": digest}
 
 
+def _memory(scheme: schemes.Scheme) -> dict[str, torch.Tensor]:
+    """The error memory's buffers, flat (their shapes are the memory's own business)."""
+    memory = scheme.state_dict().get("memory")
+    return {key: value.reshape(-1) for key, value in (memory or {}).get("buffers", {}).items()}
+
+
 def run_case(rank: int, world_size: int, name: str, options: dict[str, Any]) -> dict[str, Any]:
     """One case on this rank: through ``launch`` and through ``launch_flat``."""
     out: dict[str, Any] = {}
@@ -106,7 +112,7 @@ def run_case(rank: int, world_size: int, name: str, options: dict[str, Any]) -> 
         mean = scheme.launch(grads).wait()
         means.append({key: value.clone() for key, value in mean.items()})
         scheme.meter.next_step()
-    out["dict"] = {"means": means, "state": scheme.state_dict(),
+    out["dict"] = {"means": means, "memory": _memory(scheme),
                    "records": _records(scheme.meter), "skipped": scheme.skipped}
     scheme = schemes.build(name, **options)
     scheme.meter = Meter(rank, world_size)
@@ -119,7 +125,7 @@ def run_case(rank: int, world_size: int, name: str, options: dict[str, Any]) -> 
                    for index, (buffer, keys) in enumerate(zip(buffers, BUCKETS))]
         means.append([future.wait().clone() for future in futures])
         scheme.meter.next_step()
-    out["flat"] = {"means": means, "state": scheme.state_dict(),
+    out["flat"] = {"means": means, "memory": _memory(scheme),
                    "records": _records(scheme.meter), "skipped": scheme.skipped}
     return out
 
