@@ -63,7 +63,7 @@ from thinwire.data.digits import batches
 from thinwire.feedback import Estimate, LowPass, Memory, MomentumCorrection, Residual
 from thinwire.jobs import workloads
 from thinwire.optim.adam import AgedAdam, look_ahead
-from thinwire.schemes.base import CompressedScheme
+from thinwire.schemes import CompressedScheme
 
 RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
     "sgd": (0.05, 0.9),
@@ -244,8 +244,8 @@ def _compressor(scheme: str, min_numel: int, scope: str,
     Parameters matching an ``exclude`` pattern travel dense."""
     built = schemes.build("dct-dp" if scheme == "dct-dp" else "topk", min_numel=min_numel,
                           scope=scope, exclude=exclude)
-    assert isinstance(built, CompressedScheme) and isinstance(built.compressor, Sparsifier)
-    return built.compressor
+    assert isinstance(built, CompressedScheme) and isinstance(built.selection, Sparsifier)
+    return built.selection
 
 
 def _choose(scheme: str, compressor: Sparsifier,
