@@ -16,9 +16,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import randomk
 from thinwire import ddp, optim, schemes
+from thinwire.autodiff import DistributedAutodiff
 from thinwire.comm import Meter
 from thinwire.comm.collectives import ALONE
 from thinwire.compress import Cast, Sparsifier, TensorInfo, keep_count
+from thinwire.compress.lowrank import orthonormalize, seeded_normal
 from thinwire.feedback import MomentumCorrection, Residual
 from thinwire.launch import spawn
 from thinwire.local import LocalUpdates
@@ -99,6 +101,38 @@ def test_a_push_carries_the_ddp_engines_bytes_and_its_step(options: dict[str, An
     pushed = PushCodec(layout, "topk", **options).encode(grad).data.numel()
     padding = sum((-2 * numel) % 4 for numel in (8, 10)) if options.get("values") else 0
     assert pushed == handed + 4 + padding
+
+
+def _powersgd_errors(rank: int, world_size: int) -> dict[str, Any]:
+    """dAD's powersgd mode and the powersgd scheme on the same gradient (equal batches,
+    so the site weights are 1), and torch's rule written out: e = M - P_hat mean(Q)^T."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 40), nn.ReLU(), nn.Linear(40, 3)).double()
+    engine = DistributedAutodiff(model, "powersgd", rank=2)
+    x = torch.randn(8, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    nn.functional.cross_entropy(model(x), torch.arange(8) % 3).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
+    engine.synchronize()
+    scheme = schemes.build("powersgd", rank=2)
+    scheme.reduce(grads)
+    matrix = grads["0.weight"]  # (40, 30), the one matrix that compresses at rank 2
+    q = seeded_normal("0.weight", (30, 2), seed=0, dtype=torch.float64)
+    p = matrix @ q
+    torch.distributed.all_reduce(p)
+    p_hat = orthonormalize(p / world_size)
+    q_mean = matrix.t() @ p_hat
+    torch.distributed.all_reduce(q_mean)
+    return {"engine": engine.powersgd.state_dict()["memory"]["buffers"],
+            "scheme": scheme.state_dict()["memory"]["buffers"],
+            "torch": matrix - p_hat @ (q_mean / world_size).t()}
+
+
+def test_powersgd_keeps_one_error_rule_torchs() -> None:
+    for rank in spawn(_powersgd_errors, 2):
+        assert set(rank["engine"]) == set(rank["scheme"]) == {"0.weight"}
+        assert torch.equal(rank["engine"]["0.weight"], rank["scheme"]["0.weight"])
+        torch.testing.assert_close(rank["engine"]["0.weight"].view(40, 30), rank["torch"],
+                                   rtol=0, atol=1e-12)
 
 
 def test_schemes_of_two_rounds_are_refused_by_the_server() -> None:

@@ -44,7 +44,7 @@ from thinwire.schemes.agreed import Agreed, Proposal
 from thinwire.schemes.base import Scheme, count_step
 from thinwire.schemes.selected import Chosen, Kept
 from thinwire.schemes.streaming import Streaming, joined, offsets_of
-from thinwire.schemes.traits import ALL_GATHER, ALL_REDUCE, Traits
+from thinwire.schemes.traits import ALL_GATHER, ALL_REDUCE, BROADCAST, Traits
 
 AnySelection = Sparsifier | Agreed
 STEP_BYTES = 4  # a row's header: the launch's step, int32
@@ -153,7 +153,7 @@ class CompressedScheme(Scheme):
         selection, summable = self.selection, self.values.summable
         if isinstance(selection, Agreed):
             collectives: tuple[str, ...] = (
-                "broadcast" if selection.shares_indices else ALL_REDUCE, ALL_REDUCE)
+                BROADCAST if selection.shares_indices else ALL_REDUCE, ALL_REDUCE)
         elif selection is None:
             collectives = (ALL_REDUCE,) if summable else (ALL_GATHER,)
         else:
