@@ -213,7 +213,7 @@ def test_the_ratio_a_user_sets_reaches_the_coupling(name: str, ratio: float) -> 
     """AgedAdam's horizon is the mean wait at the scheme's own density, ``1 / ratio``."""
     net = nn.Linear(40, 25)
     scheme = schemes.build(name, ratio=ratio)
-    assert scheme.density == ratio
+    assert scheme.traits.density == ratio
     adam = torch.optim.AdamW(net.parameters(), lr=1e-3)
     state = ddp.hook_state(net, scheme, optimizer=adam)  # coupled in the same call
     assert state.coupling is not None and state.coupling.adam is not None
@@ -224,10 +224,10 @@ def test_the_ratio_a_user_sets_reaches_the_coupling(name: str, ratio: float) -> 
 def test_the_scheme_contract_states_what_coupling_needs() -> None:
     for name in ("dense", "fp16", "powersgd"):
         scheme = schemes.build(name)
-        assert scheme.density is None and scheme.error_memory is None
+        assert scheme.traits.density is None and scheme.error_memory is None
         with pytest.raises(TypeError, match="no error memory"):
             scheme.couple_memory(Residual())
-    assert schemes.build("clt-k").shared_indices
-    assert not any(schemes.build(name).shared_indices
+    assert schemes.build("clt-k").traits.shared_indices
+    assert not any(schemes.build(name).traits.shared_indices
                    for name in ("topk", "dct-dp", "laplace", "local-topk"))
     assert schemes.build("topk", error_feedback=False).error_memory is None

@@ -189,7 +189,7 @@ def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
     grads = {"w": torch.randn(32, 8, generator=generator, dtype=torch.float64),
              "b": torch.randn(8, generator=generator, dtype=torch.float64)}
     options = {"ratio": 0.1, "life_span": 1, "min_numel": 0, "capacity": 1.25,
-               "scope": "layer"}
+               "scope": "layer", "values": "fp32"}
     scheme = build(name, **options) if name == "dct-dp" else build(name)
     scheme.meter = Meter(rank, 2)
     out = scheme.reduce(grads, group)

@@ -71,7 +71,7 @@ def test_user_pages_carry_no_run_times_loads_or_old_commits(page: Path) -> None:
 # ---- option tables: "| `NAME` option | default | meaning |" then "| `key` | `default` | ..."
 TABLE = re.compile(r"^\| `([\w+-]+)` option \| default \|")  # names such as topk+int2
 ROW = re.compile(r"^\| `(\w+)` \| `([^`]*)` \|")
-INCLUDE = re.compile(r'^--8<-- "options/([\w-]+)\.md"$', re.MULTILINE)
+INCLUDE = re.compile(r'^--8<-- "options/([\w+-]+)\.md"$', re.MULTILINE)
 
 
 def config_of(name: str) -> type:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
+import randomk
 from thinwire import fsdp, optim
 from thinwire.cli import main
 from thinwire.comm.fingerprint import PeerMismatchError
@@ -32,7 +33,9 @@ STEPS = 4
 TOPK = ("topk", {"ratio": 0.2, "min_numel": 0})
 DCT = ("dct-dp", {"life_span": 2, "min_numel": 0, "piece": 0})
 LOSSY = {"topk": TOPK, "dct-dp": DCT, "fp16": ("fp16", {}),
-         "powersgd": ("powersgd", {"rank": 1}), "clt-k": ("clt-k", {"ratio": 0.2})}
+         "powersgd": ("powersgd", {"rank": 1}), "clt-k": ("clt-k", {"ratio": 0.2}),
+         randomk.NAME: (randomk.NAME, {"ratio": 0.2})}  # a new selection, in one class
+WATCHED = ("topk", "dct-dp", randomk.NAME)
 
 
 def _model() -> nn.Module:
@@ -269,10 +272,10 @@ def _diloco(rank: int, mesh: Any, name: str, stop: int | None = None) -> dict[st
 
 
 def _all_scenarios(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    randomk.register()
     mesh = fsdp.site_mesh(SITES)
     site_group = mesh["site"].get_group()
-    watched = {name: _thinwire(rank, mesh, *LOSSY[name], watch=True) for name in ("topk",
-                                                                                 "dct-dp")}
+    watched = {name: _thinwire(rank, mesh, *LOSSY[name], watch=True) for name in WATCHED}
     return {
         "native": _native(rank, mesh),
         "dense": _thinwire(rank, mesh, "dense", {}),
@@ -323,7 +326,7 @@ def test_replicas_across_sites_stay_identical(runs: list[dict[str, Any]], name: 
     assert not torch.equal(runs[0][name]["history"][-1][0], runs[0]["dense"]["history"][-1][0])
 
 
-@pytest.mark.parametrize("name", ["topk", "dct-dp"])
+@pytest.mark.parametrize("name", WATCHED)
 def test_error_feedback_invariant_holds_exactly_per_shard(runs: list[dict[str, Any]],
                                                           name: str) -> None:
     for rank in runs:

@@ -154,7 +154,7 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
     stages: list[Stage] = [s for s in (loss_scale, clip) if s is not None]  # unscale first
     trained = [p for _, p in named if p.requires_grad]
     guard = (GradGuard(max(trained, key=lambda p: p.numel()))
-             if trained and scheme.error_memory is not None else None)
+             if trained and scheme.traits.sparse else None)
     state = HookState(scheme, {id(p): name for name, p in named}, group,
                       {**fingerprint(scheme), "parameters": parameters, "thinwire": __version__,
                        "max_norm": max_norm, "scaler": scaler is not None},

@@ -19,6 +19,7 @@ class Memory(ABC):
     ``sent``, then ``update(key, p, sent)``.
     """
 
+    rule = "error"  # the update rule's name, as a scheme's traits report it
     # True when ``update(key, p, p)`` leaves no error behind (the next compensate adds
     # nothing), so a tensor sent whole and exactly need not be recorded at all.
     forgets_what_is_sent = False

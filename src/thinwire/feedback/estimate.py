@@ -34,6 +34,8 @@ class Estimate(Memory):
         estimates: key -> ``G``, the same on every rank.
     """
 
+    rule = "ef21"
+
     def __init__(self) -> None:
         super().__init__()
         self.estimates: dict[str, torch.Tensor] = {}

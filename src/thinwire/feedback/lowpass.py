@@ -32,6 +32,8 @@ class LowPass(Memory):
         ValueError: ``beta`` outside (0, 1].
     """
 
+    rule = "low-pass"
+
     def __init__(self, beta: float = 1.0) -> None:
         check_fraction("beta", beta, 0.0, 1.0, closed_low=False, closed_high=True)
         super().__init__()

@@ -70,6 +70,11 @@ class MomentumCorrection(Memory):
         self._advanced: set[str] = set()  # keys advance_ moved on this round, not yet used
 
     @property
+    def rule(self) -> str:  # type: ignore[override]
+        """``momentum+`` the inner memory's rule."""
+        return f"momentum+{self.inner.rule}"
+
+    @property
     def forgets_what_is_sent(self) -> bool:  # type: ignore[override]
         """As the inner memory: the velocity moves on in :meth:`compensate` either way."""
         return self.inner.forgets_what_is_sent

@@ -31,6 +31,7 @@ class Residual(Memory):
             step) and a checkpoint resumes them exactly.
     """
 
+    rule = "residual"
     forgets_what_is_sent = True  # e = p - p = 0 (a drain empties a buffer that is empty)
 
     def __init__(self, drain_every: int | None = None, seed: int = 0) -> None:

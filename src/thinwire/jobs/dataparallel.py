@@ -21,12 +21,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import ddp, optim, schemes
 from thinwire.comm import Meter
-from thinwire.compress import Sparsifier
 from thinwire.data.digits import Split, batches
 from thinwire.jobs import workloads
 from thinwire.jobs.board import MeterBoard
 from thinwire.launch import phase
-from thinwire.schemes import CompressedScheme
 
 # What couple() may put behind a coupled clt-k for every scheme of a run: "ef21" is clt-k's
 # only, so a run of several schemes says "auto" for it.
@@ -249,13 +247,13 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     meter = Meter(rank, world_size)
     scheme = schemes.build(name, **config)
     in_hook = (options.max_norm is not None and options.clip_at == "worker"
-               and scheme.error_memory is not None)
+               and scheme.traits.clips_in_hook)
     dtype = PRECISIONS[options.precision]
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     state = ddp.register(net, scheme, meter=meter,
                          max_norm=options.max_norm if in_hook else None, scaler=scaler)
     after_backward = options.max_norm if options.max_norm is not None and not in_hook else None
-    if hasattr(scheme, "energy"):  # a shared-index scheme's diagnostic (clt-k): turn it on
+    if scheme.traits.energy:  # a shared-index scheme's diagnostic (clt-k): turn it on
         scheme.energy = {}  # how much of each rank's top-k the leader's indices capture
     optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
                                     options.momentum, options.weight_decay)
@@ -269,8 +267,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     board = (MeterBoard(Path(options.tensorboard) / name,
                         sum(p.numel() * p.element_size() for p in model.parameters()))
              if options.tensorboard is not None and rank == 0 else None)
-    live_trace = (scheme.compressor.trace if isinstance(scheme, CompressedScheme)
-                  and isinstance(scheme.compressor, Sparsifier) else None)
+    live_trace = scheme.trace  # filled as the steps run
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
         phase(f"{name} step {step}")
@@ -309,7 +306,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                                      if norms else None),
         "overflow_steps": None if state.loss_scale is None else state.loss_scale.skipped,
         "captured_energy_per_layer": {key: statistics.fmean(shares) for key, shares in
-                                      (getattr(scheme, "energy", None) or {}).items()},
+                                      (scheme.energy or {}).items()},
     })
     return result
 
@@ -370,9 +367,7 @@ def _anyone(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -
 
 def threshold_trace(scheme: schemes.Scheme) -> dict[str, list[tuple[int, float, float]]]:
     """The sparsifier's (step, threshold, density) per layer, if it has one."""
-    if isinstance(scheme, CompressedScheme) and isinstance(scheme.compressor, Sparsifier):
-        return {key: list(points) for key, points in scheme.compressor.trace.items()}
-    return {}
+    return {key: list(points) for key, points in scheme.trace.items()}
 
 
 def traffic_per_collective(meter: Meter) -> dict[str, dict[str, float]]:

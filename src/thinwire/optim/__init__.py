@@ -8,7 +8,7 @@ and through a DDP hook's state takes each worker's gradient at ``x - lr e``
 (:class:`~thinwire.optim.virtual.VirtualIterate`); under Adam the scheme's
 parameters step with :class:`~thinwire.optim.adam.AgedAdam`. It reads what it
 needs from the :class:`~thinwire.schemes.Scheme` contract (``error_memory``,
-``density``, ``shared_indices``). Schemes without error feedback and optimisers
+``traits``). Schemes without error feedback and optimisers
 without momentum are left as they were, so calling it is always safe. Measured
 effects: docs/notes/engine.md and docs/convergence.md.
 
@@ -61,7 +61,7 @@ def _feedback(scheme: Scheme, memory: Memory, feedback: str) -> Memory:
     Raises:
         ValueError: CLT-k's memory already holds state (couple before training).
     """
-    if not scheme.shared_indices or feedback == "error":
+    if not scheme.traits.shared_indices or feedback == "error":
         return memory
     if memory.buffers:
         raise ValueError(f"{_name(scheme)} has already run a step: call thinwire.optim.couple "
@@ -114,7 +114,7 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *,
     scheme = _scheme_of(target)
     if feedback not in FEEDBACKS:
         raise ValueError(f"feedback={feedback!r} must be one of {FEEDBACKS}")
-    if feedback == "ef21" and not scheme.shared_indices:
+    if feedback == "ef21" and not scheme.traits.shared_indices:
         raise ValueError(f"feedback='ef21' is for clt-k, not {_name(scheme)}: the "
                          "local sparsifiers were slower with it (docs/convergence.md)")
     every = read_momentum(optimizer)
@@ -218,7 +218,7 @@ _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
 def _mean_wait(scheme: Scheme) -> int:
     """Steps an entry waits on average at the scheme's density, ``1 / density``."""
-    density = scheme.density
+    density = scheme.traits.density
     return max(1, round(1 / density)) if density else 1
 
 
