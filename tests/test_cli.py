@@ -585,6 +585,20 @@ def test_schemes_markdown_prints_the_guides_option_tables(
     assert "| `dct-mp` option |" in capsys.readouterr().out
 
 
+def test_schemes_kind_lists_one_kind_of_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from thinwire import schemes as registry
+    from thinwire.pipeline import boundary_kinds
+
+    assert main(["schemes", "--kind", "boundary"]) == 0
+    blocks = capsys.readouterr().out.strip().split("\n\n")
+    assert [block.splitlines()[0] for block in blocks] == boundary_kinds()
+    assert main(["schemes", "--kind", "push", "--markdown"]) == 0
+    tables = capsys.readouterr().out.count(" option | default | meaning |")
+    assert 0 < tables < len(registry.names())  # clt-k, powersgd: two rounds, no push
+    assert main(["schemes", "topk", "--kind", "push"]) == 2
+    assert "give a NAME ('topk') or --kind ('push'), not both" in capsys.readouterr().err
+
+
 def test_async_steps_stop_the_run(tmp_path: Path) -> None:
     code = main(["async", "--rule", "sequential", "--epochs", "5", "--steps", "3",
                  "--model", "linear", "--train-limit", "64", "--batch-size", "16",

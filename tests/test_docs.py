@@ -168,6 +168,29 @@ def test_each_front_door_page_has_a_table_for_every_scheme_it_takes(page: str,
                                  f"{sorted(expected())}; make docs-tables regenerates them")
 
 
+# `make docs-tables`: each line writes one options file from the registries.
+GENERATE = re.compile(r"^\t\$\(BIN\)/thinwire (schemes .*) > \$\(OPTIONS\)/([\w-]+\.md)$",
+                      re.MULTILINE)
+KEPT_BY_HAND = {"asgd.md", "dc-asgd.md", "dad.md"}  # the update rules' and dAD's
+
+
+def test_make_docs_tables_would_change_no_options_file(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """Every generated table is what the registry says now (names, defaults and meanings),
+    and every options file is either generated or kept by hand."""
+    from thinwire.cli import main
+
+    generated = GENERATE.findall((REPO / "Makefile").read_text())
+    options = DOCS / "snippets" / "options"
+    assert {name for _, name in generated} == {"schemes.md", "pushes.md", "boundaries.md"}
+    assert {path.name for path in options.glob("*.md")} == {
+        name for _, name in generated} | KEPT_BY_HAND
+    for command, name in generated:
+        assert main(command.split()) == 0
+        assert capsys.readouterr().out == (options / name).read_text(), (
+            f"docs/snippets/options/{name} is stale: make docs-tables regenerates it")
+
+
 def test_the_guide_and_api_reference_build_with_warnings_as_errors(tmp_path: Path) -> None:
     """``make docs``: mkdocs with mkdocstrings, offline, strict."""
     pytest.importorskip("mkdocs")
