@@ -58,7 +58,7 @@ def test_every_data_file_and_figure_a_page_names_exists(page: Path) -> None:
 USER_PAGES = [REPO / "README.md", DOCS / "index.md", DOCS / "convergence.md",
               *sorted((DOCS / "guide").glob("*.md")),
               *(DOCS / f"{name}.md" for name in ("foundation", "scalecom", "dct-mp", "dad",
-                                                 "async", "papers"))]
+                                                 "async", "papers", "local-updates"))]
 NOTEBOOK = re.compile(r"\bUTC\b|load average|git show")
 
 
