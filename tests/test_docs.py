@@ -53,12 +53,12 @@ def test_every_data_file_and_figure_a_page_names_exists(page: Path) -> None:
     assert not missing, f"{page.name} names files that do not ship: {missing}"
 
 
-# Pages a user reads to use thinwire. The record of runs (docs/record/, bench.md) and the
-# generated pages (results.md, dated once in a header; choosing.md) carry their dates.
+# Pages a user reads to use thinwire. The record of runs (docs/record/) and the generated
+# pages (results.md, dated once in a header; choosing.md) carry their dates.
 USER_PAGES = [REPO / "README.md", DOCS / "index.md", DOCS / "convergence.md",
               *sorted((DOCS / "guide").glob("*.md")),
               *(DOCS / f"{name}.md" for name in ("foundation", "scalecom", "dct-mp", "dad",
-                                                 "async", "papers", "local-updates"))]
+                                                 "async", "papers", "local-updates", "bench"))]
 NOTEBOOK = re.compile(r"\bUTC\b|load average|git show")
 
 
