@@ -130,7 +130,7 @@ def test_compare_under_fp16_autocast_with_clipping_in_the_hook(tmp_path: Path) -
     summary = tmp_path / "summary.json"
     code = main(["compare", "--schemes", "dense,topk", "--workers", "2", "--steps", "40",
                  "--lr", "0.2", "--hidden", "32", "--precision", "fp16", "--max-norm", "0.5",
-                 "--out", str(tmp_path / "run"), "--json", str(summary)])
+                 "--no-lone", "--out", str(tmp_path / "run"), "--json", str(summary)])
     assert code == 0
     dense, topk = json.loads(summary.read_text())["runs"]
     for run in (dense, topk):
