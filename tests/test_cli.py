@@ -130,7 +130,7 @@ def test_compare_under_fp16_autocast_with_clipping_in_the_hook(tmp_path: Path) -
     summary = tmp_path / "summary.json"
     code = main(["compare", "--schemes", "dense,topk", "--workers", "2", "--steps", "40",
                  "--lr", "0.2", "--hidden", "32", "--precision", "fp16", "--max-norm", "0.5",
-                 "--out", str(tmp_path / "run"), "--json", str(summary)])
+                 "--no-lone", "--out", str(tmp_path / "run"), "--json", str(summary)])
     assert code == 0
     dense, topk = json.loads(summary.read_text())["runs"]
     for run in (dense, topk):
@@ -583,6 +583,20 @@ def test_schemes_markdown_prints_the_guides_option_tables(
     assert "| `dct-mp` option |" not in printed
     assert main(["schemes", "dct-mp", "--markdown"]) == 0
     assert "| `dct-mp` option |" in capsys.readouterr().out
+
+
+def test_schemes_kind_lists_one_kind_of_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from thinwire import schemes as registry
+    from thinwire.pipeline import boundary_kinds
+
+    assert main(["schemes", "--kind", "boundary"]) == 0
+    blocks = capsys.readouterr().out.strip().split("\n\n")
+    assert [block.splitlines()[0] for block in blocks] == boundary_kinds()
+    assert main(["schemes", "--kind", "push", "--markdown"]) == 0
+    tables = capsys.readouterr().out.count(" option | default | meaning |")
+    assert 0 < tables < len(registry.names())  # clt-k, powersgd: two rounds, no push
+    assert main(["schemes", "topk", "--kind", "push"]) == 2
+    assert "give a NAME ('topk') or --kind ('push'), not both" in capsys.readouterr().err
 
 
 def test_async_steps_stop_the_run(tmp_path: Path) -> None:
