@@ -16,11 +16,15 @@ otherwise the bitmap, whose values are then in ascending index order.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from thinwire.compress.base import TensorInfo
+from thinwire.compress.values import Cast, ValueCodec, align
 
 HEADER_BYTES = 4
 BLOCK = 1 << 16  # entries per block of the 16-bit index code
@@ -36,12 +40,6 @@ def _pad4(nbytes: int) -> int:
 def bitmap_bytes(numel: int) -> int:
     """Bytes of a bitmap of ``numel`` entries (:func:`pack_bits`), padded to 4."""
     return _pad4(math.ceil(numel / 8))
-
-
-def _align(nbytes: int, size: int) -> int:
-    """``nbytes`` rounded up to a multiple of 4 and of ``size`` (a dtype's width)."""
-    step = max(4, size)
-    return (nbytes + step - 1) // step * step
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -197,6 +195,74 @@ class LowRankPayload:
 
 
 @dataclass(frozen=True)
+class IndexCodec:
+    """Up to ``capacity`` distinct indices into ``numel`` entries, in an area of fixed size.
+
+    Formats: ``"int32"`` (4 bytes an index), ``"delta16"`` (the 16-bit code,
+    :func:`index16_bytes`) and ``"bitmap"`` (a bit per entry). The 16-bit code
+    and the bitmap need ascending indices; :meth:`encode` sorts them when they
+    are not, with their values, so no order decodes wrong.
+    """
+
+    format: str  # "int32", "delta16" or "bitmap"
+    capacity: int
+    numel: int
+
+    @staticmethod
+    def choose(preferred: str | None, capacity: int, numel: int) -> IndexCodec:
+        """``preferred`` (one of :data:`INDEX_FORMATS`) unless a bitmap is smaller; None:
+        the smallest of the three formats (the first of int32, delta16, bitmap on a tie).
+
+        Raises:
+            ValueError: an unknown format.
+        """
+        if preferred is not None and preferred not in INDEX_FORMATS:
+            raise ValueError(f"indices={preferred!r} must be one of {INDEX_FORMATS}")
+        candidates = [preferred] if preferred is not None else list(INDEX_FORMATS)
+        codecs = [IndexCodec(name, capacity, numel) for name in (*candidates, "bitmap")]
+        return min(codecs, key=lambda codec: codec.nbytes)  # min keeps the first of equals
+
+    @property
+    def nbytes(self) -> int:
+        if self.format == "bitmap":
+            return bitmap_bytes(self.numel)
+        if self.format == "delta16":
+            return index16_bytes(self.capacity, self.numel)
+        return 4 * self.capacity
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes that grow with each valid index (the rest are fixed)."""
+        return {"bitmap": 0, "delta16": 2, "int32": 4}[self.format]
+
+    @property
+    def ordered(self) -> bool:
+        """Whether the code needs ascending indices (values then follow their order)."""
+        return self.format != "int32"
+
+    def encode(self, indices: torch.Tensor, area: torch.Tensor) -> None:
+        """Write ``indices`` (distinct, ascending where :attr:`ordered`) into ``area``
+        (zeroed uint8 of :attr:`nbytes`)."""
+        if self.format == "bitmap":
+            mask = torch.zeros(self.numel, dtype=torch.bool, device=area.device)
+            mask[indices] = True
+            bits = pack_bits(mask)
+            area[: bits.numel()] = bits
+        elif self.format == "delta16":
+            encode_index16(indices, self.capacity, self.numel, area)
+        else:
+            area[: 4 * indices.numel()].view(torch.int32).copy_(indices)
+
+    def decode(self, area: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` int64 indices :meth:`encode` wrote into ``area``."""
+        if self.format == "bitmap":
+            return unpack_bits(area[: math.ceil(self.numel / 8)], self.numel).nonzero().squeeze(1)
+        if self.format == "delta16":
+            return decode_index16(area, count, self.capacity, self.numel)
+        return area[: 4 * count].view(torch.int32).long()
+
+
+@dataclass(frozen=True)
 class SparseLayout:
     """A fixed-size sparse payload: room for ``capacity`` entries of a flat region.
 
@@ -205,16 +271,13 @@ class SparseLayout:
     header says how many entries are valid. Layout (4-byte aligned)::
 
         int32 header        valid count c <= capacity
-        indices             one of (the smallest; the same choice on every rank):
-                            "int32": capacity int32 slots;
-                            "delta16": ascending indices in the 16-bit code
-                              (:func:`index16_bytes`): capacity uint16 offsets
-                              from the start of each one's block of 65536 entries
-                              (padded to 4), then numel // 65536 + 1 int32 block
-                              ends, the count of indices before each block's end;
-                            "bitmap": ceil(numel / 8) bytes padded to 4
-        values              capacity slots, starting and ending aligned to 4 bytes
-                            and to the value dtype's width (fp64: 8)
+        indices             the index codec's area (:class:`IndexCodec`):
+                            ``indices`` ("int32" or "delta16"), or a bitmap when
+                            that is smaller (the same choice on every rank)
+        values              the value codec's area (:mod:`thinwire.compress.values`):
+                            capacity values as floats, or codes and their scales;
+                            starting and ending aligned to 4 bytes and to a float's
+                            width (fp64: 8)
 
     Unused slots and alignment bytes are zero. With a bitmap or the 16-bit code, values
     are in ascending index order.
@@ -222,8 +285,9 @@ class SparseLayout:
 
     numel: int  # entries of the region the indices point into, < 2**31
     capacity: int  # most entries carried, in [0, numel]
-    value_dtype: torch.dtype = torch.float32
+    value_dtype: torch.dtype = torch.float32  # the dtype of the values encoded (a tensor's)
     indices: str = "int32"  # the index list format when no bitmap: "int32" or "delta16"
+    values: ValueCodec = field(default_factory=lambda: Cast("native"))  # how values travel
 
     def __post_init__(self) -> None:
         if not 0 <= self.numel < 2**31:
@@ -234,49 +298,50 @@ class SparseLayout:
         if self.indices not in INDEX_FORMATS:
             raise ValueError(f"indices={self.indices!r} must be one of {INDEX_FORMATS}")
 
-    @property
-    def _list_bytes(self) -> int:
-        if self.indices == "delta16":
-            return index16_bytes(self.capacity, self.numel)
-        return 4 * self.capacity
+    @functools.cached_property
+    def index_codec(self) -> IndexCodec:
+        return IndexCodec.choose(self.indices, self.capacity, self.numel)
 
     @property
     def uses_bitmap(self) -> bool:
-        return self._list_bytes > bitmap_bytes(self.numel)
+        return self.index_codec.format == "bitmap"
 
     @property
     def index_bytes(self) -> int:
-        return bitmap_bytes(self.numel) if self.uses_bitmap else self._list_bytes
+        return self.index_codec.nbytes
 
     @property
     def index_entry_bytes(self) -> int:
         """Index bytes that grow with each valid entry (the rest are fixed)."""
-        return 0 if self.uses_bitmap else (2 if self.indices == "delta16" else 4)
-
-    @property
-    def value_size(self) -> int:
-        return self.value_dtype.itemsize
+        return self.index_codec.entry_bytes
 
     @property
     def value_start(self) -> int:
-        """Where values begin: after header and indices, aligned for the value dtype."""
-        return _align(HEADER_BYTES + self.index_bytes, self.value_size)
+        """Where values begin: after header and indices, aligned for the value codec."""
+        return align(HEADER_BYTES + self.index_bytes, self.values.width(self.value_dtype))
 
     @property
     def nbytes(self) -> int:
-        return _align(self.value_start + self.capacity * self.value_size, self.value_size)
+        return self.value_start + self.values.nbytes(self.capacity, self.value_dtype)
 
     def encode(self, indices: torch.Tensor, values: torch.Tensor, *,
                ascending: bool = False) -> torch.Tensor:
-        """The payload of ``values`` at ``indices`` (distinct, at most ``capacity``).
+        """The payload of ``values`` at ``indices``: :meth:`pack`'s payload."""
+        return self.pack(indices, values, ascending=ascending)[0]
+
+    def pack(self, indices: torch.Tensor, values: torch.Tensor, *,
+             ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload of ``values`` at ``indices`` (distinct, at most ``capacity``), and
+        what every receiver decodes of the values, in the order given.
 
         Args:
             ascending: the caller vouches that ``indices`` ascend strictly (a
-                sparsifier's selection does), so the 16-bit code and the bitmap skip
-                the check, a pass and a wait on a GPU; else they sort when needed.
+                sparsifier's selection does, :meth:`~thinwire.compress.Sparsifier.select_all`),
+                so the 16-bit code and the bitmap skip the check, a pass and a wait on a
+                GPU; else they sort when needed.
 
         Returns:
-            ``nbytes`` uint8 on ``values``' device.
+            ``nbytes`` uint8 on ``values``' device, and the decoded values.
 
         Raises:
             ValueError: more entries than ``capacity``.
@@ -284,27 +349,18 @@ class SparseLayout:
         count = indices.numel()
         if count > self.capacity:
             raise ValueError(f"{count} entries exceed the payload capacity {self.capacity}")
+        codec = self.index_codec
+        order = None
+        if codec.ordered and not (ascending or _ascending(indices)):
+            indices, order = torch.sort(indices)
+            values = values[order]
         out = torch.zeros(self.nbytes, dtype=torch.uint8, device=values.device)
         out[:HEADER_BYTES].view(torch.int32).fill_(count)
-        area = out[HEADER_BYTES: HEADER_BYTES + self.index_bytes]
-        if self.uses_bitmap:
-            if not (ascending or _ascending(indices)):
-                indices, order = torch.sort(indices)
-                values = values[order]
-            mask = torch.zeros(self.numel, dtype=torch.bool, device=values.device)
-            mask[indices] = True
-            bits = pack_bits(mask)
-            area[: bits.numel()] = bits
-        elif self.indices == "delta16":
-            if not (ascending or _ascending(indices)):  # the code needs them sorted
-                indices, order = torch.sort(indices)
-                values = values[order]
-            encode_index16(indices, self.capacity, self.numel, area)
-        else:
-            area[: 4 * count].view(torch.int32).copy_(indices)
-        start = self.value_start
-        out[start: start + count * self.value_size].view(self.value_dtype).copy_(values)
-        return out
+        codec.encode(indices, out[HEADER_BYTES: HEADER_BYTES + codec.nbytes])
+        sent = self.values.write(values, out[self.value_start:], self.capacity)
+        if order is not None:  # back in the order given
+            sent = torch.empty_like(sent).index_copy_(0, order, sent)
+        return out, sent
 
     def counts(self, buffers: Sequence[torch.Tensor]) -> list[int]:
         """The valid entries of each payload of ``buffers``, read in one transfer."""
@@ -314,44 +370,50 @@ class SparseLayout:
 
     def decode(self, buffer: torch.Tensor,
                count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(indices, values)`` of a payload made by :meth:`encode` (int64, value dtype).
+        """``(indices, values)`` of a payload made by :meth:`encode`: int64 indices, and
+        the values as the codec reads them (:meth:`~thinwire.compress.values.ValueCodec.read`).
 
         Args:
             count: its valid entries, if already read (:meth:`counts`).
         """
         if count is None:
             count = self.counts([buffer])[0]
-        area = buffer[HEADER_BYTES: HEADER_BYTES + self.index_bytes]
+        indices = self.index_codec.decode(buffer[HEADER_BYTES: HEADER_BYTES + self.index_bytes],
+                                          count)
+        return indices, self.values.read(buffer[self.value_start:], count, self.capacity,
+                                         self.value_dtype)
+
+    def segments(self, counts: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The metered parts of one payload, adding up to its size.
+
+        Each layer is charged its valid entries (values, and indices unless a
+        bitmap); the header and the bitmap are charged as ``"(header)"`` and
+        ``"(bitmap)"``, a codec's fixed parts as it names them (``"(scales)"``),
+        the unused capacity (and the 16-bit code's block ends) as ``"(padding)"``.
+
+        Args:
+            counts: ``(layer, valid entries)`` of the payload.
+        """
+        index, values, dtype = self.index_entry_bytes, self.values, self.value_dtype
+        parts = [(layer, count * index + values.entry_bytes(count, dtype))
+                 for layer, count in counts]
+        parts.append(("(header)", HEADER_BYTES))
         if self.uses_bitmap:
-            indices = unpack_bits(area[: math.ceil(self.numel / 8)], self.numel).nonzero()
-            indices = indices.squeeze(1)
-        elif self.indices == "delta16":
-            indices = decode_index16(area, count, self.capacity, self.numel)
-        else:
-            indices = area[: 4 * count].view(torch.int32).long()
-        start = self.value_start
-        return indices, buffer[start: start + count * self.value_size].view(self.value_dtype)
-
-
-def layout_segments(layout: SparseLayout,
-                    counts: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """The metered parts of one :class:`SparseLayout` payload, adding up to its size.
-
-    Each layer is charged its valid entries (values, and indices unless a
-    bitmap); the header and the bitmap are charged as ``"(header)"`` and
-    ``"(bitmap)"``, the unused capacity (and the 16-bit code's block ends) as
-    ``"(padding)"``.
-
-    Args:
-        counts: ``(layer, valid entries)`` of the payload.
-    """
-    per_entry = layout.value_size + layout.index_entry_bytes
-    segments = [(layer, count * per_entry) for layer, count in counts]
-    segments.append(("(header)", HEADER_BYTES))
-    if layout.uses_bitmap:
-        segments.append(("(bitmap)", layout.index_bytes))
-    segments.append(("(padding)", layout.nbytes - sum(nbytes for _, nbytes in segments)))
-    return segments
+            parts.append(("(bitmap)", self.index_bytes))
+        parts.extend(values.extra_segments(self.capacity))
+        parts.append(("(padding)", self.nbytes - sum(nbytes for _, nbytes in parts)))
+        return parts
 
 
 Payload = DensePayload | SparsePayload | LowRankPayload
+
+
+def decode(payload: Payload, info: TensorInfo) -> torch.Tensor:
+    """Dense tensor of ``info``'s shape and dtype from a dense or sparse payload."""
+    if isinstance(payload, DensePayload):
+        return payload.values.to(info.dtype).reshape(info.shape)
+    if isinstance(payload, SparsePayload):
+        flat = torch.zeros(info.numel, dtype=info.dtype, device=info.device)
+        flat[payload.indices] = payload.values.to(info.dtype)
+        return flat.reshape(info.shape)
+    raise TypeError(f"cannot decode a {type(payload).__name__} without its transport")
