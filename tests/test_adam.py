@@ -195,14 +195,14 @@ def test_couple_installs_both_for_adamw_through_a_hook_state() -> None:
     net = nn.Linear(40, 25)
     state = ddp.hook_state(net, schemes.build("topk", min_numel=0))
     adam = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.9, 0.98))
-    coupling = optim.couple(adam, state)
+    coupling = optim.couple(adam, state, rule="momentum")
     memory = state.scheme.memory  # type: ignore[attr-defined]
     assert coupling.virtual is not None and coupling.adam is not None
     assert coupling.adam.horizon == 100  # 1 / density at topk's default 1 %
     assert isinstance(memory, MomentumCorrection) and memory.beta2 == 0.98
     assert adam.param_groups[0]["betas"] == (0.0, 0.98)
     bare = optim.couple(torch.optim.AdamW([nn.Parameter(torch.ones(2))]),
-                        schemes.build("topk"))
+                        schemes.build("topk"), rule="momentum")
     assert bare.coupled and bare.adam is None  # no model: Adam steps as before
 
 
@@ -215,7 +215,7 @@ def test_the_ratio_a_user_sets_reaches_the_coupling(name: str, ratio: float) -> 
     scheme = schemes.build(name, ratio=ratio)
     assert scheme.traits.density == ratio
     adam = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    state = ddp.hook_state(net, scheme, optimizer=adam)  # coupled in the same call
+    state = ddp.hook_state(net, scheme, optimizer=adam, coupling="momentum", warmup=0)
     assert state.coupling is not None and state.coupling.adam is not None
     assert state.coupling.adam.horizon == round(1 / ratio)
     assert state.scheme.error_memory is state.coupling.adam.memory

@@ -112,7 +112,7 @@ def test_couple_installs_it_into_plain_error_feedback_through_a_hook_state(
     params = list(state.module.parameters())
     built = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if optimizer == "sgd"
              else torch.optim.AdamW(params, lr=1e-3, amsgrad=optimizer == "adam-amsgrad"))
-    coupling = optim.couple(built, state, feedback=feedback, virtual=virtual)
+    coupling = optim.couple(built, state, rule="momentum", feedback=feedback, virtual=virtual)
     assert coupling.coupled and (coupling.virtual is not None) is installed
     assert (coupling.adam is not None) is (installed and optimizer == "adamw")
     if optimizer == "adam-amsgrad":

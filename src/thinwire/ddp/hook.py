@@ -43,6 +43,13 @@ class HookState:
     guard: GradGuard | None = None  # warns if the sparse update is rewritten before the step
     coupling: optim.Coupling | None = None  # what couple did, when given the optimiser
 
+    @property
+    def clips_in_hook(self) -> bool:
+        """Whether gradient clipping belongs in the hook (``register``'s ``max_norm``)
+        instead of ``clip_grad_norm_`` after ``backward``
+        (:attr:`thinwire.schemes.Traits.clips_in_hook`: a sparse scheme's)."""
+        return self.scheme.traits.clips_in_hook
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's scheme state (error memory, velocity, thresholds, counters), with the
         rank and world size it belongs to and the error memory's rule: save one per rank."""
