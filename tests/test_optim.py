@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -289,3 +291,21 @@ def test_momentum_set_back_after_coupling_raises_before_the_step(scheduled: str)
     with pytest.raises(RuntimeError, match="applied twice"):
         optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))  # nothing stepped
+
+
+def test_coupling_an_optimiser_with_a_momentum_of_its_own_says_it_restarts() -> None:
+    """A state saved by plain training, loaded before couple: its buffer is not used,
+    and couple says so (a state saved coupled carries no buffer, and couples silently)."""
+    net = nn.Linear(4, 2)
+    plain = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.ones(1, 4)).sum().backward()
+    plain.step()
+    loaded = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    loaded.load_state_dict(plain.state_dict())
+    with pytest.warns(UserWarning, match="momentum_buffer"):
+        assert optim.couple(loaded, schemes.build("topk")).coupled
+    again = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    again.load_state_dict(loaded.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert optim.couple(again, schemes.build("topk")).coupled

@@ -158,6 +158,8 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *, rule: str = "auto",
                           "error" if feedback == "auto" and ahead else feedback,
                           float(optimizer.param_groups[0]["betas"][1]) if adam else None,
                           wanted and ahead, decay)
+    if not marked:
+        _warn_if_momentum_held(optimizer)
     reason = _take_momentum(optimizer, settings)
     pending = wanted and not isinstance(coupled.inner, Estimate)  # EF21 steps with all it has
     if not (pending and ahead):
@@ -169,6 +171,18 @@ def couple(optimizer: torch.optim.Optimizer, target: Any, *, rule: str = "auto",
         return Coupling("momentum", True, momentum, nesterov, reason)
     moved, stepped = _install_virtual(optimizer, target, scheme, coupled)
     return Coupling("momentum", True, momentum, nesterov, reason, moved, stepped)
+
+
+def _warn_if_momentum_held(optimizer: torch.optim.Optimizer) -> None:
+    """Warn when the optimiser's loaded state holds a momentum of its own (saved without
+    coupling): the coupled velocity starts from zero in each worker instead."""
+    held = [key for state in optimizer.state.values() for key in ("momentum_buffer", "exp_avg")
+            if state.get(key) is not None]
+    if held:
+        warnings.warn(
+            f"the optimiser's state holds {held[0]} (saved without thinwire's coupling); "
+            "coupling moves the momentum into each worker's velocity, which starts from "
+            "zero: the saved buffer is not used", stacklevel=3)
 
 
 def _why_none(optimizer: torch.optim.Optimizer, rule: str) -> str:
