@@ -62,8 +62,11 @@ class LocalClip(Stage):
         """Scale ``buffers`` by ``min(1, threshold / (norm + 1e-6))`` (``clip_grad_norm_``'s
         factor) when that is below 1 and the norm is finite (a non-finite gradient is
         left to the scheme's ``nonfinite`` policy)."""
+        dtype = torch.float32  # half precision summed in float32; float64 kept
+        for buffer in buffers:
+            dtype = torch.promote_types(dtype, buffer.dtype)
         norm = float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(b, dtype=torch.float32) for b in buffers])))
+            [torch.linalg.vector_norm(b, dtype=dtype) for b in buffers])))
         scale = self.threshold / (norm + 1e-6)
         self.steps += 1
         if math.isfinite(norm) and scale < 1.0:
