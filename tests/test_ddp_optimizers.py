@@ -213,3 +213,14 @@ def test_a_disabled_grad_scaler_adds_no_exchange() -> None:
 def test_the_hook_state_says_where_clipping_goes(name: str, in_hook: bool) -> None:
     state = ddp.hook_state(nn.Linear(4, 4), schemes.build(name))
     assert state.clips_in_hook is in_hook
+
+
+def test_register_logs_what_it_chose_and_why(caplog: pytest.LogCaptureFixture) -> None:
+    net = nn.Linear(4, 4)
+    adamw = torch.optim.AdamW(net.parameters())
+    with caplog.at_level("INFO", logger="thinwire.ddp"):
+        state = ddp.hook_state(net, schemes.build("topk"), optimizer=adamw)
+    assert state.coupling is not None and state.coupling.rule == "none"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"thinwire.ddp: topk coupled by rule 'none': {state.coupling.reason}"]
+    assert f"the first {optim.ADAM_WARMUP} steps averaged dense" in state.coupling.reason
