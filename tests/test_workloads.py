@@ -72,12 +72,15 @@ def test_recipe_fills_what_the_command_line_leaves_unset() -> None:
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
     options = compare.run_options(parser.parse_args(["--workload", "transformer-digits"]))
-    assert (options.optimizer, options.lr, options.momentum, options.couple) == (
-        "adamw", 1e-3, 0.9, True)
+    assert (options.optimizer, options.lr, options.momentum, options.coupling,
+            options.warmup) == ("adamw", 1e-3, 0.9, "auto", None)
     options = compare.run_options(parser.parse_args(
         ["--optimizer", "nesterov", "--lr", "0.1", "--momentum", "0.5", "--no-couple"]))
     assert (options.workload, options.optimizer, options.lr, options.momentum,
-            options.couple) == ("digits-mlp", "nesterov", 0.1, 0.5, False)
+            options.coupling) == ("digits-mlp", "nesterov", 0.1, 0.5, "none")
+    options = compare.run_options(parser.parse_args(["--coupling", "momentum",
+                                                     "--warmup", "20"]))
+    assert (options.coupling, options.warmup) == ("momentum", 20)
     assert options.weight_decay is None  # torch's own default, whichever optimiser
 
 
