@@ -165,9 +165,11 @@ def install_local(entry: dict[str, Any], model: nn.Module, inner: torch.optim.Op
     name = entry["name"]
     local_options, scheme_config = local_run.parts(name, entry["config"])
     scheme = schemes.build(local_run.inner_scheme(name), **scheme_config)
+    local_options = local_options.resolved(scheme)
+    assert local_options.outer_lr is not None and local_options.outer_momentum is not None
     updates = LocalUpdates(model, inner, scheme, every=local_options.every,
                            fragments=local_options.fragments, delay=local_options.delay,
-                           mix=local_options.mix,
+                           mix=local_options.mix, overlap=local_options.overlap,
                            outer=nesterov(local_options.outer_lr, local_options.outer_momentum),
                            meter=meter)
     syncs = []
