@@ -17,6 +17,7 @@ from thinwire.comm.fingerprint import check_peers
 from thinwire.compress import TensorInfo
 from thinwire.ddp.amp import LossScale
 from thinwire.ddp.clip import LocalClip
+from thinwire.ddp.delayed import OneStepDelay
 from thinwire.ddp.guard import GradGuard
 from thinwire.ddp.hold import Stage, StepHold
 from thinwire.schemes.base import Scheme
@@ -38,6 +39,7 @@ class HookState:
     hold: StepHold | None = None  # holds a step's buckets for the two above
     guard: GradGuard | None = None  # warns if the sparse update is rewritten before the step
     coupling: optim.Coupling | None = None  # what couple did, when given the optimiser
+    delay: OneStepDelay | None = None  # hands DDP last step's mean (thinwire.ddp.delayed)
 
 
 def agree(state: HookState, device: torch.device | None) -> None:
@@ -58,12 +60,15 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     agree(state, buffer.device)  # a no-op after register; here for hook_state's users
     infos = [TensorInfo(state.names[id(p)], tuple(p.shape), p.dtype, "W_grad", p.device)
              for p in bucket.parameters()]
+    sent = buffer if state.delay is None else buffer.clone()  # delayed: DDP keeps buffer
 
     def start(last: bool) -> Future[Any]:
-        return state.scheme.launch_flat(buffer, infos, state.group, last=last)
+        return state.scheme.launch_flat(sent, infos, state.group, last=last)
 
     future = (start(bucket.is_last()) if state.hold is None
-              else state.hold.launch(buffer, start, bucket.is_last()))
+              else state.hold.launch(sent, start, bucket.is_last()))
+    if state.delay is not None:
+        future = state.delay.swap(buffer, infos, future, bucket.is_last())
     if state.guard is not None:
         state.guard.arm()
     return future
@@ -72,7 +77,7 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
 def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = None,
              meter: Meter | None = None, max_norm: float | None = None,
              scaler: torch.amp.GradScaler | None = None,
-             optimizer: torch.optim.Optimizer | None = None) -> HookState:
+             optimizer: torch.optim.Optimizer | None = None, delay: bool = False) -> HookState:
     """Install ``scheme`` as ``ddp_model``'s communication hook.
 
     Under a sparse error-feedback scheme, ``.grad`` after ``backward`` holds the
@@ -95,6 +100,8 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
         optimizer: the user's optimiser, coupled to the scheme in the same call
             (:func:`thinwire.optim.couple` with its defaults; what it did is in the
             state's ``coupling``). None: call ``couple`` yourself, or leave it uncoupled.
+        delay: apply each step's mean one step later, its exchange overlapping the next
+            step (:mod:`thinwire.ddp.delayed`; checkpoint ``state.delay`` too).
 
     Returns:
         The hook state (holds the scheme, whose ``state_dict`` checkpoints it).
@@ -111,7 +118,7 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
         raise TypeError(f"expected DistributedDataParallel, got {type(ddp_model).__name__}")
     state = hook_state(ddp_model.module, scheme,
                        group if group is not None else ddp_model.process_group, meter,
-                       max_norm=max_norm, scaler=scaler, optimizer=optimizer)
+                       max_norm=max_norm, scaler=scaler, optimizer=optimizer, delay=delay)
     parameter = next(ddp_model.module.parameters(), None)
     agree(state, parameter.device if parameter is not None else None)
     ddp_model.register_comm_hook(state, comm_hook)
@@ -122,7 +129,8 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
 def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
                meter: Meter | None = None, max_norm: float | None = None,
                scaler: torch.amp.GradScaler | None = None,
-               optimizer: torch.optim.Optimizer | None = None) -> HookState:
+               optimizer: torch.optim.Optimizer | None = None,
+               delay: bool = False) -> HookState:
     """The state for :func:`comm_hook`, for frameworks that register the hook themselves.
 
     PyTorch Lightning takes it as ``DDPStrategy(ddp_comm_state=hook_state(model, scheme),
@@ -133,7 +141,7 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
         scheme: from :func:`thinwire.schemes.build`.
         group: the process group to reduce over; None: the default group.
         meter: records the bytes handed to torch.distributed; attached to the scheme.
-        max_norm, scaler, optimizer: as for :func:`register`.
+        max_norm, scaler, optimizer, delay: as for :func:`register`.
 
     Raises:
         ValueError: an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` (sparse
@@ -157,9 +165,10 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
              if trained and scheme.traits.sparse else None)
     state = HookState(scheme, {id(p): name for name, p in named}, group,
                       {**fingerprint(scheme), "parameters": parameters, "thinwire": __version__,
-                       "max_norm": max_norm, "scaler": scaler is not None},
+                       "max_norm": max_norm, "scaler": scaler is not None, "delay": delay},
                       module=module, clip=clip, loss_scale=loss_scale,
-                      hold=StepHold(stages) if stages else None, guard=guard)
+                      hold=StepHold(stages) if stages else None, guard=guard,
+                      delay=OneStepDelay() if delay else None)
     if optimizer is not None:
         state.coupling = optim.couple(optimizer, state)
     return state
