@@ -125,8 +125,9 @@ def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int,
     if entry["name"] in ANCHORS:
         return ANCHORS[entry["name"]](model, meter, rank)
     net = DistributedDataParallel(model)
-    scheme = schemes.build(entry["name"], **entry["config"])
-    hook = ddp.register(net, scheme, meter=meter)
+    step, scheme_config = local_run.step_parts(entry["config"])
+    scheme = schemes.build(entry["name"], **scheme_config)
+    hook = ddp.register(net, scheme, meter=meter, delay=step.delayed)
 
     def details() -> dict[str, Any]:
         # Threshold recomputations (DCT-DP's selections) per tensor, where the codec counts them.

@@ -11,5 +11,5 @@ from thinwire.feedback.lowpass import LowPass
 from thinwire.feedback.momentum import MomentumCorrection
 from thinwire.feedback.residual import Residual
 
-__all__ = ["NONFINITE_POLICIES", "Decayed", "Estimate", "LowPass", "Memory", "MomentumCorrection", "Residual",
-           "all_finite", "check_policy"]
+__all__ = ["NONFINITE_POLICIES", "Decayed", "Estimate", "LowPass", "Memory",
+           "MomentumCorrection", "Residual", "all_finite", "check_policy"]

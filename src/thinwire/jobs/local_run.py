@@ -9,7 +9,8 @@ target fall on sync points; the result's keys are :func:`run_scheme`'s, so a
 compare table holds both families alike.
 
 A sync's exchange is launched at the step that lands it (delay 0) or ``delay``
-steps before: the meter charges its bytes to the launching step.
+steps before: the meter charges its bytes to the launching step. A per-step
+scheme takes :class:`StepOptions` the same way (``dense:delayed=true``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,18 @@ class DiLoCoOptions:
             outer_momentum=momentum if self.outer_momentum is None else self.outer_momentum)
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    delayed: bool = False  # apply each step's mean one step later (ddp.register's delay)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.delayed, bool):
+            raise ValueError(f"delayed={self.delayed!r} must be True or False")
+
+
+STEP = "ddp"  # the label of StepOptions in messages
+
+
 def is_local(name: str) -> bool:
     """Whether ``name`` spells a local-update run (``diloco`` or ``diloco+SCHEME``)."""
     return name == PREFIX or name.startswith(PREFIX + "+")
@@ -96,7 +109,7 @@ def config_classes(name: str) -> dict[str, type]:
         ValueError: an unknown scheme (after ``diloco+``, too).
     """
     if not is_local(name):
-        return {name: schemes.config_class(name)}
+        return {name: schemes.config_class(name), STEP: StepOptions}
     return {PREFIX: DiLoCoOptions, inner_scheme(name): schemes.config_class(inner_scheme(name))}
 
 
@@ -113,10 +126,17 @@ def parts(name: str, config: dict[str, Any]) -> tuple[DiLoCoOptions, dict[str, A
     return options, scheme
 
 
+def step_parts(config: dict[str, Any]) -> tuple[StepOptions, dict[str, Any]]:
+    """A per-step run's ``config`` split into :class:`StepOptions` and the scheme's own."""
+    step = {f.name for f in dataclasses.fields(StepOptions)}
+    return (StepOptions(**{k: v for k, v in config.items() if k in step}),
+            {k: v for k, v in config.items() if k not in step})
+
+
 def validate(name: str, config: dict[str, Any]) -> None:
     """Build what a run of ``name`` builds, so bad options fail before anything is spawned."""
     if not is_local(name):
-        schemes.build(name, **config)
+        schemes.build(name, **step_parts(config)[1])
         return
     options, scheme = parts(name, config)
     schemes.build(inner_scheme(name), **scheme)
@@ -127,9 +147,14 @@ def run(name: str, config: dict[str, Any], options: RunOptions,
         progress: Callable[[int], None] | None = None,
         group: dist.ProcessGroup | None = None,
         compute_s: float | None = None) -> dict[str, Any]:
-    """:func:`run_local` for a local-update name, else :func:`run_scheme`."""
-    runner = run_local if is_local(name) else run_scheme
-    return runner(name, config, options, progress=progress, group=group, compute_s=compute_s)
+    """:func:`run_local` for a local-update name, else :func:`run_scheme` (with the
+    per-step options of ``config``)."""
+    if is_local(name):
+        return run_local(name, config, options, progress=progress, group=group,
+                         compute_s=compute_s)
+    step, scheme_config = step_parts(config)
+    return run_scheme(name, scheme_config, options, progress=progress, group=group,
+                      compute_s=compute_s, delayed=step.delayed)
 
 
 def _global_copy(model: nn.Module, updates: LocalUpdates) -> nn.Module:

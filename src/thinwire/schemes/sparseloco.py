@@ -25,7 +25,7 @@ import torch
 from thinwire.comm.collectives import Future, Group, all_gather_fixed, world
 from thinwire.compress import TensorInfo, chunk_index, codebook
 from thinwire.compress.base import check_fraction
-from thinwire.compress.chunked import CHUNK, K, ChunkTopK, chunk_counts, chunk_topk
+from thinwire.compress.chunked import CHUNK, ChunkTopK, K, chunk_counts, chunk_topk
 from thinwire.feedback import Decayed, all_finite, check_policy
 from thinwire.schemes.base import Scheme
 from thinwire.schemes.registry import register
