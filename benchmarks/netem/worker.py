@@ -288,8 +288,8 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        installed.after_step()  # timed: a local-update sync waits here for its exchange
         step_s.append(time.perf_counter() - start)
-        installed.after_step()
         meter.next_step()
         losses.append(float(loss.detach()))
         if not math.isfinite(losses[-1]):

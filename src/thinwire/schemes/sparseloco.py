@@ -7,8 +7,10 @@ codes (:mod:`~thinwire.compress.codebook`), ``e <- e - sent``. A rank's payload
 is, tensor after tensor, the chunks' positions (:mod:`~thinwire.compress.chunk_index`)
 then the codebook; a tensor of one dimension sends every entry and no positions.
 Its size is fixed by the shapes, so one all-gather carries it; every rank decodes
-every row and sums them in rank order, then divides by the ranks: the same bits
-everywhere. The outer step belongs to the caller: under
+every row and sums them in rank order, then divides by the ranks (Alg. 1's
+``1/R``; ``aggregate="senders"``: at each entry by the ranks that sent it, as
+the reference code's scatter-mean does): the same bits everywhere. The outer
+step belongs to the caller: under
 :class:`~thinwire.local.LocalUpdates` it is SGD with lr alpha and no momentum
 (the decayed memory is the momentum), chosen there from this scheme's traits.
 """
@@ -31,6 +33,8 @@ from thinwire.schemes.base import Scheme
 from thinwire.schemes.registry import register
 from thinwire.schemes.traits import ALL_GATHER, Traits
 
+AGGREGATES = ("ranks", "senders")
+
 
 @dataclass(frozen=True)
 class SparseLoCoConfig:
@@ -38,12 +42,15 @@ class SparseLoCoConfig:
     k: int = K  # entries sent per chunk, in [1, chunk] (the paper's 64: 1.56 %)
     beta: float = 0.95  # the error memory's decay, in [0, 1] (the paper's 0.95)
     indices: str = "elias-fano"  # positions on the wire: "elias-fano" or "fixed" (the paper's)
+    aggregate: str = "ranks"  # an entry's sum over: "ranks" (Alg. 1) or "senders" (its code)
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite pseudo-gradient
 
     def __post_init__(self) -> None:
         ChunkTopK(self.chunk, self.k)
         check_fraction("beta", self.beta, 0.0, 1.0, closed_low=True, closed_high=True)
         chunk_index.check(self.indices)
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate={self.aggregate!r} must be one of {AGGREGATES}")
         check_policy(self.nonfinite)
 
 
@@ -54,16 +61,18 @@ class SparseLoCo(Scheme):
         selection: the chunk-wise top-k (which tensors bypass it: ``is_dense``).
         memory: the decayed error feedback.
         indices: the position code, one of :data:`~thinwire.compress.chunk_index.FORMATS`.
+        aggregate: what an entry's sum is divided by, one of :data:`AGGREGATES`.
         nonfinite: ``"raise"`` or ``"skip"`` (see :func:`thinwire.feedback.all_finite`).
     """
 
     def __init__(self, selection: ChunkTopK, memory: Decayed, indices: str = "elias-fano",
-                 nonfinite: str = "raise") -> None:
+                 aggregate: str = "ranks", nonfinite: str = "raise") -> None:
         super().__init__()
         self.selection = selection
         self.compressor = selection  # what schemes.fingerprint names
         self.memory = memory
         self.indices = chunk_index.check(indices)
+        self.aggregate = aggregate
         self.nonfinite = nonfinite
 
     @property
@@ -110,12 +119,19 @@ class SparseLoCo(Scheme):
         def mean(fut: Future[Any]) -> dict[str, torch.Tensor]:
             out = {info.key: torch.zeros(info.numel, dtype=info.dtype, device=info.device)
                    for info in infos}
+            senders = ({info.key: torch.zeros_like(out[info.key]) for info in infos}
+                       if self.aggregate == "senders" and n > 1 else None)
             for row in fut.value():  # rank order: the same sum on every rank
                 offset = 0
                 for info in infos:
-                    offset = self._add(row, offset, info, out[info.key])
-            return {info.key: (out[info.key].div_(n) if n > 1 else out[info.key]).view(
-                info.shape) for info in infos}
+                    offset = self._add(row, offset, info, out[info.key],
+                                       None if senders is None else senders[info.key])
+            for info in infos:
+                if senders is not None:
+                    out[info.key].div_(senders[info.key].clamp_(min=1))
+                elif n > 1:
+                    out[info.key].div_(n)
+            return {info.key: out[info.key].view(info.shape) for info in infos}
 
         return future.then(self._charged(mean))
 
@@ -138,20 +154,24 @@ class SparseLoCo(Scheme):
             self.memory.update_sparse(info.key, p, chosen, codebook.decode(book, p.dtype))
         return torch.cat([chunk_index.encode(chosen, plan, self.indices), book.to_bytes()])
 
-    def _add(self, row: torch.Tensor, offset: int, info: TensorInfo,
-             out: torch.Tensor) -> int:
-        """Add what ``row``'s block at ``offset`` stands for into ``out`` (flat); returns the
-        next block's offset."""
+    def _add(self, row: torch.Tensor, offset: int, info: TensorInfo, out: torch.Tensor,
+             senders: torch.Tensor | None) -> int:
+        """Add what ``row``'s block at ``offset`` stands for into ``out`` (flat), and 1 into
+        ``senders`` where it sent; returns the next block's offset."""
         plan = self._plan(info)
         if plan is None:
             book = codebook.Codebook.from_bytes(row[offset:], info.numel)
             out.add_(codebook.decode(book, out.dtype))
+            if senders is not None:
+                senders.add_(1.0)
             return offset + codebook.nbytes(info.numel)
         size = chunk_index.nbytes(plan, self.indices)
         positions = chunk_index.decode(row[offset: offset + size], plan, self.indices)
         count = positions.numel()
         book = codebook.Codebook.from_bytes(row[offset + size:], count)
         out.index_add_(0, positions, codebook.decode(book, out.dtype))
+        if senders is not None:
+            senders.index_add_(0, positions, torch.ones_like(positions, dtype=senders.dtype))
         return offset + size + codebook.nbytes(count)
 
     def state_dict(self) -> dict[str, Any]:
@@ -167,4 +187,4 @@ class SparseLoCo(Scheme):
 @register("sparseloco", SparseLoCoConfig)
 def _build(config: SparseLoCoConfig) -> Scheme:
     return SparseLoCo(ChunkTopK(config.chunk, config.k), Decayed(config.beta), config.indices,
-                      config.nonfinite)
+                      config.aggregate, config.nonfinite)
