@@ -1,0 +1,38 @@
+"""Every scheme equals what it gave before its exchange became one kernel, to the bit.
+
+Means, every rank's state and the metered bytes of each case of
+:mod:`exchange_cases`, on 2 and 3 gloo ranks, through ``launch`` and through
+DDP-like buckets (``launch_flat``), against ``tests/fixtures/exchange.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import pytest
+
+from exchange_cases import CASES, FIXTURE, WORLDS, condensed, differences, run_all
+from thinwire.launch import spawn
+
+
+@functools.cache
+def recorded() -> dict[str, Any]:
+    return json.loads(FIXTURE.read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"{world}-ranks")
+def measured(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    world: int = request.param
+    return world, condensed(spawn(run_all, world))
+
+
+@pytest.mark.parametrize("label", list(CASES))
+def test_scheme_equals_its_recorded_exchange(measured: tuple[int, list[dict[str, Any]]],
+                                             label: str) -> None:
+    world, ranks = measured
+    expected = recorded()[str(world)]
+    found = [d for rank, (want, got) in enumerate(zip(expected, ranks))
+             for d in differences(want[label], got[label], f"rank {rank}")]
+    assert not found, "\n".join(found[:20])
