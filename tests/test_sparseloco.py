@@ -245,7 +245,8 @@ def _run(rank: int, stop: int | None = None, **options: Any) -> dict[str, Any]:
 
 
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"plain": _run(rank), "overlap": _run(rank, overlap=True)}
+    out: dict[str, Any] = {"plain": _run(rank), "overlap": _run(rank, overlap=True),
+                           "senders": _run(rank, config={"aggregate": "senders"})}
     for stop in (4, 7):  # mid-cycle: under overlap an exchange is in flight
         out[f"resumed {stop}"] = _run(rank, stop, overlap=True)
     meter = Meter(rank, world_size)
@@ -270,19 +271,21 @@ def runs() -> list[dict[str, Any]]:
     return spawn(_scenarios, WORLD, timeout_s=300, deadline_s=600)
 
 
-def _quantise(e: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """What a worker sends of its compensated memory ``e`` (flat): chunk top-k, 2 bits."""
+def _quantise(e: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a worker sends of its compensated memory ``e`` (flat), chunk top-k at 2 bits,
+    and where it sent (1.0, else 0.0)."""
     if len(shape) == 1:
-        return _reference_codebook(e)
+        return _reference_codebook(e), torch.ones_like(e)
     picked = torch.tensor(_reference_topk(e.abs().tolist(), CONFIG["chunk"], CONFIG["k"]))
-    sent = torch.zeros_like(e)
+    sent, where = torch.zeros_like(e), torch.zeros_like(e)
     sent[picked] = _reference_codebook(e[picked])
-    return sent
+    where[picked] = 1.0
+    return sent, where
 
 
-def _reference(overlap: bool) -> dict[str, Any]:
+def _reference(overlap: bool, senders: bool = False) -> dict[str, Any]:
     """SparseLoCo of WORLD workers in one process, alpha 1, each mean applied at its sync
-    or (``overlap``) at the next."""
+    or (``overlap``) at the next; ``senders``: an entry's sum over the workers that sent it."""
     beta = CONFIG["beta"]
     start = dict(_Params().named_parameters())
     global_ = {k: p.detach().clone() for k, p in start.items()}
@@ -312,16 +315,19 @@ def _reference(overlap: bool) -> dict[str, Any]:
             inners[r].step()
         if (step + 1) % EVERY:
             continue
-        sent = []
+        sent, where = [], []
         for r in range(WORLD):
-            mine = {}
+            mine, mask = {}, {}
             for k in global_:
                 origin = anchor[r][k] if overlap else global_[k]
                 p = error[r][k] * beta + (origin - local[r][k].detach()).reshape(-1)
-                mine[k] = _quantise(p, SHAPES[k])
+                mine[k], mask[k] = _quantise(p, SHAPES[k])
                 error[r][k] = p - mine[k]
             sent.append(mine)
-        mean = {k: (sent[0][k] + sent[1][k] + sent[2][k]).view(SHAPES[k]) / WORLD
+            where.append(mask)
+        count = {k: (where[0][k] + where[1][k] + where[2][k]).clamp(min=1) if senders
+                 else WORLD for k in global_}
+        mean = {k: ((sent[0][k] + sent[1][k] + sent[2][k]) / count[k]).view(SHAPES[k])
                 for k in global_}
         if not overlap:
             land(mean)
@@ -335,10 +341,11 @@ def _reference(overlap: bool) -> dict[str, Any]:
     return {"landed": landed, "local": [{k: p.detach() for k, p in x.items()} for x in local]}
 
 
-@pytest.mark.parametrize("mode", ["plain", "overlap"])
+@pytest.mark.parametrize("mode", ["plain", "overlap", "senders"])
 def test_local_updates_through_sparseloco_equal_the_reference_to_float64_precision(
         mode: str, runs: list[dict[str, Any]]) -> None:
-    expected = _reference(overlap=mode == "overlap")["landed"]
+    reference = _reference(overlap=mode == "overlap", senders=mode == "senders")
+    expected = reference["landed"]
     assert len(expected) == STEPS // EVERY
     for rank in range(WORLD):
         got = runs[rank][mode]
@@ -349,14 +356,14 @@ def test_local_updates_through_sparseloco_equal_the_reference_to_float64_precisi
             for key in SHAPES:
                 torch.testing.assert_close(mine[key], theirs[key], rtol=1e-12, atol=1e-12)
         for key in SHAPES:
-            torch.testing.assert_close(got["local"][key],
-                                       _reference(mode == "overlap")["local"][rank][key],
+            torch.testing.assert_close(got["local"][key], reference["local"][rank][key],
                                        rtol=1e-12, atol=1e-12)
         assert got["outer"] == "SGD" and got["outer groups"] == 0.0  # the paper's outer rule
     for key in SHAPES:  # every rank holds the same global weights, to the bit
         assert all(torch.equal(runs[0][mode]["final"][key], runs[r][mode]["final"][key])
                    for r in range(WORLD))
-    assert not torch.equal(runs[0]["plain"]["final"]["w"], runs[0]["overlap"]["final"]["w"])
+    assert not torch.equal(runs[0]["plain"]["final"]["w"], runs[0][mode]["final"]["w"]) or (
+        mode == "plain")
 
 
 @pytest.mark.parametrize("stop", [4, 7])
