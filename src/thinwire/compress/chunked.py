@@ -48,9 +48,20 @@ def kept(numel: int, chunk: int, k: int) -> int:
 
 def _largest_ascending(rows: torch.Tensor, count: int) -> torch.Tensor:
     """Per row of ``rows`` (2-D), the positions of its ``count`` largest entries, ascending;
-    of equal entries the lower positions (a stable descending sort keeps their order)."""
-    order = torch.sort(rows, dim=1, descending=True, stable=True).indices[:, :count]
-    return order.sort(dim=1).values
+    of entries equal to a row's ``count``-th largest, the lowest positions.
+
+    ``torch.topk`` finds each row's threshold (its tie order is unspecified, so
+    only its values are used); every entry above it is kept, then the first of
+    those equal to it, up to ``count`` (the usual case, no tie, skips that step).
+    """
+    threshold = torch.topk(rows, count, dim=1, sorted=False).values.amin(1, keepdim=True)
+    keep = rows >= threshold
+    if int(keep.sum()) != rows.shape[0] * count:  # ties at some row's threshold
+        above = rows > threshold
+        tied = keep & ~above
+        room = count - above.sum(1, keepdim=True)
+        keep = above | (tied & (tied.cumsum(1) <= room))
+    return keep.nonzero()[:, 1].view(rows.shape[0], count)
 
 
 def chunk_topk(magnitudes: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
