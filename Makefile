@@ -37,14 +37,14 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
-# The guide's option tables, from the configs' own fields and comments (after an option
-# changes; tests/test_docs.py fails until they are regenerated). The dAD engine's and the
-# update rules' tables are kept by hand.
+# The guide's option tables, from the registries and the configs' own fields and comments
+# (after a scheme, boundary or option changes; tests/test_docs.py fails until they are
+# regenerated). The dAD engine's and the update rules' tables are kept by hand.
 OPTIONS := docs/snippets/options
 docs-tables: $(STAMP)
-	$(BIN)/thinwire schemes --markdown > $(OPTIONS)/schemes.md
-	for name in dense fp16 topk dct-dp laplace dct-mp sketch xgrad-topk; do \
-	  $(BIN)/thinwire schemes $$name --markdown > $(OPTIONS)/$$name.md; done
+	$(BIN)/thinwire schemes --markdown --kind scheme > $(OPTIONS)/schemes.md
+	$(BIN)/thinwire schemes --markdown --kind push > $(OPTIONS)/pushes.md
+	$(BIN)/thinwire schemes --markdown --kind boundary > $(OPTIONS)/boundaries.md
 
 # `make bench` regenerates docs/results.md from the newest results/ files; `make bench-run`
 # measures first. The shaped-link benchmark needs root (network namespaces, tc).

@@ -33,8 +33,8 @@ The digits MLP has a recipe per optimiser; ``--workload`` runs another
 workload under its own recipe. Tensors under
 ``--min-numels`` entries (default 1024, the schemes' own default; a list sweeps) travel
 dense for topk, dct-dp and clt-k, as do parameters named by ``--exclude`` patterns.
-Bytes are counted as the schemes send them: 4 per value and 4 per
-index, 4 per entry of a dense tensor.
+Bytes are counted as the schemes' payload layouts count them
+(:meth:`~thinwire.schemes.Scheme.payload_bytes`: values, 16-bit indices, headers, room).
 
 Usage: ``python -m benchmarks.coupling [--workload digits-mlp] [--seeds 8] [--workers 4]
 [--scopes layer,bucket] [--out docs/data/coupling.json]``
@@ -63,7 +63,6 @@ from thinwire.data.digits import batches
 from thinwire.feedback import Estimate, LowPass, Memory, MomentumCorrection, Residual
 from thinwire.jobs import workloads
 from thinwire.optim.adam import AgedAdam, look_ahead
-from thinwire.schemes.base import CompressedScheme
 
 RECIPES = {  # optimiser -> (lr, momentum) a user starts from on the digits MLP
     "sgd": (0.05, 0.9),
@@ -125,11 +124,11 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
                 for key, x in kept.items():
                     params[key].copy_(x)
             grads.append({k: p.grad.detach().clone() for k, p in params.items()})  # type: ignore[union-attr]
-        dense_bytes += 4 * sum(info.numel for info in infos)
+        dense_bytes += _wire_bytes("dense", infos, 1.0, 0, scope, ())
         if scheme == "dense":
             for key, param in params.items():
                 param.grad = sum(g[key] for g in grads) / workers  # type: ignore[assignment]
-            sent_bytes += 4 * sum(info.numel for info in infos)
+            sent_bytes += _wire_bytes("dense", infos, 1.0, 0, scope, ())
             optimizer.step()
             if _evaluate(work, model, step, eval_every, reached):
                 break
@@ -141,24 +140,13 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
             grads = [local[r].directions(grads[r]) for r in range(workers)]
         compensated = [{key: memories[r].compensate(key, grads[r][key]) for key in params}
                        for r in range(workers)]
-        totals = {key: torch.zeros_like(param) for key, param in params.items()}
-        for r in range(workers):
-            chosen = _choose(scheme, compressors[r], compensated, r, step, sparse, density,
-                             selection, scope)
-            for info in infos:
-                p = compensated[r][info.key]
-                sent = sparsify(p, chosen[info.key]) if info.key in chosen else p.clone()
-                memories[r].update(info.key, p, sent)
-                if variant == "masked":  # DGC Eq. 8: no momentum left where it was sent
-                    memories[r].velocity[info.key][sent != 0] = 0  # type: ignore[attr-defined]
-                totals[info.key] += sent
-                if r == workers - 1:  # the last worker's bytes, as the others'
-                    sent_bytes += (8 * chosen[info.key].numel() if info.key in chosen
-                                   else 4 * info.numel)
+        totals = exchange(scheme, compressors, memories, compensated, infos, sparse, step,
+                          density, selection, scope, masked=variant == "masked")
+        sent_bytes += _wire_bytes(scheme, infos, density, min_numel, scope, exclude)
         for key, param in params.items():
-            param.grad = memories[0].settle(key, totals[key] / workers)
+            param.grad = memories[0].settle(key, totals[key])
             for memory in memories[1:]:  # every rank keeps the same estimate
-                memory.settle(key, totals[key] / workers)
+                memory.settle(key, totals[key])
         if local:
             local[0].apply(params)
         else:
@@ -166,6 +154,44 @@ def simulate(scheme: str, variant: str, optimizer_name: str, seed: int, workers:
         if _evaluate(work, model, step, eval_every, reached):
             break
     return reached, dense_bytes / sent_bytes
+
+
+def exchange(scheme: str, compressors: Sequence[Sparsifier], memories: Sequence[Memory],
+             compensated: Sequence[dict[str, torch.Tensor]], infos: Sequence[TensorInfo],
+             sparse: list[TensorInfo], step: int, density: float, selection: str,
+             scope: str, masked: bool = False) -> dict[str, torch.Tensor]:
+    """One step of the simulated workers' exchange: each worker's choice of its ``p``, its
+    memory told what it sent, and the mean of what was sent, summed in worker order and
+    divided (the kernel's bits for a power-of-two worker count; a test holds it to
+    :class:`~thinwire.jobs.dct_mp.SimulatedReplicas`). ``masked``: DGC's factor masking."""
+    workers = len(memories)
+    totals = {info.key: torch.zeros_like(compensated[0][info.key]) for info in infos}
+    for r in range(workers):
+        chosen = _choose(scheme, compressors[r], compensated, r, step, sparse, density,
+                         selection, scope)
+        for info in infos:
+            p = compensated[r][info.key]
+            sent = sparsify(p, chosen[info.key]) if info.key in chosen else p.clone()
+            memories[r].update(info.key, p, sent)
+            if masked:  # DGC Eq. 8: no momentum left where it was sent
+                memories[r].velocity[info.key][sent != 0] = 0  # type: ignore[attr-defined]
+            totals[info.key] += sent
+    return {key: total / workers for key, total in totals.items()}
+
+
+_BYTES: dict[tuple[Any, ...], int] = {}
+
+
+def _wire_bytes(scheme: str, infos: Sequence[TensorInfo], density: float, min_numel: int,
+                scope: str, exclude: tuple[str, ...]) -> int:
+    """Bytes a worker hands over a step, as the scheme's payload layouts count them (the
+    registered scheme at this density, its parameters as one bucket)."""
+    key = (scheme, density, min_numel, scope, exclude, tuple(infos))
+    if key not in _BYTES:
+        options = {} if scheme == "dense" else {"ratio": density, "min_numel": min_numel,
+                                                 "scope": scope, "exclude": exclude}
+        _BYTES[key] = sum(schemes.build(scheme, **options).payload_bytes(list(infos)).values())
+    return _BYTES[key]
 
 
 def _move_to_virtual(params: dict[str, torch.nn.Parameter], memory: Memory,
@@ -244,8 +270,8 @@ def _compressor(scheme: str, min_numel: int, scope: str,
     Parameters matching an ``exclude`` pattern travel dense."""
     built = schemes.build("dct-dp" if scheme == "dct-dp" else "topk", min_numel=min_numel,
                           scope=scope, exclude=exclude)
-    assert isinstance(built, CompressedScheme) and isinstance(built.compressor, Sparsifier)
-    return built.compressor
+    selection: Sparsifier = built.selection  # type: ignore[attr-defined]  # the kernel's
+    return selection
 
 
 def _choose(scheme: str, compressor: Sparsifier,

@@ -24,7 +24,7 @@ import torch
 
 from benchmarks._digits import digits
 from thinwire import optim, schemes
-from thinwire.compress import DCTThreshold, keep_count
+from thinwire.compress import keep_count
 
 SIZES = (64, 2048, 2048, 10)
 
@@ -51,18 +51,18 @@ def run(steps: int, config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
             assert p.grad is not None
             p.grad.copy_(reduced[name])
         optimizer.step()
-    compressor = scheme.compressor
-    assert isinstance(compressor, DCTThreshold)
+    refreshes = scheme.diagnostics()["threshold_refreshes"]
+    density = scheme.traits.density
+    assert density is not None
     numel = {name: p.numel() for name, p in net.named_parameters()}
     with torch.no_grad():
         accuracy = float((net(x_test).argmax(dim=1) == y_test).float().mean())
     return {"config": config, "steps": steps,
-            "refresh_share": sum(compressor.refreshes.values())
-            / (steps * len(compressor.refreshes)),
+            "refresh_share": sum(refreshes.values()) / (steps * len(refreshes)),
             "density_vs_target": {
                 key: statistics.fmean(d for _, _, d in trace)
-                / (keep_count(numel[key], compressor.density) / numel[key])
-                for key, trace in compressor.trace.items()},
+                / (keep_count(numel[key], density) / numel[key])
+                for key, trace in scheme.trace.items()},
             "test_accuracy": accuracy}
 
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import convergence, efficiency, linkmodel, step, wire_format
+from benchmarks import convergence, efficiency, faults, linkmodel, step, wire_format
 from benchmarks.netem.summary import (
     FRAME_OVERHEAD,
     REFERENCE_ROWS,
@@ -638,6 +638,8 @@ def render(netem: tuple[dict[str, Any], Path] | None,
                                  ("step.json", step.section)):
         if (docs / "data" / name).exists():  # written by benchmarks.wire_format / .step
             parts.append(render_section(json.loads((docs / "data" / name).read_text())))
+    for path in sorted((docs / "data").glob("faults-*.json")):  # written by benchmarks.faults
+        parts.append(faults.section(json.loads(path.read_text()), docs))
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -38,8 +38,7 @@ def resident_bytes() -> int:
 
 def trace_entries(scheme: schemes.Scheme) -> int:
     """Points in the scheme's threshold trace, if its codec keeps one."""
-    trace = getattr(getattr(scheme, "compressor", None), "trace", None) or {}
-    return sum(len(points) for points in trace.values())
+    return sum(len(points) for points in scheme.trace.values())
 
 
 def soak(rank: int, world_size: int, name: str, config: dict[str, Any], steps: int,

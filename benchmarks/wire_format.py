@@ -40,12 +40,10 @@ from typing import Any
 
 from benchmarks.machine import cpu_model
 from thinwire import schemes
-from thinwire.compress import Sparsifier, TensorInfo
-from thinwire.compress.payload import SparseLayout
+from thinwire.compress import TensorInfo
 from thinwire.jobs.compare import compare
 from thinwire.jobs.dataparallel import RunOptions
 from thinwire.jobs.workloads import RECIPES, load
-from thinwire.schemes.base import CompressedScheme
 
 DATA = Path("docs/data/wire-format.json")
 CAPACITIES = (1.0, 1.1, 1.25)
@@ -72,21 +70,10 @@ def buckets(shapes: Sequence[tuple[int, ...]]) -> list[list[TensorInfo]]:
     return [bucket for bucket in out if bucket]
 
 
-def step_bytes(scheme: CompressedScheme, bucket_list: Sequence[Sequence[TensorInfo]]) -> int:
-    """Bytes a rank hands to torch.distributed per step: per bucket, the dense tensors'
-    all-reduce and one fixed-capacity sparse payload (as ``CompressedScheme.launch_flat``)."""
-    compressor = scheme.compressor
-    assert isinstance(compressor, Sparsifier)
-    total = 0
-    for bucket in bucket_list:
-        sparse = [info for info in bucket if not compressor.is_dense(info)]
-        dense = [info for info in bucket if compressor.is_dense(info)]
-        total += sum(info.numel for info in dense) * compressor.value_dtype.itemsize
-        if sparse:
-            total += SparseLayout(sum(info.numel for info in bucket),
-                                  sum(compressor.capacity(info.numel) for info in sparse),
-                                  compressor.value_dtype, compressor.index_format).nbytes
-    return total
+def step_bytes(scheme: schemes.Scheme, bucket_list: Sequence[Sequence[TensorInfo]]) -> int:
+    """Bytes a rank hands to torch.distributed per step: the scheme's own count of each
+    bucket's payloads (:meth:`~thinwire.schemes.Scheme.payload_bytes`)."""
+    return sum(sum(scheme.payload_bytes(bucket).values()) for bucket in bucket_list)
 
 
 def formats() -> list[dict[str, Any]]:
@@ -118,7 +105,6 @@ def measure(seed: int, workers: int, steps: int | None) -> list[dict[str, Any]]:
             row["bytes_by_indices"] = {}
             for indices in INDICES:
                 scheme = schemes.build("dct-dp", ratio=0.01, indices=indices, **fmt)
-                assert isinstance(scheme, CompressedScheme)
                 computed = step_bytes(scheme, [[TensorInfo(f"p{i}", shape)
                                                 for i, shape in enumerate(shapes)]])
                 row["bytes_by_indices"][indices] = computed
@@ -139,7 +125,6 @@ def shaped_link() -> list[dict[str, Any]]:
     for fmt in formats():
         for indices in INDICES:
             scheme = schemes.build("dct-dp", ratio=0.01, indices=indices, **fmt)
-            assert isinstance(scheme, CompressedScheme)
             nbytes = step_bytes(scheme, buckets(SHAPED_LINK))
             out.append({**fmt, "indices": indices, "bytes_per_step": nbytes,
                         "below_dense": dense / nbytes})

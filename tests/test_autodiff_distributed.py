@@ -115,8 +115,9 @@ def _sites(rank: int, world_size: int, scenarios: list[dict[str, Any]],
         except PeerMismatchError as error:
             results[scenario["label"]] = {"error": str(error)}
             continue
-        results[scenario["label"]] = {"grads": grads, "records": meter.records,
-                                      "q": engine.powersgd.q, "ranks": engine.ranks.records}
+        qs = engine.powersgd.state_dict()["selection"]["codec"]["qs"]
+        results[scenario["label"]] = {"grads": grads, "records": meter.records, "q": qs,
+                                      "ranks": engine.ranks.records}
     return results
 
 

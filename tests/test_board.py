@@ -58,7 +58,7 @@ def test_compare_writes_one_tensorboard_run_per_scheme(tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     code = main(["compare", "--schemes", "dense,topk", "--workers", "2", "--steps", "4",
                  "--eval-every", "2", "--hidden", "16", "--out", str(tmp_path / "run"),
-                 "--json", str(summary), "--tensorboard", str(tmp_path / "tb")])
+                 "--json", str(summary), "--tensorboard", str(tmp_path / "tb"), "--no-lone"])
     assert code == 0
     runs = {r["scheme"]: r for r in json.loads(summary.read_text())["runs"]}
     dense_bytes = runs["dense"]["dense_bytes_per_step"]

@@ -130,7 +130,7 @@ def test_compare_under_fp16_autocast_with_clipping_in_the_hook(tmp_path: Path) -
     summary = tmp_path / "summary.json"
     code = main(["compare", "--schemes", "dense,topk", "--workers", "2", "--steps", "40",
                  "--lr", "0.2", "--hidden", "32", "--precision", "fp16", "--max-norm", "0.5",
-                 "--out", str(tmp_path / "run"), "--json", str(summary)])
+                 "--no-lone", "--out", str(tmp_path / "run"), "--json", str(summary)])
     assert code == 0
     dense, topk = json.loads(summary.read_text())["runs"]
     for run in (dense, topk):
@@ -273,8 +273,8 @@ def test_top_level_help_speaks_to_users(capsys: pytest.CaptureFixture[str]) -> N
         main(["--help"])
     printed = capsys.readouterr().out
     assert "``" not in printed and "COMMANDS" not in printed and "thinwire." not in printed
-    for command in COMMANDS:
-        assert f"\n    {command} " in printed
+    for command in COMMANDS:  # a long name's help starts on the next line
+        assert f"\n    {command} " in printed or f"\n    {command}\n" in printed
 
 
 # The shared vocabulary: what each subcommand must take (train's workers are torchrun's;
@@ -585,6 +585,20 @@ def test_schemes_markdown_prints_the_guides_option_tables(
     assert "| `dct-mp` option |" in capsys.readouterr().out
 
 
+def test_schemes_kind_lists_one_kind_of_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from thinwire import schemes as registry
+    from thinwire.pipeline import boundary_kinds
+
+    assert main(["schemes", "--kind", "boundary"]) == 0
+    blocks = capsys.readouterr().out.strip().split("\n\n")
+    assert [block.splitlines()[0] for block in blocks] == boundary_kinds()
+    assert main(["schemes", "--kind", "push", "--markdown"]) == 0
+    tables = capsys.readouterr().out.count(" option | default | meaning |")
+    assert 0 < tables < len(registry.names())  # clt-k, powersgd: two rounds, no push
+    assert main(["schemes", "topk", "--kind", "push"]) == 2
+    assert "give a NAME ('topk') or --kind ('push'), not both" in capsys.readouterr().err
+
+
 def test_async_steps_stop_the_run(tmp_path: Path) -> None:
     code = main(["async", "--rule", "sequential", "--epochs", "5", "--steps", "3",
                  "--model", "linear", "--train-limit", "64", "--batch-size", "16",
@@ -593,3 +607,19 @@ def test_async_steps_stop_the_run(tmp_path: Path) -> None:
     assert code == 0
     summary = json.loads((tmp_path / "copy.json").read_text())["runs"][0]
     assert summary["updates"] == 3  # not 5 epochs x 4 batches
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--fault-tolerant"], "--fault-tolerant needs --replica-id N"),
+    (["--fault-tolerant", "--replica-id", "-1"], "--replica-id -1 must be >= 0"),
+    (["--fault-tolerant", "--replica-id", "0", "--sites", "2"], "takes no --sites"),
+    (["--fault-tolerant", "--replica-id", "0", "--option", "bogus=1"], "'bogus' is not"),
+    (["--lighthouse", "http://host:29510"], "--lighthouse needs --fault-tolerant"),
+    (["--replica-id", "0"], "--replica-id needs --fault-tolerant"),
+])
+def test_fault_tolerant_train_rejects_bad_flags_before_joining_anything(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--scheme", "dct-dp", *argv]) == 2
+    assert expected in capsys.readouterr().err

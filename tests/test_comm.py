@@ -9,7 +9,13 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm import Meter, all_gather_bytes
-from thinwire.comm.collectives import _PAIRS, PAIR_MIN_BYTES, _pair_groups, all_gather_fixed
+from thinwire.comm.collectives import (
+    _PAIRS,
+    PAIR_MIN_BYTES,
+    _pair_groups,
+    all_gather_fixed,
+    then_hold,
+)
 from thinwire.comm.fingerprint import check_peers, describe, digest, flatten
 from thinwire.comm.meter import TRAFFIC
 from thinwire.comm.rounds import TwoRounds, all_reduce_round
@@ -58,6 +64,20 @@ def test_meter_memory_is_bounded_over_a_long_run_and_its_sums_stay_exact() -> No
                                                                        by="collective")
     expected = sum(r.nbytes for r in full.records)
     assert bounded.totals() == {"total": float(expected)}
+
+
+def test_a_collectives_error_reaches_whoever_waits_for_its_result() -> None:
+    """A peer lost mid-exchange fails the collective's future: what is chained on it must
+    fail too, not hand on the half-filled buffer (a lost worker's exchange would otherwise
+    be averaged from garbage)."""
+    failed: torch.futures.Future[None] = torch.futures.Future()
+    held = then_hold(failed, lambda: "half-filled buffer")
+    failed.set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        held.wait()
+    arrived: torch.futures.Future[None] = torch.futures.Future()
+    arrived.set_result(None)
+    assert then_hold(arrived, lambda: "rows").wait() == "rows"
 
 
 def test_meter_rejects_bad_window_and_fields() -> None:
@@ -169,7 +189,7 @@ def _reduce_with_scheme(rank: int, name: str, group: dist.ProcessGroup
     grads = {"w": torch.randn(32, 8, generator=generator, dtype=torch.float64),
              "b": torch.randn(8, generator=generator, dtype=torch.float64)}
     options = {"ratio": 0.1, "life_span": 1, "min_numel": 0, "capacity": 1.25,
-               "scope": "layer"}
+               "scope": "layer", "values": "fp32"}
     scheme = build(name, **options) if name == "dct-dp" else build(name)
     scheme.meter = Meter(rank, 2)
     out = scheme.reduce(grads, group)

@@ -8,15 +8,16 @@ import pytest
 import torch
 
 from thinwire.compress import (
-    FP16,
+    Cast,
     DCTThreshold,
-    Dense,
     DensePayload,
     LaplaceThreshold,
+    SparseLayout,
     SparsePayload,
     TensorInfo,
     TopK,
     decode,
+    value_codec,
 )
 from thinwire.compress._select import (
     kth_by_topk,
@@ -32,13 +33,18 @@ def info_of(tensor: torch.Tensor, key: str = "w") -> TensorInfo:
     return TensorInfo.of(key, tensor)
 
 
-def test_dense_is_bit_exact_and_fp16_rounds() -> None:
-    grad = torch.randn(5, 7)
-    assert torch.equal(Dense().decompress(Dense().compress(grad, info_of(grad)), info_of(grad)),
-                       grad)
-    half = FP16().compress(grad, info_of(grad))
-    assert half.nbytes == grad.numel() * 2
-    assert torch.equal(decode(half, info_of(grad)), grad.half().float())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_native_values_are_bit_exact_and_fp16_rounds(dtype: torch.dtype) -> None:
+    values = torch.randn(35, dtype=dtype)
+    native, half = Cast("native"), Cast("fp16")
+    sent = {}
+    for codec in (native, half):
+        area = torch.zeros(codec.nbytes(35, dtype), dtype=torch.uint8)
+        sent[codec.name] = codec.write(values, area, 35)
+        assert torch.equal(codec.read(area, 35, 35, dtype), sent[codec.name])
+    assert native.exact(dtype) and torch.equal(sent["native"], values)
+    assert not half.exact(dtype) and torch.equal(sent["fp16"], values.half())
+    assert half.nbytes(35, dtype) == 72  # 35 fp16 values, padded to 4 bytes
 
 
 def test_topk_keeps_exactly_the_largest_magnitudes() -> None:
@@ -149,9 +155,8 @@ def test_laplace_records_achieved_density() -> None:
 
 
 def test_fp16_values_halve_value_bytes() -> None:
-    grad = torch.randn(10_000)
-    full = TopK(0.01).compress(grad, info_of(grad))
-    half = TopK(0.01, values="fp16").compress(grad, info_of(grad))
+    full = SparseLayout(10_000, 100, torch.float32, "delta16", Cast("fp32"))
+    half = SparseLayout(10_000, 100, torch.float32, "delta16", Cast("fp16"))
     assert full.nbytes - half.nbytes == 100 * 2
 
 
@@ -172,7 +177,7 @@ def test_dct_state_dict_resumes_threshold() -> None:
                                   lambda: DCTThreshold(0.0), lambda: DCTThreshold(-0.1),
                                   lambda: DCTThreshold(0.5, life_span=0),
                                   lambda: LaplaceThreshold(1.2),
-                                  lambda: TopK(0.1, values="int8")])
+                                  lambda: value_codec("int9"), lambda: Cast("int8")])
 def test_bad_config_raises_value_error(make: object) -> None:
     with pytest.raises(ValueError):
         make()  # type: ignore[operator]

@@ -16,11 +16,10 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire import ddp, optim
 from thinwire.comm import Meter, collectives
 from thinwire.comm.fingerprint import PeerMismatchError
-from thinwire.compress import DensePayload, TensorInfo
+from thinwire.compress import DensePayload, SparsePayload, TensorInfo, decode
 from thinwire.ddp.hold import Stage
 from thinwire.launch import spawn
-from thinwire.schemes import build, streaming
-from thinwire.schemes.base import CompressedScheme
+from thinwire.schemes import CompressedScheme, build, streaming
 
 STEPS = 6
 
@@ -110,14 +109,17 @@ def _reference_reduce(scheme: Any, grads: dict[str, torch.Tensor],
     """The per-tensor path the flat engine must match bit for bit: compensate, compress,
     decode and update each tensor on its own; dense payloads all-reduced (divided
     first), sparse ones decoded and summed in rank order, then divided."""
-    compressor, memory = scheme.compressor, scheme.memory
+    compressor, memory = scheme.selection, scheme.memory
     out = {}
     for key, grad in grads.items():
         flat = grad.reshape(-1)
         info = TensorInfo.of(key, flat)
         compensated = flat.clone() if memory is None else memory.compensate(key, flat)
         payload = compressor.compress(compensated, info)
-        decoded = compressor.decompress(payload, info)
+        cast = scheme.values.cast  # the scheme's value codec (fp16 values, say)
+        payload = (DensePayload(cast(payload.values)) if isinstance(payload, DensePayload)
+                   else SparsePayload(cast(payload.values), payload.indices, payload.numel))
+        decoded = decode(payload, info)
         if memory is not None:
             memory.update(key, compensated, decoded)
         if isinstance(payload, DensePayload):
@@ -715,7 +717,7 @@ def test_flat_bucket_path_is_bit_identical_to_the_per_tensor_path(
                     assert not buffer.any()
                 else:
                     assert torch.equal(kept, buffer)
-        assert flat["scheme"]["compressor"] == reference["scheme"]["compressor"]
+        assert flat["scheme"]["selection"] == reference["scheme"]["selection"]
     if name == "dct-dp-drain":
         assert runs[0][f"flat-{name}"]["scheme"]["memory"]["drains"] > 0
 
@@ -728,7 +730,7 @@ def test_dct_in_pieces_with_room_for_every_entry_trains_as_one_payload(
         assert pieced["pieced"] >= STEPS and whole["pieced"] == 0
         for a, b in zip(pieced["params"], whole["params"]):
             assert torch.equal(a, b)
-        assert pieced["scheme"]["compressor"] == whole["scheme"]["compressor"]
+        assert pieced["scheme"]["selection"] == whole["scheme"]["selection"]
 
 
 def test_dct_in_pieces_keeps_replicas_identical_when_parts_pass_beyond_their_room(

@@ -53,12 +53,12 @@ def test_every_data_file_and_figure_a_page_names_exists(page: Path) -> None:
     assert not missing, f"{page.name} names files that do not ship: {missing}"
 
 
-# Pages a user reads to use thinwire. The record of runs (docs/record/, bench.md) and the
-# generated pages (results.md, dated once in a header; choosing.md) carry their dates.
+# Pages a user reads to use thinwire. The record of runs (docs/record/) and the generated
+# pages (results.md, dated once in a header; choosing.md) carry their dates.
 USER_PAGES = [REPO / "README.md", DOCS / "index.md", DOCS / "convergence.md",
               *sorted((DOCS / "guide").glob("*.md")),
               *(DOCS / f"{name}.md" for name in ("foundation", "scalecom", "dct-mp", "dad",
-                                                 "async", "papers"))]
+                                                 "async", "papers", "local-updates", "bench"))]
 NOTEBOOK = re.compile(r"\bUTC\b|load average|git show")
 
 
@@ -71,7 +71,7 @@ def test_user_pages_carry_no_run_times_loads_or_old_commits(page: Path) -> None:
 # ---- option tables: "| `NAME` option | default | meaning |" then "| `key` | `default` | ..."
 TABLE = re.compile(r"^\| `([\w+-]+)` option \| default \|")  # names such as topk+int2
 ROW = re.compile(r"^\| `(\w+)` \| `([^`]*)` \|")
-INCLUDE = re.compile(r'^--8<-- "options/([\w-]+)\.md"$', re.MULTILINE)
+INCLUDE = re.compile(r'^--8<-- "options/([\w+-]+)\.md"$', re.MULTILINE)
 
 
 def config_of(name: str) -> type:
@@ -166,6 +166,29 @@ def test_each_front_door_page_has_a_table_for_every_scheme_it_takes(page: str,
     shown = set(option_tables(with_includes(DOCS / page)))
     assert shown == expected(), (f"{page}: tables for {sorted(shown)}, takes "
                                  f"{sorted(expected())}; make docs-tables regenerates them")
+
+
+# `make docs-tables`: each line writes one options file from the registries.
+GENERATE = re.compile(r"^\t\$\(BIN\)/thinwire (schemes .*) > \$\(OPTIONS\)/([\w-]+\.md)$",
+                      re.MULTILINE)
+KEPT_BY_HAND = {"asgd.md", "dc-asgd.md", "dad.md"}  # the update rules' and dAD's
+
+
+def test_make_docs_tables_would_change_no_options_file(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """Every generated table is what the registry says now (names, defaults and meanings),
+    and every options file is either generated or kept by hand."""
+    from thinwire.cli import main
+
+    generated = GENERATE.findall((REPO / "Makefile").read_text())
+    options = DOCS / "snippets" / "options"
+    assert {name for _, name in generated} == {"schemes.md", "pushes.md", "boundaries.md"}
+    assert {path.name for path in options.glob("*.md")} == {
+        name for _, name in generated} | KEPT_BY_HAND
+    for command, name in generated:
+        assert main(command.split()) == 0
+        assert capsys.readouterr().out == (options / name).read_text(), (
+            f"docs/snippets/options/{name} is stale: make docs-tables regenerates it")
 
 
 def test_the_guide_and_api_reference_build_with_warnings_as_errors(tmp_path: Path) -> None:

@@ -1,8 +1,16 @@
 """Every scheme equals what it gave before its exchange became one kernel, to the bit.
 
-Means, every rank's state and the metered bytes of each case of
+Means, every rank's error memory and the metered bytes of each case of
 :mod:`exchange_cases`, on 2 and 3 gloo ranks, through ``launch`` and through
 DDP-like buckets (``launch_flat``), against ``tests/fixtures/exchange.json``.
+
+The means and memories are those of the schemes before the kernel. The bytes
+are too, but where two exchanges had laid payloads out two ways and the kernel
+keeps one: an own-index payload addresses only the tensors its selection
+covers (as ``topk+KIND`` did), so where a bitmap is chosen it no longer spans
+tensors sent whole (``laplace`` here, 12 B less a payload; ``topk`` with
+``exclude``); and a quantised payload of a round that was not finite is metered
+per tensor, as every other payload is, not as one ``"(skipped)"`` part.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """FSDP2 inside a site, a scheme across sites: 4 ranks on gloo, 2 sites x 2 shards.
 
-One spawn runs every scenario (starting 4 processes is most of the cost); the tests
-read its results.
+One spawn runs every scenario (starting 4 processes is most of the cost), the compare
+job's ranks included; the tests read its results.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import tempfile
 from typing import Any
@@ -18,10 +19,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
+import randomk
 from thinwire import fsdp, optim
 from thinwire.cli import main
 from thinwire.comm.fingerprint import PeerMismatchError
-from thinwire.jobs.compare import compare
+from thinwire.jobs import compare as compare_job
 from thinwire.jobs.dataparallel import RunOptions
 from thinwire.launch import spawn
 from thinwire.local import LocalUpdates, nesterov
@@ -32,7 +34,9 @@ STEPS = 4
 TOPK = ("topk", {"ratio": 0.2, "min_numel": 0})
 DCT = ("dct-dp", {"life_span": 2, "min_numel": 0, "piece": 0})
 LOSSY = {"topk": TOPK, "dct-dp": DCT, "fp16": ("fp16", {}),
-         "powersgd": ("powersgd", {"rank": 1}), "clt-k": ("clt-k", {"ratio": 0.2})}
+         "powersgd": ("powersgd", {"rank": 1}), "clt-k": ("clt-k", {"ratio": 0.2}),
+         randomk.NAME: (randomk.NAME, {"ratio": 0.2})}  # a new selection, in one class
+WATCHED = ("topk", "dct-dp", randomk.NAME)
 
 
 def _model() -> nn.Module:
@@ -268,11 +272,17 @@ def _diloco(rank: int, mesh: Any, name: str, stop: int | None = None) -> dict[st
     return out
 
 
+# The compare job with sites, and the work it hands its ranks: (scheme, options) per run.
+SITES_SCHEMES, SITES_EXTRA = ["native-hsdp", "dense", "topk"], ["ratio=0.1"]
+SITES_OPTIONS = RunOptions(steps=4, eval_every=2, hidden=16, eval_rows=200)
+SITES_RUNS = [("native-hsdp", {}), ("dense", {}), ("topk", {"ratio": 0.1})]
+
+
 def _all_scenarios(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    randomk.register()
     mesh = fsdp.site_mesh(SITES)
     site_group = mesh["site"].get_group()
-    watched = {name: _thinwire(rank, mesh, *LOSSY[name], watch=True) for name in ("topk",
-                                                                                 "dct-dp")}
+    watched = {name: _thinwire(rank, mesh, *LOSSY[name], watch=True) for name in WATCHED}
     return {
         "native": _native(rank, mesh),
         "dense": _thinwire(rank, mesh, "dense", {}),
@@ -290,6 +300,8 @@ def _all_scenarios(rank: int, world_size: int, directory: str) -> dict[str, Any]
         "diloco resumed": _diloco(rank, mesh, "topk+int4", stop=3),
         # in a rank, on its threads, as the sharded runs compute
         "diloco reference": _diloco_reference() if rank == 0 else None,
+        # what the ranks of `compare(SITES_SCHEMES, ...)` do (the test answers its spawn)
+        "compare": compare_job._worker(rank, world_size, SITES_RUNS, SITES_OPTIONS, SITES),
     }
 
 
@@ -323,7 +335,7 @@ def test_replicas_across_sites_stay_identical(runs: list[dict[str, Any]], name: 
     assert not torch.equal(runs[0][name]["history"][-1][0], runs[0]["dense"]["history"][-1][0])
 
 
-@pytest.mark.parametrize("name", ["topk", "dct-dp"])
+@pytest.mark.parametrize("name", WATCHED)
 def test_error_feedback_invariant_holds_exactly_per_shard(runs: list[dict[str, Any]],
                                                           name: str) -> None:
     for rank in runs:
@@ -380,10 +392,17 @@ def test_train_refuses_sites_that_do_not_split_the_world(
 
 
 def test_compare_with_sites_trains_sharded_and_meters_the_cross_site_link(
-        tmp_path: Any) -> None:
-    results = compare(["native-hsdp", "dense", "topk"], 4,
-                      RunOptions(steps=4, eval_every=2, hidden=16, eval_rows=200), 100e6,
-                      extra=["ratio=0.1"], sites=2)
+        runs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """compare() itself, its spawn answered by the module's ranks, which ran the same work."""
+
+    def spawned(fn: Any, workers: int, *args: Any, **kwargs: Any) -> list[Any]:
+        assert (fn, workers, args) == (compare_job._worker, SITES * SHARDS,
+                                       (SITES_RUNS, SITES_OPTIONS, SITES))
+        return copy.deepcopy([rank["compare"] for rank in runs])
+
+    monkeypatch.setattr(compare_job, "spawn", spawned)
+    results = compare_job.compare(SITES_SCHEMES, SITES * SHARDS, SITES_OPTIONS, 100e6,
+                                  extra=SITES_EXTRA, sites=SITES)
     native, dense, topk = results
     assert all(r["replicas_identical"] for r in results)
     assert native["sites"] == 2 and native["shards_per_site"] == 2

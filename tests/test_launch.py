@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from thinwire.launch import RankFailed, phase, spawn
 
-TIMEOUT_S = 10.0  # the process group's timeout under test: short, so the test stays quick
+TIMEOUT_S = 5.0  # the process group's timeout under test: short, so the test stays quick
 
 
 def _stall(rank: int, world_size: int) -> None:

@@ -121,6 +121,28 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
             out[f"refused {label}"] = None
         except PeerMismatchError as error:
             out[f"refused {label}"] = str(error)
+    # Ranks seeded differently start from rank 0's weights (and resume with its outer state)
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(torch.float64)
+    out["own initial weights"] = _weights(model)
+    updates = LocalUpdates(model, _sgd(model), every=2)
+    out["started"] = (_weights(model), [g.clone() for g in updates.global_state().values()])
+    for step in range(4):
+        _inner_step(model, updates.inner, rank, step)
+        updates.step()
+    state = updates.state_dict()
+    for momentum in state["outer"]["state"].values():  # each rank's own outer momentum
+        momentum["momentum_buffer"].add_(rank)
+    state["steps"] += rank
+    updates.load_state_dict(state)
+    out["resumed outer"] = (updates.outer.state_dict(), updates.steps)
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(torch.float64)
+    try:
+        LocalUpdates(model, _sgd(model), every=2, broadcast=False)
+        out["refused own weights"] = None
+    except PeerMismatchError as error:
+        out["refused own weights"] = str(error)
     # A quantised scheme through the DDP hook keeps the replicas identical
     model = _model(torch.float32)
     net = DistributedDataParallel(model)
@@ -238,6 +260,32 @@ def test_peers_that_differ_are_refused_on_every_rank(label: str, field: str,
     messages = [runs[rank][f"refused {label}"] for rank in range(WORLD)]
     assert messages[0] is not None and messages[0] == messages[1]
     assert field in messages[0] and "local updates" in messages[0]
+
+
+def test_ranks_seeded_differently_start_from_rank_0s_weights_to_the_bit(
+        runs: list[dict[str, Any]]) -> None:
+    own = [runs[rank]["own initial weights"] for rank in range(WORLD)]
+    assert not torch.equal(own[0][0], own[1][0])  # the seeds did differ
+    for rank in range(WORLD):
+        local, global_ = runs[rank]["started"]
+        for got_local, got_global, want in zip(local, global_, own[0]):
+            assert torch.equal(got_local, want) and torch.equal(got_global, want)
+
+
+def test_a_resumed_outer_optimiser_state_and_step_count_are_rank_0s(
+        runs: list[dict[str, Any]]) -> None:
+    (outer_0, steps_0), (outer_1, steps_1) = (runs[rank]["resumed outer"] for rank in range(2))
+    assert steps_0 == steps_1 == 4
+    assert outer_0["state"].keys() == outer_1["state"].keys() and outer_0["state"]
+    for key, state in outer_0["state"].items():
+        assert torch.equal(state["momentum_buffer"], outer_1["state"][key]["momentum_buffer"])
+
+
+def test_ranks_that_keep_their_own_differing_weights_are_refused_on_every_rank(
+        runs: list[dict[str, Any]]) -> None:
+    messages = [runs[rank]["refused own weights"] for rank in range(WORLD)]
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "'weights'" in messages[0] and "broadcast=False" in messages[0]
 
 
 def test_a_quantised_scheme_through_the_ddp_hook_keeps_replicas_identical(

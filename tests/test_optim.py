@@ -34,8 +34,8 @@ def test_uncompressed_momentum_correction_is_bit_identical_to_sgd_momentum(
         plain.step()
         info = TensorInfo.of("w", grad)
         compensated = memory.compensate("w", grad)
-        sent = scheme.compressor.decompress(  # type: ignore[attr-defined]
-            scheme.compressor.compress(compensated, info), info)  # type: ignore[attr-defined]
+        sent = scheme.selection.decompress(  # type: ignore[attr-defined]
+            scheme.selection.compress(compensated, info), info)  # type: ignore[attr-defined]
         memory.update("w", compensated, sent)
         coupled.weight.grad = sent
         optimizer.step()

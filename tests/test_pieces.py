@@ -13,8 +13,7 @@ from thinwire import schemes
 from thinwire.compress import TensorInfo
 from thinwire.compress.pieces import TRIALS, cut, pay
 from thinwire.feedback import MomentumCorrection
-from thinwire.schemes import streaming
-from thinwire.schemes.base import CompressedScheme
+from thinwire.schemes import CompressedScheme, streaming
 from thinwire.schemes.streaming import Streaming
 
 SHAPES = {"w": (40, 30), "v": (900,), "b": (30,)}  # b travels dense (min_numel)
@@ -117,13 +116,13 @@ def test_pieces_keep_error_feedback_exact_and_each_part_within_its_room(
         grads = _grads(step)
         old = {key: memory.buffers.get(key, torch.zeros(g.numel())).clone()
                for key, g in grads.items()}
-        taus = dict(scheme.compressor.tau)  # type: ignore[attr-defined]
+        taus = dict(scheme.selection.tau)  # type: ignore[attr-defined]
         sent = scheme.reduce(grads)
         for key, grad in grads.items():
             new = memory.buffers.get(key, torch.zeros(grad.numel()))
             assert torch.equal(grad.reshape(-1) + old[key], sent[key].reshape(-1) + new)
         infos = [TensorInfo.of(key, grads[key]) for key in ("w", "v")]
-        rooms = [scheme.compressor.capacity(info.numel) for info in infos]
+        rooms = [scheme.selection.capacity(info.numel) for info in infos]
         for piece in cut(infos, rooms, entries=100):
             for part in piece:
                 flat = sent[part.info.key].reshape(-1)[part.start: part.stop]
@@ -146,8 +145,8 @@ def test_pieces_with_room_for_every_entry_equal_one_payload(small_pieces: list[i
         for key in a:
             assert torch.equal(a[key], b[key])
     assert small_pieces[0] == 7  # the second run went as one payload
-    assert pieced.compressor.state_dict() == whole.compressor.state_dict()
-    assert pieced.compressor.trace == whole.compressor.trace
+    assert pieced.selection.state_dict() == whole.selection.state_dict()
+    assert pieced.selection.trace == whole.selection.trace
 
 
 def test_checkpoint_resume_in_pieces_is_bit_identical(small_pieces: list[int]) -> None:
@@ -172,7 +171,7 @@ def test_a_non_finite_round_in_pieces_changes_nothing(small_pieces: list[int]) -
     out = scheme.reduce(bad)
     assert scheme.skipped == 1 and not any(t.count_nonzero() for t in out.values())
     after = scheme.state_dict()
-    assert after["compressor"] == before["compressor"]
+    assert after["selection"] == before["selection"]
     for key, buffer in before["memory"]["buffers"].items():
         assert torch.equal(after["memory"]["buffers"][key], buffer)
 

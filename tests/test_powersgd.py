@@ -185,7 +185,7 @@ def test_error_feedback_keeps_what_was_not_sent() -> None:
         grads = _grads(step)
         out = scheme.reduce(grads)
         for key in ("conv.weight", "fc.weight"):
-            new_error = scheme.memory.buffers[key]
+            new_error = scheme.memory.buffers[key].view(grads[key].shape)
             # M == G_hat + e, in float64.
             torch.testing.assert_close(grads[key] + error[key], out[key] + new_error,
                                        rtol=1e-13, atol=1e-13)

@@ -59,7 +59,8 @@ def test_cli_one_worker_over_rpc_is_sequential_sgd_exactly(tmp_path: object) -> 
     for name in ("results.md", "test_error.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0
     assert summary["updates"] == 20 and summary["staleness"]["histogram"] == {"0": 20}
-    assert summary["bytes"] == {"pull": 20 * 650 * 4, "push": 20 * 650 * 4}
+    # a push is the step (4 bytes) and the gradient
+    assert summary["bytes"] == {"pull": 20 * 650 * 4, "push": 20 * (4 + 650 * 4)}
     assert summary["membership"] == ["left"]
 
 

@@ -43,22 +43,24 @@ def test_server_decodes_exactly_what_the_worker_sent(scheme: str,
     assert _bytes(sent_meter, "send") == _bytes(received_meter, "recv") == handed
 
 
-def test_dense_push_is_the_gradient_itself() -> None:
+def test_dense_push_is_its_step_then_the_gradient() -> None:
     codec, meter = PushCodec(LAYOUT), Meter()
     grad = _grad()
     encoded = codec.encode(grad, meter)
-    assert encoded.dense and encoded.data is grad
+    assert not encoded.dense and encoded.data.numel() == 4 + 4 * LAYOUT.numel
+    assert torch.equal(encoded.data[4:].view(torch.float32), grad)
+    assert torch.equal(encoded.sent, grad)
     assert {r.layer: r.nbytes for r in meter.records} == {
-        "conv.weight": 144, "conv.bias": 20, "fc.weight": 1600}
+        "(step)": 4, "conv.weight": 144, "conv.bias": 20, "fc.weight": 1600}
 
 
 def test_fp16_odd_tensor_is_padded_and_the_padding_metered() -> None:
     codec, meter = PushCodec(LAYOUT, "fp16"), Meter()
     encoded = codec.encode(_grad(), meter)
-    # 36 and 5 halves (72 + 10 bytes, the latter padded to 12), 400 halves.
-    assert encoded.data.numel() == 72 + 12 + 800
+    # the step, then 36 and 5 halves (72 + 10 bytes, the latter padded to 12), 400 halves.
+    assert encoded.data.numel() == 4 + 72 + 12 + 800
     assert {r.layer: r.nbytes for r in meter.records} == {
-        "conv.weight": 72, "conv.bias": 10, "fc.weight": 800, "(padding)": 2}
+        "(step)": 4, "conv.weight": 72, "conv.bias": 10, "fc.weight": 800, "(padding)": 2}
     assert torch.equal(PushCodec(LAYOUT, "fp16").decode(encoded.data, False),
                        _grad().half().float())
 
@@ -85,29 +87,32 @@ def test_nonfinite_gradient_is_pushed_raw_and_leaves_state_untouched() -> None:
     poisoned[7] = float("nan")
     encoded = codec.encode(poisoned)
     assert encoded.dense and codec.nonfinite == 1
-    after = codec.state_dict()
-    assert after["compressor"]["tau"] == state["compressor"]["tau"]
-    assert after["compressor"]["calls"] == state["compressor"]["calls"]
+    after, state = codec.state_dict()["scheme"], state["scheme"]
+    assert after["selection"]["tau"] == state["selection"]["tau"]
+    assert after["selection"]["calls"] == state["selection"]["calls"]
     for name in LAYOUT.names:
         assert torch.equal(after["memory"]["buffers"][name], state["memory"]["buffers"][name])
 
 
 def _sparse_wire() -> torch.Tensor:
-    return PushCodec(LAYOUT, "topk", ratio=0.01, min_numel=0).encode(_grad()).data
+    return PushCodec(LAYOUT, "topk", ratio=0.01, min_numel=0, indices="int32").encode(
+        _grad()).data
 
 
-@pytest.mark.parametrize("damage", ["truncate", "extend", "header", "index", "dtype"])
+@pytest.mark.parametrize("damage", ["truncate", "extend", "step", "header", "index", "dtype"])
 def test_malformed_pushes_are_refused(damage: str) -> None:
-    server = PushCodec(LAYOUT, "topk", ratio=0.01, min_numel=0)
-    data = _sparse_wire().clone()
+    server = PushCodec(LAYOUT, "topk", ratio=0.01, min_numel=0, indices="int32")
+    data = _sparse_wire().clone()  # the step, the entry count, the indices, the values
     if damage == "truncate":
         data = data[:-4]
     elif damage == "extend":
         data = torch.cat([data, torch.zeros(4, dtype=torch.uint8)])
+    elif damage == "step":
+        data[:4] = torch.tensor([-1], dtype=torch.int32).view(torch.uint8)
     elif damage == "header":
-        data[:4] = torch.tensor([1 << 20], dtype=torch.int32).view(torch.uint8)
+        data[4:8] = torch.tensor([1 << 20], dtype=torch.int32).view(torch.uint8)
     elif damage == "index":
-        data[4:8] = torch.tensor([10_000], dtype=torch.int32).view(torch.uint8)
+        data[8:12] = torch.tensor([10_000], dtype=torch.int32).view(torch.uint8)
     else:
         data = data.float()
     with pytest.raises(MalformedPush):
@@ -155,7 +160,7 @@ def test_hogwild_threads_share_one_buffer_and_the_drain_empties_it() -> None:
     _in_threads(push, steps=25)
     assert isinstance(codec.memory, Residual) and codec.memory.drains == 4 * 25 * 3
     assert all(not bool(b.any()) for b in codec.memory.buffers.values())
-    calls = codec.compressor.state_dict()["calls"]
+    calls = codec.scheme.state_dict()["selection"]["calls"]
     assert sum(calls.values()) == 4 * 25 * 3  # encoding is serialised: no call is lost
 
 

@@ -19,7 +19,7 @@ from thinwire.compress.quantise import (
     unpack,
 )
 from thinwire.launch import spawn
-from thinwire.schemes.quantised import QuantisedScheme
+from thinwire.schemes import CompressedScheme
 
 
 def _round_trip(kind: str, x: torch.Tensor, chunk: int = 8) -> torch.Tensor:
@@ -128,7 +128,7 @@ def test_error_feedback_invariant_holds_exactly(name: str, dtype: torch.dtype) -
     levels may lie far from p, so they are checked in fp64 only.
     """
     scheme = schemes.build(name, **_config(name))
-    assert isinstance(scheme, QuantisedScheme) and scheme.memory is not None
+    assert isinstance(scheme, CompressedScheme) and scheme.memory is not None
     for _ in range(3):
         grads = {"a": torch.randn(5, 6).float().to(dtype), "b": torch.randn(7).float().to(dtype)}
         old = {key: scheme.memory.buffers.get(key, torch.zeros(g.numel(), dtype=dtype))
@@ -146,7 +146,7 @@ def test_nonfinite_input_raises_or_skips_without_touching_memory(name: str) -> N
     with pytest.raises(FloatingPointError, match="'a'"):
         schemes.build(name, **_config(name)).reduce(bad)
     scheme = schemes.build(name, nonfinite="skip", **_config(name))
-    assert isinstance(scheme, QuantisedScheme) and scheme.memory is not None
+    assert isinstance(scheme, CompressedScheme) and scheme.memory is not None
     scheme.reduce({"a": torch.tensor([1.0, -0.3, 2.0, 3.0])})
     before = scheme.memory.state_dict()
     out = scheme.reduce(bad)
@@ -177,8 +177,9 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
             outs.append(scheme.reduce(grads))
             sent.append({key: value.clone() for key, value in reference.reduce(grads).items()})
             meter.next_step()
-        assert isinstance(scheme, QuantisedScheme)
-        payload = scheme.payload_bytes([TensorInfo("w", (6, 5)), TensorInfo("b", (3,))])
+        assert isinstance(scheme, CompressedScheme)
+        infos = [TensorInfo("w", (6, 5)), TensorInfo("b", (3,))]
+        payload = scheme.payload_bytes(infos)["all_gather"]
         results[name] = {"outs": outs, "sent": sent, "metered": meter.totals("nbytes"),
                          "payload": payload}
     return results

@@ -193,8 +193,8 @@ def test_one_worker_chunk_selection_with_lowpass_matches_a_reference() -> None:
             expected = sparsify(p, chosen)
             assert torch.equal(got[key], expected)
             memory[key] = 0.5 * memory[key] + 0.5 * (p - expected)
-            torch.testing.assert_close(scheme.memory.buffers[key], memory[key], rtol=1e-15,
-                                       atol=0.0)
+            torch.testing.assert_close(scheme.memory.buffers[key].view(memory[key].shape),
+                                       memory[key], rtol=1e-15, atol=0.0)
 
 
 def test_warmup_exclusions_and_small_tensors_travel_dense() -> None:
@@ -322,11 +322,12 @@ def _cltk_worker(rank: int, world_size: int, group: dist.ProcessGroup | None = N
         for label, scheme in built.items():
             result = scheme.reduce(grads, group)
             record: dict[str, object] = {"result": result,
-                                         "memory": {key: m.clone() for key, m
+                                         "memory": {key: m.clone().view(grads[key].shape)
+                                                    for key, m
                                                     in scheme.memory.buffers.items()}}
             if label != "local":
-                record["leader"] = scheme.leader
-                record["indices"] = dict(scheme.indices)
+                record["leader"] = scheme.selection.leader
+                record["indices"] = dict(scheme.selection.indices)
             trace[label].append(record)
             meters[label].next_step()
     return {"trace": trace, "bytes": {label: m.summary() for label, m in meters.items()},
@@ -356,7 +357,8 @@ def _flat_run(rank: int, group: dist.ProcessGroup | None) -> dict[str, list[dict
         trace[label] = []
         for step in range(STEPS):
             grads = _worker_grads(rank, step)
-            before = {key: m.clone() for key, m in scheme.memory.buffers.items()}
+            before = {key: m.clone().view(grads[key].shape)
+                      for key, m in scheme.memory.buffers.items()}
             result: dict[str, torch.Tensor] = {}
             layouts = ONE_BUCKET if label == "bucket" else BUCKETS
             for keys in layouts[step % len(layouts)]:
@@ -366,9 +368,10 @@ def _flat_run(rank: int, group: dist.ProcessGroup | None) -> dict[str, list[dict
                 assert out is buffer  # decoded in place
                 for info, part in zip(infos, torch.split(out, [i.numel for i in infos])):
                     result[info.key] = part.view(info.shape)
-            after = {key: m.clone() for key, m in scheme.memory.buffers.items()}
-            trace[label].append({"result": result, "leader": scheme.leader,
-                                 "indices": dict(scheme.indices), "grads": grads,
+            after = {key: m.clone().view(grads[key].shape)
+                     for key, m in scheme.memory.buffers.items()}
+            trace[label].append({"result": result, "leader": scheme.selection.leader,
+                                 "indices": dict(scheme.selection.indices), "grads": grads,
                                  "before": before, "memory": after})
     return trace
 

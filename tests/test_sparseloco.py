@@ -22,10 +22,11 @@ from thinwire.comm import Meter
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import TensorInfo, chunk_index, codebook
 from thinwire.compress.chunked import ChunkTopK, chunk_counts, chunk_topk, kept
+from thinwire.compress.values import Binned
 from thinwire.feedback import Decayed, Residual
 from thinwire.launch import spawn
 from thinwire.local import LocalUpdates
-from thinwire.schemes.sparseloco import SparseLoCo
+from thinwire.schemes import CompressedScheme
 
 WORLD = 3
 EVERY = 3
@@ -108,11 +109,12 @@ def _reference_codebook(values: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("numel", [1, 2, 7, 333])
 def test_codebook_sends_each_bins_mean_in_its_bytes(numel: int) -> None:
     values = torch.randn(numel, dtype=torch.float64) * 3 + 0.5
-    book = codebook.encode(values)
-    wire = book.to_bytes()
-    assert wire.numel() == codebook.nbytes(numel) == math.ceil(numel / 4) + 16
-    back = codebook.decode(codebook.Codebook.from_bytes(wire, numel), torch.float64)
-    assert torch.equal(back, _reference_codebook(values))
+    codec = Binned()
+    area = torch.zeros(codec.nbytes(numel, values.dtype), dtype=torch.uint8)
+    assert area.numel() == math.ceil(math.ceil(numel / 4) / 4) * 4 + 16  # codes padded to 4
+    sent = codec.write(values, area, numel)
+    back = codec.read(area, numel, numel, torch.float64)
+    assert torch.equal(back, _reference_codebook(values)) and torch.equal(sent, back)
     assert torch.equal(codebook.decode(codebook.encode(torch.zeros(5)), torch.float32),
                        torch.zeros(5))
 
@@ -138,7 +140,7 @@ def test_decay_one_is_plain_error_feedback_to_the_bit() -> None:
 def test_invariant_old_error_times_beta_plus_delta_is_sent_plus_new_error(beta: float) -> None:
     """Exact, in fp64 on fp32 deltas with a beta of few bits: each ``p - sent`` then fits."""
     scheme = schemes.build("sparseloco", **{**CONFIG, "beta": beta})
-    assert isinstance(scheme, SparseLoCo)
+    assert isinstance(scheme, CompressedScheme)
     for _ in range(4):
         deltas = {k: torch.randn(s).float().double() for k, s in SHAPES.items()}
         old = {k: scheme.memory.buffers.get(k, torch.zeros(math.prod(SHAPES[k]),
@@ -153,7 +155,7 @@ def test_invariant_old_error_times_beta_plus_delta_is_sent_plus_new_error(beta: 
 
 def test_the_paper_decay_keeps_the_invariant_to_float64_precision() -> None:
     scheme = schemes.build("sparseloco", **CONFIG)
-    assert isinstance(scheme, SparseLoCo)
+    assert isinstance(scheme, CompressedScheme)
     for _ in range(4):
         deltas = {k: torch.randn(s, dtype=torch.float64) for k, s in SHAPES.items()}
         old = {k: scheme.memory.buffers.get(k, torch.zeros(math.prod(SHAPES[k]),
@@ -179,7 +181,7 @@ def test_scheme_declares_its_traits_and_refuses_bad_options() -> None:
 
 def test_a_non_finite_round_is_skipped_without_touching_memory() -> None:
     scheme = schemes.build("sparseloco", nonfinite="skip", **CONFIG)
-    assert isinstance(scheme, SparseLoCo)
+    assert isinstance(scheme, CompressedScheme)
     scheme.reduce({k: torch.randn(s) for k, s in SHAPES.items()})
     before = {k: v.clone() for k, v in scheme.memory.buffers.items()}
     bad = {k: torch.randn(s) for k, s in SHAPES.items()}
@@ -255,7 +257,7 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         _inner_step(model, updates.inner, rank, step)
         updates.step()
     out["metered"] = sum(meter.totals("nbytes").values())
-    assert isinstance(updates.scheme, SparseLoCo)
+    assert isinstance(updates.scheme, CompressedScheme)
     out["payload"] = updates.scheme.payload_bytes(
         [TensorInfo(k, s, torch.float64) for k, s in SHAPES.items()])
     try:
@@ -377,12 +379,13 @@ def test_resume_with_an_exchange_in_flight_is_bit_identical(
 
 
 def test_bytes_metered_are_the_payload_every_rank_hands_over(runs: list[dict[str, Any]]) -> None:
-    # w: 16 full chunks (Elias-Fano, 4 of 64: L = 4, 4 x 4 + 4 + 3 = 23 bits each) and one
-    # of 26 keeping 2 (L = 3: 6 + 2 + 3 = 11 bits); 66 codes in 17 bytes and a table of 16;
-    # b: 5 codes in 2 bytes and a table of 16
-    expected = (16 * 23 + 11 + 7) // 8 + 17 + 16 + 2 + 16
+    # b, sent whole: 5 codes in 2 bytes padded to 4, and a table of 16; w: the count (4
+    # bytes), 16 full chunks (Elias-Fano, 4 of 64: L = 4, 4 x 4 + 4 + 3 = 23 bits each) and
+    # one of 26 keeping 2 (L = 3: 6 + 2 + 3 = 11 bits) in 48 bytes, 66 codes in 17 bytes
+    # padded to 20, and a table of 16
+    expected = 4 + 16 + 4 + (16 * 23 + 11 + 7) // 8 + 20 + 16
     for rank in range(WORLD):
-        assert runs[rank]["payload"] == expected
+        assert runs[rank]["payload"] == {"all_gather": expected}
         assert runs[rank]["metered"] == 2 * expected  # two syncs
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,9 +22,22 @@ NAMES = [name for name in workloads.WORKLOADS
          if name != "fashion-convnet" or os.path.isdir(FASHION_MNIST_DIR)]
 
 
+@functools.cache
+def _loaded(name: str, seed: int = 0) -> workloads.Workload:
+    """``workloads.load(name, seed)`` once for every test that only reads it (a Workload is
+    frozen); the tests that prove a load repeats itself load afresh."""
+    return workloads.load(name, seed=seed)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_loaded() -> Iterator[None]:
+    yield
+    _loaded.cache_clear()  # the data sets are large: keep them for this module only
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_workload_builds_the_same_model_per_seed_and_learns_a_step(name: str) -> None:
-    work = workloads.load(name, seed=0)
+    work = _loaded(name)
     first, second = work.model(0), work.model(0)
     for a, b in zip(first.parameters(), second.parameters()):
         assert torch.equal(a, b)
@@ -125,7 +140,7 @@ def test_dlrm_click_target_is_clearly_above_every_seeds_base_rate() -> None:
     # below the target on the rows an evaluation point reads; the teacher must clear it.
     rows = RunOptions().eval_rows
     for seed in range(3):
-        work = workloads.load("dlrm-click", seed=seed)
+        work = _loaded("dlrm-click", seed)
         labels = work.test.targets[:rows].double()
         base = float(torch.maximum(labels.mean(), 1 - labels.mean()))
         sigma = (base * (1 - base) / labels.numel()) ** 0.5
@@ -135,7 +150,7 @@ def test_dlrm_click_target_is_clearly_above_every_seeds_base_rate() -> None:
 
 
 def test_dlrm_reference_init_keeps_the_logit_alive() -> None:
-    work = workloads.load("dlrm-click", seed=0)
+    work = _loaded("dlrm-click")
     batch = work.train.rows(slice(0, 512))
     model = work.model(0)
     for layer in model.modules():
@@ -154,7 +169,7 @@ def test_dlrm_reference_init_keeps_the_logit_alive() -> None:
 
 
 def test_a_short_dense_run_lowers_text_lm_validation_bits_per_byte() -> None:
-    work = workloads.load("text-lm", seed=0)
+    work = _loaded("text-lm")
     assert work.train.inputs.shape[1] == work.train.targets.shape[1] == workloads.TEXT_CONTEXT
     assert torch.equal(work.train.inputs[:, 1:], work.train.targets[:, :-1])  # the next byte
     assert torch.equal(work.test.inputs, workloads.load("text-lm", seed=1).test.inputs)
@@ -175,7 +190,7 @@ def test_a_short_dense_run_lowers_text_lm_validation_bits_per_byte() -> None:
 
 @pytest.fixture(scope="module")
 def dlrm_large() -> workloads.Workload:
-    return workloads.load("dlrm-large", seed=0)
+    return _loaded("dlrm-large")
 
 
 def test_dlrm_large_loads_the_same_rows_per_seed_and_its_splits_are_disjoint(

@@ -130,14 +130,9 @@ def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int,
     hook = ddp.register(net, scheme, meter=meter, delay=step.delayed)
 
     def details() -> dict[str, Any]:
-        # Threshold recomputations (DCT-DP's selections) per tensor, where the codec counts them.
-        refreshes = getattr(getattr(scheme, "compressor", None), "refreshes", None)
-        # Buckets dct-dp chose to send in pieces (stream="auto"), by their first tensor.
-        streaming = getattr(scheme, "streaming", {})
-        return {"skipped_steps": scheme.skipped,
-                **({"threshold_refreshes": dict(refreshes)} if refreshes is not None else {}),
-                **({"streaming": {keys[0]: choice for keys, choice in streaming.items()}}
-                   if streaming else {})}
+        # Threshold recomputations (DCT-DP's selections) per tensor, and the buckets dct-dp
+        # chose to send in pieces (stream="auto"), where the scheme keeps them.
+        return {"skipped_steps": scheme.skipped, **scheme.diagnostics()}
 
     return Installed(net, lambda: None, lambda: scheme.overhead_s, details, scheme, hook)
 

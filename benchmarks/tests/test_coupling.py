@@ -106,3 +106,35 @@ def test_the_virtual_move_under_adam_is_scaled_by_the_workers_second_moment() ->
     assert torch.equal(kept["w"], torch.zeros(4))
     # s_hat = g^2 = 4 after one step: entry 0 moves lr e / 2; nothing pends elsewhere
     torch.testing.assert_close(param.detach(), torch.tensor([-0.05, 0.0, 0.0, 0.0]))
+
+
+def test_the_simulated_exchange_is_the_kernels_bit_for_bit() -> None:
+    """The simulation's exchange (each worker's own top-k, error feedback, the mean) equals
+    the kernel's rows averaged (SimulatedReplicas, itself held to the real scheme on gloo),
+    means and memories, for two workers over three steps; and its bytes are the layouts'."""
+    from thinwire.comm import Meter
+    from thinwire.feedback import Residual
+    from thinwire.jobs.dct_mp import SimulatedReplicas
+
+    shapes = {"fc1.weight": (20, 30), "fc1.bias": (20,), "fc2.weight": (4, 20)}
+    infos = [coupling.TensorInfo(key, (torch.Size(shape).numel(),)) for key, shape in
+             shapes.items()]
+    compressors = [coupling._compressor("topk", 0, "bucket") for _ in range(2)]
+    memories = [Residual(), Residual()]
+    replicas = SimulatedReplicas("topk", {"min_numel": 0, "scope": "bucket"}, 2, Meter())
+    for step in range(3):
+        grads = [{key: torch.randn(torch.Size(shape).numel(),
+                                   generator=torch.Generator().manual_seed(10 * step + r))
+                  for key, shape in shapes.items()} for r in range(2)]
+        compensated = [{key: memories[r].compensate(key, grads[r][key]) for key in shapes}
+                       for r in range(2)]
+        mean = coupling.exchange("topk", compressors, memories, compensated, infos,
+                                 list(infos), step, 0.01, "exact", "bucket")
+        expected = replicas.mean([replicas.encode(r, grads[r]) for r in range(2)])
+        for key in shapes:
+            assert torch.equal(mean[key], expected[key])
+            for r in range(2):
+                kept = replicas.schemes[r].state_dict()["memory"]["buffers"][key]
+                assert torch.equal(memories[r].buffers[key], kept)
+    assert coupling._wire_bytes("topk", infos, 0.01, 0, "bucket", ()) == sum(
+        replicas.schemes[0].payload_bytes(infos).values())

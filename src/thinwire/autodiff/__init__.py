@@ -6,8 +6,7 @@ only: the network and the sites' data come in as arguments.
 
 from thinwire.autodiff.engine import MODES, AutodiffConfig, DistributedAutodiff
 from thinwire.autodiff.power import Factors, structured_power_iterations
-from thinwire.autodiff.powersgd_mode import PowerSGDState
 from thinwire.autodiff.ranks import EffectiveRanks
 
 __all__ = ["MODES", "AutodiffConfig", "DistributedAutodiff", "EffectiveRanks", "Factors",
-           "PowerSGDState", "structured_power_iterations"]
+           "structured_power_iterations"]

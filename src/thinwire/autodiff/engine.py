@@ -35,7 +35,6 @@ from thinwire.autodiff.power import (
     reconstruct,
     structured_power_iterations,
 )
-from thinwire.autodiff.powersgd_mode import PowerSGDState
 from thinwire.autodiff.ranks import EffectiveRanks
 from thinwire.autodiff.replay import replay
 from thinwire.comm import Meter, world
@@ -43,6 +42,7 @@ from thinwire.comm.collectives import Group
 from thinwire.comm.fingerprint import check_peers
 from thinwire.compress.lowrank import seeded_normal
 from thinwire.feedback import all_finite, check_policy
+from thinwire.schemes import build
 
 MODES = ("dsgd", "dad", "edad", "rank-dad", "powersgd")
 ROW_MODES = ("dad", "edad", "rank-dad")  # modes that read the hooks' A and Δ
@@ -120,7 +120,10 @@ class DistributedAutodiff:
         self.step = 0
         self.skipped = 0
         self.ranks = EffectiveRanks()
-        self.powersgd = PowerSGDState(self.config.rank, self.config.seed)
+        # the gradient baseline: the powersgd scheme itself, with its error feedback; a
+        # site whose gradient is not finite contributes zeros and keeps its memory
+        self.powersgd = build("powersgd", rank=self.config.rank, seed=self.config.seed,
+                              nonfinite="skip")
         self.errors: dict[str, torch.Tensor] = {}  # rank-dad error feedback, (out, in + 1)
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.layers = _linear_layers(model, mode) if mode in ROW_MODES else {}
@@ -402,34 +405,23 @@ class DistributedAutodiff:
         return {name: s / divisor for (_, name, _), s in zip(parts[:-1], sums, strict=False)}
 
     def _powersgd(self, step: Step, batch: int) -> Grads:
-        """Two all-reduce rounds: ``ΣN_s·P_s`` (with the dense tensors), then ``ΣN_s·Q_s``."""
+        """The ``powersgd`` scheme over every site's ``w_s g_s``, ``w_s`` making its mean the
+        global gradient: ``S N_s / Σ N`` (mean reduction) or ``S`` (sum).
+
+        The scheme's error feedback is torch's hook's, the one every PowerSGD in the
+        package keeps (:class:`~thinwire.schemes.agreed.LowRankBasis`). A site with no
+        samples this step contributes a zero gradient and so still sends what its error
+        memory held back; one whose gradient is not finite (``nonfinite="skip"``)
+        contributes zeros and keeps its memory as it was.
+        """
         local = self._local_grads()
-        state = self.powersgd
-        scale = self._scale(batch)
-        contribute = batch > 0
-        low = [name for name, grad in local.items() if state.compresses(grad)]
-        parts = []
-        for name, grad in local.items():
-            if name in low:
-                parts.append(("factor", name, state.project(name, grad, contribute) * scale))
-            else:
-                parts.append(("W_grad", name, grad * scale if contribute
-                              else torch.zeros_like(grad)))
-        parts.append(("size", "(batch)", next(iter(local.values())).new_tensor([float(batch)])))
-        sums = dict(zip([name for _, name, _ in parts], all_reduce_sum(parts, self.group,
-                                                                         self.meter), strict=True))
-        divisor = self._divisor(float(sums["(batch)"]))
-        grads = {name: sums[name] / divisor for name in local if name not in low}
-        hats = {}
-        second = []
-        for name in low:
-            p_hat, q_local = state.back_project(name, sums[name])
-            hats[name] = p_hat
-            second.append(("factor", name, q_local * scale))
-        q_sums = all_reduce_sum(second, self.group, self.meter)
-        for (_, name, _), q_sum in zip(second, q_sums, strict=True):
-            grads[name] = state.finish(name, hats[name], q_sum / divisor, local[name].shape)
-        return {name: grads[name] for name in local}
+        first = next(iter(local.values()))
+        total = float(all_reduce_sum([("size", "(batch)", first.new_tensor([float(batch)]))],
+                                     self.group, self.meter)[0])
+        weight = self.sites * self._scale(batch) / self._divisor(total) if batch else 0.0
+        self.powersgd.meter = self.meter
+        return self.powersgd.reduce({name: grad * weight for name, grad in local.items()},
+                                    self.group)
 
     def _scale(self, batch: int) -> float:
         return float(batch) if self.config.reduction == "mean" else float(batch > 0)

@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "async": "thinwire.cli.async_",
     "pipeline": "thinwire.cli.pipeline",
     "dad": "thinwire.cli.dad",
+    "lighthouse": "thinwire.cli.lighthouse",
 }
 
 

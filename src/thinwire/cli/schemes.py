@@ -1,6 +1,7 @@
 """List the schemes and pipeline boundaries, and what each option means: default, range.
 
-``thinwire schemes NAME`` shows one scheme or boundary.
+``thinwire schemes NAME`` shows one scheme or boundary; ``--kind`` lists one kind of name
+(the parameter server's push schemes, say), which is how the user guide's tables are made.
 """
 
 from __future__ import annotations
@@ -13,6 +14,24 @@ from thinwire import schemes
 from thinwire.jobs.common import field_comments
 from thinwire.jobs.local_run import DiLoCoOptions
 from thinwire.pipeline import boundary_config_class, boundary_kinds
+from thinwire.ps.wire import build_push
+
+
+def push_names() -> list[str]:
+    """The registered schemes a parameter-server push takes (those :func:`build_push`
+    builds at their defaults), in registry order."""
+    names = []
+    for name in schemes.names():
+        try:
+            build_push(name)
+        except ValueError:
+            continue
+        names.append(name)
+    return names
+
+
+# --kind: which names are listed when no NAME is given.
+KINDS = {"scheme": schemes.names, "push": push_names, "boundary": boundary_kinds}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true",
                         help="print options as Markdown tables (option, default, meaning), "
                              "as the user guide shows them: NAME's, or every scheme's")
+    parser.add_argument("--kind", choices=sorted(KINDS), default=None,
+                        help="without NAME, list only this kind: every scheme, the schemes "
+                             "a parameter-server push takes (thinwire async --push), or every "
+                             "pipeline boundary (default: all of them; with --markdown, every "
+                             "scheme)")
 
 
 def describe(name: str, config: type) -> str:
@@ -63,12 +87,17 @@ def config_of(name: str) -> type:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.name is not None and args.kind is not None:
+        raise ValueError(f"give a NAME ({args.name!r}) or --kind ({args.kind!r}), not both")
     if args.markdown:
-        chosen = [args.name] if args.name is not None else schemes.names()
+        chosen = [args.name] if args.name is not None else KINDS[args.kind or "scheme"]()
         print("\n\n".join(markdown(name, config_of(name)) for name in chosen))
         return 0
     if args.name is not None:
         return _show_one(args.name)
+    if args.kind is not None:
+        print("\n\n".join(describe(name, config_of(name)) for name in KINDS[args.kind]()))
+        return 0
     print("Schemes. Set an option with --option KEY=VALUE (thinwire compare, train), "
           "--dp-option (pipeline) or --push-option (async).\n")
     print("\n\n".join(describe(name, schemes.config_class(name)) for name in schemes.names()))

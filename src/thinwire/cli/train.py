@@ -4,8 +4,12 @@
     torchrun --nproc-per-node 4 -m thinwire train --scheme topk --sites 2   # FSDP2 in 2 sites
     torchrun --nproc-per-node 4 -m thinwire train --scheme diloco+int4 --option every=50
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 -m thinwire train ...
+    thinwire train --fault-tolerant --lighthouse http://host:29510 --replica-id 0 \
+        --min-workers 2 --scheme diloco+int4     # one per worker, relaunched at will
 
 Rendezvous, multi-node included, is torchrun's; this only reads its environment.
+Under --fault-tolerant each worker is a process of its own (or a torchrun of one
+process), torchft's Lighthouse forms the quorums (docs/guide/fault-tolerance.md).
 Where torch finds a GPU, each rank trains on ``cuda:LOCAL_RANK`` under NCCL.
 Rank 0 prints a summary table and writes results.json, results.md,
 accuracy_vs_bytes.png and, for a sparsifier, threshold.png to --out.
@@ -26,7 +30,7 @@ from thinwire.cli.compare import add_recipe_options, add_scheme_options, add_sit
 from thinwire.jobs import board, common, local_run
 from thinwire.jobs.compare import parse_options, plot, scheme_config
 from thinwire.jobs.sharded import NATIVE, check_sites, run_sharded
-from thinwire.launch import RankFailed, add_timeout, current_phase
+from thinwire.launch import RankFailed, add_timeout, current_phase, end_process_group
 from thinwire.progress import StepBar
 
 
@@ -44,10 +48,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gloo or nccl (default: nccl on a GPU, gloo on the CPU)")
     common.add_outputs(parser, "train")
     add_timeout(parser)
+    elastic = parser.add_argument_group(
+        "fault tolerance (torchft)", "workers that fail and join: each worker is launched, "
+        "and relaunched, on its own (docs/guide/fault-tolerance.md)")
+    elastic.add_argument("--fault-tolerant", action="store_true",
+                         help="train under torchft: a quorum of the live workers at each sync "
+                              "(diloco+SCHEME) or step, healing of workers that join")
+    elastic.add_argument("--lighthouse", default=None, metavar="ADDRESS",
+                         help="the Lighthouse, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE; "
+                              "start one with thinwire lighthouse)")
+    elastic.add_argument("--min-workers", type=int, default=1, metavar="N",
+                         help="the fewest workers a sync or step commits with")
+    elastic.add_argument("--replica-id", type=int, default=None, metavar="N",
+                         help="this worker's number, >= 0: names it to the Lighthouse and "
+                              "seeds its batches (a relaunched worker takes its old one)")
+    elastic.add_argument("--quorum-timeout", type=float, default=600.0, metavar="SECONDS",
+                         help="the longest a worker waits for a quorum (a joining worker "
+                              "waits for the others' next sync)")
 
 
 def run(args: argparse.Namespace) -> int:
     """One rank of the job; rank 0 prints the summary and writes the run folder."""
+    if args.fault_tolerant:
+        return _run_elastic(args)
+    for flag in ("lighthouse", "replica_id"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --fault-tolerant")
     if "RANK" not in os.environ:
         raise ValueError("thinwire train expects torchrun's environment (RANK, WORLD_SIZE, "
                          "MASTER_ADDR); launch it with torchrun, or use thinwire compare")
@@ -97,7 +123,61 @@ def run(args: argparse.Namespace) -> int:
                                                               1e-9))
             _write(args, result)
     finally:
-        dist.destroy_process_group()
+        end_process_group()
+    return 0
+
+
+def _run_elastic(args: argparse.Namespace) -> int:
+    """One fault-tolerant worker: its own results in ``--out``/worker-N."""
+    if args.replica_id is None:
+        raise ValueError("--fault-tolerant needs --replica-id N: a number >= 0, a different "
+                         "one for each worker")
+    if args.replica_id < 0:
+        raise ValueError(f"--replica-id {args.replica_id} must be >= 0")
+    if args.sites is not None:
+        raise ValueError("--fault-tolerant takes no --sites: each worker is one process")
+    if args.min_workers < 1:
+        raise ValueError(f"--min-workers {args.min_workers} must be >= 1")
+    options = run_options(args)
+    parse_options(args.option, [args.scheme])
+    config = scheme_config(args.scheme, args.ratio, args.life_span, args.option)
+    local_run.validate(args.scheme, config)
+    device = rank_device(args.device)
+    options = dataclasses.replace(options, device=str(device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's own logging, read at its import
+    from thinwire import elastic
+    from thinwire.jobs.elastic_run import run_elastic
+
+    def connect() -> Any:
+        return elastic.connect(args.lighthouse, min_workers=args.min_workers,
+                               replica_id=f"worker{args.replica_id}",
+                               backend=args.backend or ("nccl" if device.type == "cuda"
+                                                        else "gloo"),
+                               timeout_s=args.timeout, quorum_timeout_s=args.quorum_timeout)
+
+    bar = StepBar(options.steps, show=True)
+    try:
+        result = run_elastic(args.scheme, config, options, connect, args.replica_id,
+                             progress=bar.update)
+    except elastic.QuorumLost as error:
+        raise RankFailed(f"worker {args.replica_id}: {error}") from error
+    finally:
+        bar.close()
+        end_process_group()
+    out = common.run_folder(args.out, "train") / f"worker-{args.replica_id}"
+    out.mkdir(parents=True, exist_ok=True)
+    record = result["record"]
+    rows = [[result["scheme"], str(args.replica_id), str(int(record["commits"])),
+             str(int(record["failures"])), str(int(record["heals"])),
+             f"{result['bytes_sent_per_step']:,.0f}", f"{result['wall_s']:.2f}"]]
+    header = ["scheme", "worker", "commits", "failed", "heals", "handed B/step", "wall s"]
+    common.write_results(out, "train", args, [result],
+                         f"# thinwire train --fault-tolerant\n\n"
+                         f"{common.markdown_table(header, rows)}\n")
+    print(common.text_table(header, rows))
+    print(f"wrote {out}/results.json, results.md")
     return 0
 
 

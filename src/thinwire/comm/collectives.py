@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from thinwire.comm.meter import Meter
 
 Group = dist.ProcessGroup | None
 Future = torch.futures.Future
+T = TypeVar("T")
 # One tensor gathered into one tensor: torch 2.13 renamed all_gather_into_tensor, whose old
 # name (deprecated there) serves the earlier releases that GPU images often carry.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -61,6 +62,20 @@ def device_future(devices: Iterable[torch.device]) -> Future[Any]:
     cuda: list[int | str | torch.device] = sorted({d for d in devices if d.type == "cuda"},
                                                   key=str)
     return Future(devices=cuda) if cuda else Future()
+
+
+def then_hold(future: Future[Any], value: Callable[[], T]) -> Future[T]:
+    """A future of ``value()`` once ``future`` is done, or of ``future``'s error if it failed.
+
+    A callback that ignores its future (``future.then(lambda _: buffer)``) swallows
+    the error: a collective cut short by a lost peer would hand its half-filled
+    buffer on as a result.
+    """
+    def hold(arrived: Future[Any]) -> T:
+        arrived.value()  # raises the collective's error
+        return value()
+
+    return future.then(hold)
 
 
 def collect(futures: Sequence[Future[Any]], devices: Iterable[torch.device]) -> Future[Any]:
@@ -182,12 +197,11 @@ def all_gather_fixed(payload: torch.Tensor, group: Group = None, meter: Meter | 
             work = dist.broadcast(row, group=side, async_op=True, group_src=r)
             assert work is not None
             futures.append(work.get_future())
-        return collect(futures, [payload.device]).then(lambda _: rows)
+        return then_hold(collect(futures, [payload.device]), lambda: rows)
     gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
     work = all_gather_single(gathered, payload, group=group, async_op=True)
     assert work is not None
-    result: Future[Any] = work.get_future().then(lambda _: list(gathered.view(n, -1)))
-    return result
+    return then_hold(work.get_future(), lambda: list(gathered.view(n, -1)))
 
 
 # Below this many bytes per rank two ranks all-gather: the later rank's wait is then under

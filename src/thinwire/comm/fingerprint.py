@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from thinwire.comm.collectives import Group, world
 
 DIGEST_BYTES = 32  # sha256
+PEER_CHECK_S = 300.0  # the longest a rank waits for every peer to reach the check (gloo)
 _SHOWN = 4  # differing fields named in the message; the rest are counted
 
 
@@ -75,7 +78,8 @@ def check_peers(fields: Mapping[str, Any], where: str, group: Group = None,
         device: where the digest travels (a CUDA device under NCCL); default CPU.
 
     Raises:
-        PeerMismatchError: a field differs between ranks.
+        PeerMismatchError: a field differs between ranks, or a peer did not reach the
+            check within :data:`PEER_CHECK_S` seconds.
     """
     _, n = world(group)
     if n == 1:
@@ -83,9 +87,37 @@ def check_peers(fields: Mapping[str, Any], where: str, group: Group = None,
     flat = flatten(fields)
     mine = torch.frombuffer(bytearray(digest(flat)), dtype=torch.uint8).to(device or "cpu")
     gathered = [torch.empty_like(mine) for _ in range(n)]
+    _arrive(group, where)
     dist.all_gather(gathered, mine, group=group)
     if all(torch.equal(other, gathered[0]) for other in gathered[1:]):
         return
     per_rank: list[Any] = [None] * n
     dist.all_gather_object(per_rank, flat, group=group)
     raise PeerMismatchError(describe(per_rank, where))
+
+
+_CHECKS: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+
+
+def _arrive(group: Group, where: str) -> None:
+    """Wait until every rank of ``group`` has reached this check, on the group's store: a
+    peer that never comes (plain DDP beside thinwire) leaves no collective pending here,
+    so this rank fails cleanly, and its exit ends the peer's own wait.
+
+    Raises:
+        PeerMismatchError: a peer did not arrive within :data:`PEER_CHECK_S` seconds.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None
+    count = _CHECKS[pg] = _CHECKS.get(pg, -1) + 1  # every rank checks in the same order
+    store = dist.distributed_c10d._get_process_group_store(pg)
+    rank, n = world(group)
+    store.set(f"thinwire-peer-check/{count}/{rank}", "1")
+    try:
+        store.wait([f"thinwire-peer-check/{count}/{peer}" for peer in range(n)],
+                   timedelta(seconds=PEER_CHECK_S))
+    except RuntimeError as error:  # DistStoreError: timed out
+        raise PeerMismatchError(
+            f"not every peer of {where} reached its setup check within {PEER_CHECK_S:g} s: "
+            "every rank must set up thinwire alike; a rank that runs plain DDP, another hook "
+            "or no thinwire at all beside it never arrives") from error

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm._metered import Segments, record_segments
-from thinwire.comm.collectives import Group, done, world
+from thinwire.comm.collectives import Group, done, then_hold, world
 from thinwire.comm.meter import Meter
 
 Future = torch.futures.Future[Any]
@@ -40,5 +40,4 @@ def broadcast_indices(index_wire: torch.Tensor, leader: int, group: Group = None
         return done(index_wire)
     work = dist.broadcast(index_wire, group=group, group_src=leader, async_op=True)
     assert work is not None
-    result: Future = work.get_future().then(lambda _: index_wire)
-    return result
+    return then_hold(work.get_future(), lambda: index_wire)

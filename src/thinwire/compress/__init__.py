@@ -1,26 +1,37 @@
-"""Pure tensor maths: tensor (+ state) -> payload -> tensor. No collectives.
+"""Pure tensor maths: selections, value codecs, index codecs and payload layouts. No collectives.
 
 Floor: the lowest; it imports no other part of thinwire.
 """
 
-from thinwire.compress.base import Compressor, TensorInfo, decode, keep_count
-from thinwire.compress.dense import FP16, Dense
-from thinwire.compress.payload import DensePayload, LowRankPayload, Payload, SparsePayload
+from thinwire.compress.base import TensorInfo, keep_count
+from thinwire.compress.payload import (
+    DensePayload,
+    IndexCodec,
+    LowRankPayload,
+    Payload,
+    SparseLayout,
+    SparsePayload,
+    decode,
+)
 from thinwire.compress.sparse import DCTThreshold, LaplaceThreshold, Sparsifier, TopK
+from thinwire.compress.values import Cast, Quantised, ValueCodec, value_codec
 
 __all__ = [
-    "FP16",
-    "Compressor",
+    "Cast",
     "DCTThreshold",
-    "Dense",
     "DensePayload",
+    "IndexCodec",
     "LaplaceThreshold",
     "LowRankPayload",
     "Payload",
+    "Quantised",
+    "SparseLayout",
     "SparsePayload",
     "Sparsifier",
     "TensorInfo",
     "TopK",
+    "ValueCodec",
     "decode",
     "keep_count",
+    "value_codec",
 ]

@@ -5,7 +5,8 @@ keeps exactly ``k`` entries, a last partial chunk of ``m`` entries keeps
 ``ceil(k m / chunk)`` (the same density, at least one). Ties go to the lower
 position, so every device and every reimplementation picks the same entries.
 A fixed count per chunk fixes the payload's size and bounds each index by the
-chunk (12 bits for 4096: :mod:`thinwire.compress.chunk_index`).
+chunk (12 bits for 4096: :mod:`thinwire.compress.chunk_index`, the index codes
+:meth:`ChunkTopK.plan` lets a payload carry).
 
 Choices where the paper is open: chunks run along the flat view (the
 reference code tiles a matrix in 64 x 64 blocks; a flat chunk of 4096 has the
@@ -17,6 +18,7 @@ code's chunking sends every entry of those.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -124,6 +126,11 @@ class ChunkTopK(Sparsifier):
     def capacity(self, numel: int) -> int:
         """Exactly :func:`kept`: every chunk sends its count."""
         return kept(numel, self.chunk, self.k)
+
+    def plan(self, infos: Sequence[TensorInfo]) -> tuple[tuple[int, int], ...]:
+        """Each tensor's :func:`chunk_counts`, tensor after tensor."""
+        return tuple(part for info in infos
+                     for part in chunk_counts(info.numel, self.chunk, self.k))
 
     def _select(self, magnitudes: torch.Tensor, info: TensorInfo,
                 call: int) -> tuple[torch.Tensor, float]:

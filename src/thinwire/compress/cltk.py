@@ -15,21 +15,13 @@ depending only on ``(k, N)``, so the broadcast needs no size round.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from thinwire.compress._select import largest_in_order
 from thinwire.compress.base import keep_count
-from thinwire.compress.payload import (
-    bitmap_bytes,
-    decode_index16,
-    encode_index16,
-    index16_bytes,
-    pack_bits,
-    unpack_bits,
-)
+from thinwire.compress.payload import IndexCodec
 
 
 def chunk_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
@@ -119,45 +111,23 @@ def sparsify(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return out.reshape(tensor.shape)
 
 
-def _index_format(k: int, numel: int) -> tuple[str, int]:
-    """The smallest encoding of ``k`` indices into ``numel`` entries, and its bytes:
-    int32, the 16-bit code (:func:`~thinwire.compress.payload.index16_bytes`) or a bitmap,
-    the first of those on a tie."""
-    sizes = {"int32": 4 * k, "index16": index16_bytes(k, numel),
-             "bitmap": bitmap_bytes(numel)}
-    name = min(sizes, key=lambda format: sizes[format])
-    return name, sizes[name]
-
-
 def index_nbytes(k: int, numel: int) -> int:
     """Wire bytes of ``k`` indices into ``numel`` entries (:func:`encode_indices`)."""
-    return _index_format(k, numel)[1]
+    return IndexCodec.choose(None, k, numel).nbytes
 
 
 def encode_indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
-    """``indices`` (distinct, ascending) as ``index_nbytes(k, numel)`` uint8."""
-    k = indices.numel()
-    name, nbytes = _index_format(k, numel)
-    if name == "bitmap":
-        mask = torch.zeros(numel, dtype=torch.bool, device=indices.device)
-        mask[indices] = True
-        packed = pack_bits(mask)
-        return torch.nn.functional.pad(packed, (0, nbytes - packed.numel()))
-    if name == "index16":
-        area = torch.zeros(nbytes, dtype=torch.uint8, device=indices.device)
-        encode_index16(indices, k, numel, area)
-        return area
-    return indices.to(torch.int32).view(torch.uint8)
+    """``indices`` (distinct, ascending) as ``index_nbytes(k, numel)`` uint8: int32, the
+    16-bit code or a bitmap, whichever is smallest (:class:`IndexCodec`)."""
+    codec = IndexCodec.choose(None, indices.numel(), numel)
+    area = torch.zeros(codec.nbytes, dtype=torch.uint8, device=indices.device)
+    codec.encode(indices, area)
+    return area
 
 
 def decode_indices(encoded: torch.Tensor, k: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`encode_indices`: ``k`` int64 indices, ascending."""
-    name, _ = _index_format(k, numel)
-    if name == "bitmap":
-        return unpack_bits(encoded[: math.ceil(numel / 8)], numel).nonzero().squeeze(1)
-    if name == "index16":
-        return decode_index16(encoded, k, k, numel)
-    return encoded.view(torch.int32).to(torch.int64)
+    return IndexCodec.choose(None, k, numel).decode(encoded, k)
 
 
 def _check_k(k: int, numel: int) -> None:

@@ -5,8 +5,9 @@ and cut by ``scale = RANGE * std / BINS`` (``std`` the unbiased standard
 deviation, ``RANGE`` = 6 deviations over ``BINS`` = 4 bins) into the bins
 ``q = clamp(round((x - mu) / scale + 2), 0, 3)``; a receiver reads each code
 as the mean of the values in its bin, four fp32 numbers sent after the codes
-(an empty bin's is 0), with no padding. This is the reference code's statistical quantiser at
-4 bins, with its mean folded into the table. A scale of 0 (one value, or all
+(an empty bin's is 0; :class:`~thinwire.compress.values.Binned` lays them out).
+This is the reference code's statistical quantiser at 4 bins, with its mean
+folded into the table. A scale of 0 (one value, or all
 equal) or a non-finite one is replaced by 1. Arithmetic runs in fp32 (fp64 for
 fp64 values) and each bin's sum is one reduction, so encoding is deterministic.
 """
@@ -26,33 +27,19 @@ RANGE = 6.0  # the spread the bins cover, in standard deviations
 
 @dataclass(frozen=True)
 class Codebook:
-    """Packed 2-bit codes of ``numel`` values and the four values they stand for."""
+    """2-bit codes of ``numel`` values and the four values they stand for."""
 
     codes: torch.Tensor  # uint8, packed four to a byte, unpadded
     table: torch.Tensor  # SCALE_DTYPE (fp32), one value per bin
     numel: int
 
-    def to_bytes(self) -> torch.Tensor:
-        """The codes, then the table: :func:`nbytes` bytes (uint8), no padding."""
-        return torch.cat([self.codes, self.table.contiguous().view(torch.uint8)])
 
-    @staticmethod
-    def from_bytes(buffer: torch.Tensor, numel: int) -> Codebook:
-        """The codebook of ``numel`` values :meth:`to_bytes` wrote at the start of
-        ``buffer`` (uint8)."""
-        start = _code_bytes(numel)
-        # a copy: the table's bytes may sit at an offset a float view cannot take
-        table = buffer[start: start + BINS * SCALE_DTYPE.itemsize].clone().view(SCALE_DTYPE)
-        return Codebook(buffer[:start], table, numel)
-
-
-def _code_bytes(numel: int) -> int:
+def code_bytes(numel: int) -> int:
+    """Bytes of the packed codes of ``numel`` values."""
     return (numel * BITS + 7) // 8
 
 
-def nbytes(numel: int) -> int:
-    """Wire size of the codebook of ``numel`` values: their codes and the table."""
-    return _code_bytes(numel) + BINS * SCALE_DTYPE.itemsize
+TABLE_BYTES = BINS * SCALE_DTYPE.itemsize  # the four values of a codebook's bins
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:

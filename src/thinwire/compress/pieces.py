@@ -36,11 +36,9 @@ STREAM_RULES = ("auto", "always")
 
 @runtime_checkable
 class Streams(Protocol):
-    """A compressor that selects each entry on its own once a tensor's threshold is known,
+    """A selection that selects each entry on its own once a tensor's threshold is known,
     so a bucket can be selected and sent part by part (DCT's reused threshold)."""
 
-    value_dtype: torch.dtype  # dtype values travel in
-    index_format: str  # index list of the payload (SparseLayout)
     stream: str  # when pieces are sent: one of STREAM_RULES
 
     @property

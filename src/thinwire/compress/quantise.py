@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thinwire.compress.base import Compressor, TensorInfo
-from thinwire.compress.payload import Payload
+from thinwire.compress.base import TensorInfo
 
 KINDS = {"int8": 8, "int4": 4, "int2": 2, "sign": 1}  # name -> bits per entry
 CHUNK = 128  # default entries per scale: 32 bits of scale add 0.25 bit an entry
@@ -110,7 +109,7 @@ def unpack(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     return codes.reshape(-1)[:numel]
 
 
-class Quantiser(Compressor):
+class Quantiser:
     """Per-chunk scaled quantisation (module docstring), stateless.
 
     Args:
@@ -137,8 +136,12 @@ class Quantiser(Compressor):
         """Wire size of one tensor of ``numel`` entries."""
         return quantised_bytes(numel, self.bits, self.chunk)
 
-    def compress(self, tensor: torch.Tensor, info: TensorInfo) -> QuantisedPayload:  # type: ignore[override]
-        flat = tensor.reshape(-1)
+    def compress(self, tensor: torch.Tensor, info: TensorInfo) -> QuantisedPayload:
+        """The payload of ``tensor`` (not modified)."""
+        return self.encode(tensor.reshape(-1))
+
+    def encode(self, flat: torch.Tensor) -> QuantisedPayload:
+        """The payload of the 1-D ``flat`` (not modified)."""
         work = flat.to(_work_dtype(flat.dtype))
         numel = work.numel()
         count = chunks(numel, self.chunk)
@@ -180,9 +183,8 @@ class Quantiser(Compressor):
                 self.levels)
         return levels.mul_(scales).reshape(-1)[:numel].to(dtype)
 
-    def decompress(self, payload: Payload, info: TensorInfo) -> torch.Tensor:
-        if not isinstance(payload, QuantisedPayload):
-            return super().decompress(payload, info)
+    def decompress(self, payload: QuantisedPayload, info: TensorInfo) -> torch.Tensor:
+        """The tensor ``payload`` stands for, in ``info``'s shape and dtype."""
         return self.decode_flat(payload, info.dtype).reshape(info.shape)
 
 

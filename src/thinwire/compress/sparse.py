@@ -19,7 +19,7 @@ Choices every sparsifier here shares (the papers leave them open):
 from __future__ import annotations
 
 import math
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from fnmatch import fnmatchcase
@@ -33,13 +33,12 @@ from thinwire.compress._select import (
     largest_in_order,
     sparse_nonzero,
 )
-from thinwire.compress.base import Compressor, TensorInfo, check_fraction, keep_count
+from thinwire.compress.base import TensorInfo, check_fraction, keep_count
 from thinwire.compress.cltk import SELECTIONS, layer_k
 from thinwire.compress.grouping import regroup, split_ascending
-from thinwire.compress.payload import INDEX_FORMATS, DensePayload, Payload, SparsePayload
+from thinwire.compress.payload import DensePayload, Payload, SparsePayload, decode
 from thinwire.compress.pieces import STREAM_RULES
 
-_VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 SCOPES = ("layer", "bucket")
 MIN_NUMEL = 0  # default: tensors smaller than this travel dense (0: none do)
 LAPLACE_MIN_NUMEL = 1024  # the Laplace fit's: it passes nothing on a tensor of a few entries
@@ -50,42 +49,40 @@ CAPACITY = 1.25
 TRACE_LENGTH = 4096  # threshold-trace points kept per key (the most recent)
 
 
-class Sparsifier(Compressor):
-    """Common machinery: routing small tensors dense, value dtype, capacity, a threshold trace.
+class Sparsifier(ABC):
+    """A selection: which entries of each tensor a step sends, and which travel whole.
+
+    Common machinery: routing small and excluded tensors whole, a payload's room
+    (capacity), selection over one tensor or a group of them, a threshold trace.
+    How the chosen values and their indices travel is the scheme's (a value
+    codec, :mod:`thinwire.compress.values`; an index codec,
+    :class:`~thinwire.compress.payload.IndexCodec`).
+
+    Contract of :meth:`_select`: distinct indices; :meth:`_pick` sorts them
+    when they do not ascend (the 16-bit index code and the bitmap need them so),
+    so a selection of any order is exact on the wire.
 
     Args:
-        min_numel: tensors smaller than this travel dense (default :data:`MIN_NUMEL`).
-        values: ``"fp32"`` or ``"fp16"``, the dtype values travel in.
+        min_numel: tensors smaller than this travel whole (default :data:`MIN_NUMEL`).
         capacity: payload room in multiples of the target count k, >= 1
             (default :data:`CAPACITY`; :class:`TopK` never needs more than k).
-        indices: index list format of the bucket payload, ``"int32"`` or
-            ``"delta16"`` (:class:`~thinwire.compress.payload.SparseLayout`; a
-            bitmap replaces either when smaller).
-        exclude: fnmatch patterns of the keys always sent dense; empty: none.
+        exclude: fnmatch patterns of the keys always sent whole; empty: none.
         scope: ``"layer"`` (each tensor at the target density) or ``"bucket"``
             (one selection over all the tensors of a call; :meth:`select_all`).
     """
 
-    def __init__(self, *, min_numel: int = MIN_NUMEL, values: str = "fp32",
-                 capacity: float = CAPACITY, indices: str = "int32",
+    def __init__(self, *, min_numel: int = MIN_NUMEL, capacity: float = CAPACITY,
                  exclude: tuple[str, ...] = (), scope: str = "layer") -> None:
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel={min_numel!r} must be an integer >= 0")
-        if values not in (*_VALUE_DTYPES, "native"):
-            raise ValueError(f"values={values!r} must be one of {sorted(_VALUE_DTYPES)}")
         if not (isinstance(capacity, (int, float)) and math.isfinite(capacity)
                 and capacity >= 1.0):
             raise ValueError(f"capacity={capacity!r} must be a number >= 1")
-        if indices not in INDEX_FORMATS:
-            raise ValueError(f"indices={indices!r} must be one of {INDEX_FORMATS}")
         if scope not in SCOPES:
             raise ValueError(f"scope={scope!r} must be one of {SCOPES}")
         self.scope = scope
         self.min_numel = min_numel
         self.exclude = tuple(exclude)
-        self.index_format = indices
-        self.native_values = values == "native"  # values travel in the tensor's own dtype
-        self.value_dtype = _VALUE_DTYPES.get(values, torch.float32)
         self.capacity_factor = float(capacity)
         # key -> the last TRACE_LENGTH (call index, threshold, achieved density), for
         # plots (DCT Fig. 2); bounded so long runs do not grow it without end.
@@ -98,12 +95,8 @@ class Sparsifier(Compressor):
     def density(self) -> float:
         """Target fraction of entries kept."""
 
-    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype values of a ``dtype`` tensor travel in."""
-        return dtype if self.native_values else self.value_dtype
-
     def is_dense(self, info: TensorInfo) -> bool:
-        """Whether ``info``'s tensor bypasses sparsification (same answer on every rank)."""
+        """Whether ``info``'s tensor travels whole (same answer on every rank)."""
         if any(fnmatchcase(info.key, p) for p in self.exclude):
             return True
         return self.density >= 1.0 or info.numel < self.min_numel
@@ -113,21 +106,28 @@ class Sparsifier(Compressor):
         return min(numel, math.ceil(self.capacity_factor * keep_count(numel, self.density)
                                     - 1e-9))
 
-    def empty(self, info: TensorInfo) -> Payload:
-        dtype = self.wire_dtype(info.dtype)
-        if self.is_dense(info):
-            return DensePayload(torch.zeros(info.numel, dtype=dtype, device=info.device))
-        nothing = torch.zeros(0, dtype=torch.int64, device=info.device)
-        return SparsePayload(nothing.to(dtype), nothing, info.numel)
+    def diagnostics(self) -> dict[str, Any]:
+        """What the selection counts about itself, for reports; here nothing."""
+        return {}
+
+    def plan(self, infos: Sequence[TensorInfo]) -> tuple[tuple[int, int], ...] | None:
+        """``(entries, positions sent)`` of each chunk of ``infos``' tensors laid back to
+        back, where every call sends exactly that many of each (the payload then
+        carries a chunk code, :data:`~thinwire.compress.payload.CHUNK_FORMATS`); None:
+        the count varies (here)."""
+        return None
 
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Payload:
+        """``tensor``'s selected entries (in its own dtype), or all of it if it travels whole."""
         flat = tensor.reshape(-1)
-        dtype = self.wire_dtype(flat.dtype)
         if self.is_dense(info):
-            return DensePayload(flat.to(dtype))
+            return DensePayload(flat)
         indices = self.indices(flat.abs(), info)
-        values = flat.index_select(0, indices).to(dtype)
-        return SparsePayload(values, indices, flat.numel())
+        return SparsePayload(flat.index_select(0, indices), indices, flat.numel())
+
+    def decompress(self, payload: Payload, info: TensorInfo) -> torch.Tensor:
+        """The dense tensor ``payload`` stands for."""
+        return decode(payload, info)
 
     def indices(self, magnitudes: torch.Tensor, info: TensorInfo) -> torch.Tensor:
         """Indices to send of a sparsified tensor, at most :meth:`capacity` of them.
@@ -162,7 +162,7 @@ class Sparsifier(Compressor):
         if self.scope == "layer" or not infos:
             return [self.indices(part, info) for part, info in zip(parts, infos)]
         out = list(parts)  # each replaced by its tensor's indices below
-        for group in self._groups(infos):
+        for group in self.groups_of(infos):
             members = [infos[i] for i in group]
             if len(members) == 1:
                 out[group[0]] = self.indices(parts[group[0]], members[0])
@@ -180,19 +180,18 @@ class Sparsifier(Compressor):
                     self._trace(info.key, call, tau, chosen.numel() / info.numel)
         return out
 
-    def room(self, infos: Sequence[TensorInfo]) -> int:
+    def room(self, infos: Sequence[TensorInfo], *, record: bool = True) -> int:
         """Most entries one payload of ``infos``' tensors carries (same on every rank).
 
         ``scope="layer"``: each tensor's :meth:`capacity`. ``scope="bucket"``: the
         capacity of each group selected together, so a bucket of many small
         tensors carries no room that its one selection could not fill. It
         records the grouping as :meth:`select_all` does, so a rank that skips a
-        non-finite step keeps the same groups, and the same room, as the others.
+        non-finite step keeps the same groups, and the same room, as the others;
+        without ``record``, a question about ``infos`` as one call records nothing.
         """
-        if self.scope == "layer":
-            return sum(self.capacity(info.numel) for info in infos)
         return sum(self.capacity(sum(infos[i].numel for i in group))
-                   for group in self._groups(infos))
+                   for group in self.groups_of(infos, record=record))
 
     @property
     def piece(self) -> int:
@@ -204,9 +203,16 @@ class Sparsifier(Compressor):
         """
         return 0
 
-    def _groups(self, infos: Sequence[TensorInfo]) -> list[list[int]]:
-        """Positions in ``infos`` of each group to select together (``scope="bucket"``)."""
-        return regroup(self.groups, [info.key for info in infos])
+    def groups_of(self, infos: Sequence[TensorInfo], *,
+                  record: bool = True) -> list[list[int]]:
+        """Positions in ``infos`` of each group selected together: each tensor alone
+        (``scope="layer"``), or the call's tensors (``"bucket"``), regrouped as they were
+        last selected (:func:`~thinwire.compress.grouping.regroup`; recorded unless not
+        ``record``)."""
+        if self.scope == "layer":
+            return [[i] for i in range(len(infos))]
+        return regroup(self.groups if record else dict(self.groups),
+                       [info.key for info in infos])
 
     def _pick(self, magnitudes: torch.Tensor,
               info: TensorInfo) -> tuple[torch.Tensor, int, float]:
@@ -216,6 +222,11 @@ class Sparsifier(Compressor):
         call = self._calls.get(info.key, 0)
         self._calls[info.key] = call + 1
         indices, tau = self._select(magnitudes, info, call)
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            indices = indices.sort().values  # the contract, kept where it is made
+            if bool((indices[1:] == indices[:-1]).any()):
+                raise ValueError(f"{type(self).__name__} selected an index of {info.key!r} "
+                                 "twice; a selection's indices must be distinct")
         room = self.capacity(magnitudes.numel())
         if indices.numel() > room:  # the largest go now, the rest stay in the error memory
             indices = indices.index_select(
@@ -359,6 +370,10 @@ class DCTThreshold(Sparsifier):
             self.tau[key] = tau * self._correction(magnitudes, indices.numel(), k, room)
         return indices, tau
 
+    def diagnostics(self) -> dict[str, Any]:
+        """The threshold recomputations (Alg. 1 lines 4-6) per tensor."""
+        return {"threshold_refreshes": dict(self.refreshes)}
+
     @property
     def piece(self) -> int:
         """The ``piece`` option, per tensor (``scope="layer"``) and without the budget
@@ -478,7 +493,7 @@ class Selection(Sparsifier):
     the largest of each of ``k`` chunks (:data:`~thinwire.compress.cltk.SELECTIONS`).
 
     Exactly ``k = layer_k(N, ratio, k)`` entries go, zeros included, so the
-    payload's room is k. While :attr:`warming` every tensor travels dense.
+    payload's room is k.
 
     Args:
         ratio: fraction of entries kept, in (0, 1].
@@ -493,15 +508,14 @@ class Selection(Sparsifier):
             raise ValueError(f"selection={selection!r} must be one of {sorted(SELECTIONS)}")
         super().__init__(**kwargs)
         self.ratio, self.k, self.selection = ratio, k, selection
-        self.warming = False  # set per round by the scheme: warm-up steps travel dense
 
     @property
     def density(self) -> float:
         return self.ratio
 
     def is_dense(self, info: TensorInfo) -> bool:
-        """Dense while warming, when empty, small or excluded; ``ratio=1`` still selects."""
-        return (self.warming or info.numel == 0 or info.numel < self.min_numel
+        """Whole when empty, small or excluded; ``ratio=1`` still selects."""
+        return (info.numel == 0 or info.numel < self.min_numel
                 or any(fnmatchcase(info.key, p) for p in self.exclude))
 
     def capacity(self, numel: int) -> int:

@@ -269,7 +269,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     board = (MeterBoard(Path(options.tensorboard) / name,
                         sum(p.numel() * p.element_size() for p in model.parameters()))
              if options.tensorboard is not None and rank == 0 else None)
-    live_trace = scheme.trace or None
+    live_trace = scheme.trace  # filled as the steps run
     start = time.perf_counter()
     for step in range(1, options.steps + 1):
         phase(f"{name} step {step}")

@@ -28,8 +28,7 @@ from torch import nn
 
 from thinwire import schemes
 from thinwire.comm import Meter
-from thinwire.comm.collectives import ALONE
-from thinwire.compress import Sparsifier, TensorInfo
+from thinwire.compress import TensorInfo
 from thinwire.data import criteo
 from thinwire.launch import DEFAULT_TIMEOUT_S, phase, spawn
 from thinwire.models import dlrm, transformer
@@ -286,63 +285,47 @@ def _probe(model: nn.Module, names: tuple[str, ...], ratios: tuple[float, ...],
 class SimulatedReplicas:
     """Data parallelism over ``n`` replicas simulated in one process (for sweeps).
 
-    Each replica has its own copy of the scheme and encodes through the real
-    engine (:meth:`~thinwire.schemes.Scheme.reduce` over a group of its own,
-    :data:`~thinwire.comm.collectives.ALONE`): the same selection scope, error
-    memory and payloads as on a rank of a real job. :meth:`mean` then averages the
-    contributions as the exchange does: tensors sent dense divided first and
-    summed, sparse ones summed in replica order and divided. The meter records
-    what each replica hands over (``W_grad``), at a world size of ``n``.
+    Each replica has its own copy of the scheme and encodes its gradients through the
+    real kernel as one row (:meth:`~thinwire.schemes.Scheme.encode_row`): the same
+    selection, error memory and payload as a rank of a real job. :meth:`mean`
+    averages the rows as the exchange does (:meth:`~thinwire.schemes.Scheme.decode_rows`).
+    The meter records what each replica hands each collective, at a world size of ``n``.
 
     Raises:
-        ValueError: the scheme is not a ``CompressedScheme`` (rotating leaders and
-            two-round schemes need processes).
+        ValueError: the scheme agrees on its coordinates in a first round (clt-k,
+            powersgd: they need processes), or gradients of several dtypes.
     """
 
     def __init__(self, name: str, options: Mapping[str, Any], replicas: int,
                  meter: Meter) -> None:
         self.schemes = [schemes.build(name, **options) for _ in range(replicas)]
-        for scheme in self.schemes:
-            if not isinstance(scheme, schemes.CompressedScheme):
-                raise ValueError(f"scheme {name!r} cannot be simulated in one process; run "
-                                 "with processes (train_engine)")
-            scheme.meter = _ReplicaMeter(meter, replicas)
+        if self.schemes[0].traits.rounds > 1:
+            raise ValueError(f"scheme {name!r} cannot be simulated in one process; run "
+                             "with processes (train_engine)")
         self.meter = meter
+        self.infos: list[TensorInfo] = []
 
-    def encode(self, replica: int, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What replica ``replica`` contributes: its decoded payload per tensor."""
-        return self.schemes[replica].reduce(grads, ALONE)
+    def encode(self, replica: int, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """What replica ``replica`` contributes: its row (``grads`` are not modified)."""
+        infos = [TensorInfo.of(key, grad) for key, grad in grads.items()]
+        if len({info.dtype for info in infos}) > 1:
+            raise ValueError("simulated replicas need gradients of one dtype")
+        self.infos = infos
+        row, segments = self.schemes[replica].encode_row(
+            torch.cat([grad.reshape(-1) for grad in grads.values()]), infos)
+        seen: set[str] = set()  # a collective's later parts join its first (one call)
+        for collective, layer, nbytes in segments:
+            if collective != "row":
+                self.meter.record("W_grad", layer, collective, nbytes,
+                                  world_size=len(self.schemes), joined=collective in seen)
+                seen.add(collective)
+        return row
 
-    def mean(self, parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The replicas' contributions averaged as the engine's exchange averages them."""
-        n = len(parts)
-        compressor = self.schemes[0].compressor  # type: ignore[attr-defined]
-        out = {}
-        for key, first in parts[0].items():
-            info = TensorInfo.of(key, first)
-            if isinstance(compressor, Sparsifier) and not compressor.is_dense(info):
-                total = first.clone()
-                for part in parts[1:]:
-                    total.add_(part[key])
-                out[key] = total.div_(n) if n > 1 else total
-            else:  # all-reduced in the payload's dtype: each divides, then the sum
-                wire = [compressor.compress(part[key], info).values for part in parts]
-                shares = [values / n for values in wire] if n > 1 else wire
-                out[key] = sum(shares[1:], shares[0]).to(first.dtype).reshape(first.shape)
-        return out
-
-
-class _ReplicaMeter(Meter):
-    """Records into ``meter`` at the simulated world size."""
-
-    def __init__(self, meter: Meter, world_size: int) -> None:
-        super().__init__(0, world_size)
-        self.shared = meter
-
-    def record(self, entity: str, layer: str, collective: str, nbytes: int, *,
-               world_size: int | None = None, root: int = 0, joined: bool = False) -> None:
-        self.shared.record(entity, layer, collective, nbytes, world_size=self.world_size,
-                           root=root, joined=joined)
+    def mean(self, rows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The replicas' rows averaged as the engine's exchange averages them."""
+        flat = self.schemes[0].decode_rows(rows, self.infos)
+        views = flat.split([info.numel for info in self.infos])
+        return {info.key: view.view(info.shape) for info, view in zip(self.infos, views)}
 
 
 def train_local(config: RunConfig, *, progress: bool = False, task: Task | None = None,

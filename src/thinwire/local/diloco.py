@@ -17,7 +17,7 @@ DTensor parameter (FSDP2 inside a site) is worked on through its local shard,
 exchanged over ``group`` (the cross-site group, ``site_mesh(S)["site"]``);
 fragments are cut by whole-parameter size, so a site's shards agree on them.
 The schedule depends on the step count alone, so every rank launches the same
-exchanges in the same order.
+exchanges in the same order. Every rank starts from rank 0's weights, as under DDP.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from thinwire._version import __version__
 from thinwire.comm import Meter
+from thinwire.comm.broadcast import broadcast_object, broadcast_tensors, digest_tensors
 from thinwire.comm.collectives import Future, Group, done
 from thinwire.comm.fingerprint import check_peers
 from thinwire.feedback import Decayed
@@ -110,6 +111,31 @@ def split(sizes: list[int], fragments: int) -> list[list[int]]:
     return runs
 
 
+class Exchange(Protocol):
+    """How a fragment's pseudo-gradients are averaged, and whether the average is applied."""
+
+    def launch(self, updates: LocalUpdates, fragment: int,
+               deltas: dict[str, torch.Tensor]) -> Future[Any]:
+        """Start averaging ``deltas`` (the fragment's ``x_global - x_local`` by name)."""
+
+    def land(self, updates: LocalUpdates, fragment: int,
+             future: Future[Any]) -> Mapping[str, torch.Tensor] | None:
+        """The average to apply, or None: the exchange did not commit (nothing is applied)."""
+
+
+class _Direct:
+    """The scheme over the group, every average applied (no failure to recover from)."""
+
+    def launch(self, updates: LocalUpdates, fragment: int,
+               deltas: dict[str, torch.Tensor]) -> Future[Any]:
+        return updates.scheme.launch(deltas, updates.group)
+
+    def land(self, updates: LocalUpdates, fragment: int,
+             future: Future[Any]) -> Mapping[str, torch.Tensor] | None:
+        result: Mapping[str, torch.Tensor] = future.wait()
+        return result
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (in place edits reach the DTensor); any other tensor itself."""
     to_local = getattr(tensor, "to_local", None)
@@ -126,7 +152,9 @@ class LocalUpdates:
             loss(model(batch)).backward(); inner.step(); inner.zero_grad()
             updates.step()
 
-    Construction is a collective over ``group`` (the peer check).
+    Construction is a collective over ``group``: the peer check, then rank 0's
+    trained parameters are broadcast to every rank, as DDP does when it wraps a
+    model (ranks seeded differently then start alike).
 
     Args:
         module: the replica; its trained parameters are synchronised.
@@ -138,19 +166,23 @@ class LocalUpdates:
         group: the process group the workers exchange over; None: the default. For a
             model sharded with FSDP2 inside each site, the cross-site group.
         meter: records the bytes handed to torch.distributed; attached to the scheme.
+        broadcast: True: rank 0's weights at construction, and its global weights,
+            outer optimiser state and step count at :meth:`load_state_dict`, go to
+            every rank. False: each rank keeps its own, which must then be equal.
 
     Raises:
         ValueError: a bad option, more fragments than trained parameters, or a
             parameter sharded on a mesh of more than one dimension (native HSDP).
         PeerMismatchError: another rank differs in H, fragments, delay, mix, the
-            outer optimiser, the scheme or the parameters (on every rank alike).
+            outer optimiser, the scheme or the parameters, or (``broadcast=False``)
+            in its weights (on every rank alike).
     """
 
     def __init__(self, module: nn.Module, inner: torch.optim.Optimizer,
                  scheme: Scheme | None = None, *, every: int = 50, fragments: int = 1,
                  delay: int = 0, mix: float = 0.0, overlap: bool = False,
                  outer: OuterFactory | None = None, group: Group = None,
-                 meter: Meter | None = None) -> None:
+                 meter: Meter | None = None, broadcast: bool = True) -> None:
         self.config = LocalConfig(every, fragments, delay, mix, overlap)
         self.module = module
         self.inner = inner
@@ -171,9 +203,6 @@ class LocalUpdates:
         self.params = dict(named)
         with torch.no_grad():
             self.globals = {name: _local(p).detach().clone() for name, p in named}
-        # overlap: each replica's weights when its last exchange left, its progress' origin
-        self.anchors = ({name: g.clone() for name, g in self.globals.items()}
-                        if overlap else None)
         self.outer = (outer or nesterov(*outer_defaults(self.scheme)))(
             list(self.globals.values()))
         # split by the whole parameter's size (a DTensor's numel is global), so the
@@ -182,12 +211,45 @@ class LocalUpdates:
                           split([p.numel() for _, p in named], fragments)]
         self.steps = 0  # inner steps taken
         self.pending: dict[int, tuple[int, Future[Any]]] = {}  # fragment -> (lands at, result)
-        device = _local(named[0][1]).device if named else None
-        check_peers({**fingerprint(self.scheme), "local": dataclasses.asdict(self.config),
-                     "outer": _describe(self.outer),
-                     "parameters": {name: f"{tuple(_local(p).shape)} {p.dtype}"
-                                    for name, p in named},
-                     "thinwire": __version__}, "local updates", group, device)
+        self.exchange: Exchange = _Direct()  # thinwire.elastic's adds a quorum and a commit
+        self.broadcast = broadcast
+        self.device = _local(named[0][1]).device if named else None
+        # what every rank must share (thinwire.elastic compares it again in each quorum)
+        self.fields = {**fingerprint(self.scheme), "local": dataclasses.asdict(self.config),
+                       "outer": _describe(self.outer),
+                       "parameters": {name: f"{tuple(_local(p).shape)} {p.dtype}"
+                                      for name, p in named},
+                       "thinwire": __version__}
+        self._agree()
+        with torch.no_grad():  # every replica starts from the (now shared) global weights
+            for name in self.names:
+                _local(self.params[name]).copy_(self.globals[name])
+        # overlap: each replica's weights when its last exchange left, its progress' origin
+        self.anchors = ({name: g.clone() for name, g in self.globals.items()}
+                        if overlap else None)
+
+    def _agree(self) -> None:
+        """Every rank's global weights, outer optimiser state and step count become rank 0's
+        (broadcast), or are compared (``broadcast=False``), after the peer check. A
+        collective over ``group``; a no-op alone.
+
+        Raises:
+            PeerMismatchError: ``broadcast=False`` and the ranks' states differ.
+        """
+        shared = [self.globals[name] for name in self.names]
+        if not self.broadcast:
+            outer = [value for state in self.outer.state.values() for value in state.values()
+                     if isinstance(value, torch.Tensor)]
+            check_peers({**self.fields, "steps": self.steps, "weights": digest_tensors(shared),
+                         "outer state": digest_tensors(outer)},
+                        "local updates, each rank keeping its own weights (broadcast=False),",
+                        self.group, self.device)
+            return
+        check_peers(self.fields, "local updates", self.group, self.device)
+        broadcast_tensors(shared, self.group)
+        outer, self.steps = broadcast_object((self.outer.state_dict(), self.steps), self.group,
+                                             device=self.device)
+        self.outer.load_state_dict(outer)
 
     def step(self) -> list[int]:
         """Count one inner step; launch and land the fragments the schedule names.
@@ -226,11 +288,16 @@ class LocalUpdates:
         with torch.no_grad():
             deltas = {name: origin[name] - _local(self.params[name])
                       for name in self.fragments[fragment]}
-        self.pending[fragment] = (lands, self.scheme.launch(deltas, self.group))
+        self.pending[fragment] = (lands, self.exchange.launch(self, fragment, deltas))
 
     def _land(self, fragment: int, future: Future[Any]) -> None:
-        """The outer step on the fragment's global weights, then the local weights."""
-        averaged: Mapping[str, torch.Tensor] = future.wait()
+        """The outer step on the fragment's global weights, then the local weights (unless
+        the exchange did not commit: then both stay as they are)."""
+        averaged = self.exchange.land(self, fragment, future)
+        if averaged is None:
+            if self.anchors is not None:
+                self._rebase(fragment, moved=False)
+            return
         names = self.fragments[fragment]
         for name in names:  # the outer optimiser skips parameters without a gradient
             self.globals[name].grad = averaged[name].to(self.globals[name].dtype)
@@ -274,7 +341,8 @@ class LocalUpdates:
         """Module, inner, outer and scheme state together, with the exchanges in flight.
 
         Waits for the exchanges in flight (no new collective), so it is taken at
-        the same step on every rank; a run resumed from it is bit-identical.
+        the same step on every rank; a run resumed from it is bit-identical. An
+        exchange that did not go through is kept as None.
         """
         return {"steps": self.steps, "config": dataclasses.asdict(self.config),
                 "module": {k: v.clone() for k, v in self.module.state_dict().items()},
@@ -283,14 +351,19 @@ class LocalUpdates:
                 "anchors": None if self.anchors is None else {
                     name: a.clone() for name, a in self.anchors.items()},
                 "scheme": self.scheme.state_dict(),
-                "pending": {fragment: (lands, {k: v.clone() for k, v in future.wait().items()})
+                "pending": {fragment: (lands, _cloned(future.wait()))
                             for fragment, (lands, future) in self.pending.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s state (the options must match).
 
+        A collective over ``group``, as construction is: rank 0's global weights, outer
+        optimiser state and step count go to every rank (``broadcast``), or every rank's
+        must be equal; the replica (module, inner optimiser) stays each rank's own.
+
         Raises:
             ValueError: the state was saved under other options.
+            PeerMismatchError: ``broadcast=False`` and the ranks' states differ.
         """
         if {**dataclasses.asdict(LocalConfig()), **state["config"]} != dataclasses.asdict(
                 self.config):  # a state from before overlap existed has no such key
@@ -309,6 +382,11 @@ class LocalUpdates:
         self.steps = state["steps"]
         self.pending = {fragment: (lands, done(result))
                         for fragment, (lands, result) in state["pending"].items()}
+        self._agree()
+
+
+def _cloned(result: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return None if result is None else {key: value.clone() for key, value in result.items()}
 
 
 def _describe(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

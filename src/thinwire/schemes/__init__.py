@@ -8,7 +8,8 @@ from thinwire.schemes import powersgd as _powersgd  # noqa: F401
 from thinwire.schemes import quantised as _quantised  # noqa: F401
 from thinwire.schemes import scalecom as _scalecom  # noqa: F401
 from thinwire.schemes import sparseloco as _sparseloco  # noqa: F401
-from thinwire.schemes.base import CompressedScheme, Scheme
+from thinwire.schemes.base import Scheme
+from thinwire.schemes.kernel import CompressedScheme
 from thinwire.schemes.registry import build, config_class, fingerprint, names, register
 from thinwire.schemes.traits import Traits
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thinwire.compress import FP16, DCTThreshold, Dense, LaplaceThreshold, TopK
+from thinwire.compress import Cast, DCTThreshold, LaplaceThreshold, TopK
 from thinwire.compress.pieces import PIECE_ENTRIES, STREAM_RULES
 from thinwire.compress.sparse import CAPACITY, LAPLACE_MIN_NUMEL, MIN_NUMEL
 from thinwire.feedback import Residual
-from thinwire.schemes.base import CompressedScheme, Scheme
+from thinwire.schemes.base import Scheme
+from thinwire.schemes.kernel import CompressedScheme
 from thinwire.schemes.registry import (
     register,
     validate_capacity,
@@ -30,7 +31,7 @@ class DenseConfig:
 class TopKConfig:
     ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
-    values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16" or "bf16"
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     error_feedback: bool = True  # keep what was not sent for the next step
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
@@ -50,7 +51,7 @@ class DCTConfig:
     refresh_above: float | None = None  # recompute a stale tau passing > this x target; None: never
     gain: float | None = 0.05  # in (0, 1]: tau *= exp(gain (sent / k - 1)) per step; None: off
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
-    values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16" or "bf16"
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     drain_every: int | None = None  # stochastic drain period of the error buffer
     capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
@@ -83,7 +84,7 @@ class DCTConfig:
 class LaplaceConfig:
     ratio: float = 0.01  # target fraction of entries kept, in (0, 1]
     min_numel: int = LAPLACE_MIN_NUMEL  # tensors smaller than this travel dense (1024)
-    values: str = "fp32"  # dtype values travel in: "fp32" or "fp16"
+    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16" or "bf16"
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
@@ -98,36 +99,36 @@ class LaplaceConfig:
 
 @register("dense", DenseConfig)
 def _dense(config: DenseConfig) -> Scheme:
-    return CompressedScheme(Dense(), None, config.nonfinite)
+    return CompressedScheme(Cast("native"), nonfinite=config.nonfinite)
 
 
 @register("fp16", DenseConfig)
 def _fp16(config: DenseConfig) -> Scheme:
-    return CompressedScheme(FP16(), None, config.nonfinite)
+    return CompressedScheme(Cast("fp16"), nonfinite=config.nonfinite)
 
 
 @register("topk", TopKConfig)
 def _topk(config: TopKConfig) -> Scheme:
-    compressor = TopK(config.ratio, min_numel=config.min_numel, values=config.values,
-                      indices=config.indices, scope=config.scope, exclude=config.exclude)
-    memory = Residual() if config.error_feedback else None
-    return CompressedScheme(compressor, memory, config.nonfinite)
+    selection = TopK(config.ratio, min_numel=config.min_numel, scope=config.scope,
+                     exclude=config.exclude)
+    return CompressedScheme(Cast(config.values), selection,
+                            Residual() if config.error_feedback else None, config.nonfinite,
+                            indices=config.indices)
 
 
 @register("dct-dp", DCTConfig)
 def _dct_dp(config: DCTConfig) -> Scheme:
-    compressor = DCTThreshold(config.ratio, config.life_span, config.refresh_above,
-                              config.gain, min_numel=config.min_numel,
-                              values=config.values, capacity=config.capacity,
-                              indices=config.indices, exclude=config.exclude,
-                              scope=config.scope, piece=config.piece,
-                              stream=config.stream)
-    return CompressedScheme(compressor, Residual(config.drain_every), config.nonfinite)
+    selection = DCTThreshold(config.ratio, config.life_span, config.refresh_above, config.gain,
+                             min_numel=config.min_numel, capacity=config.capacity,
+                             exclude=config.exclude, scope=config.scope, piece=config.piece,
+                             stream=config.stream)
+    return CompressedScheme(Cast(config.values), selection, Residual(config.drain_every),
+                            config.nonfinite, indices=config.indices)
 
 
 @register("laplace", LaplaceConfig)
 def _laplace(config: LaplaceConfig) -> Scheme:
-    compressor = LaplaceThreshold(config.ratio, min_numel=config.min_numel,
-                                  values=config.values, capacity=config.capacity,
-                                  indices=config.indices, exclude=config.exclude)
-    return CompressedScheme(compressor, Residual(), config.nonfinite)
+    selection = LaplaceThreshold(config.ratio, min_numel=config.min_numel,
+                                 capacity=config.capacity, exclude=config.exclude)
+    return CompressedScheme(Cast(config.values), selection, Residual(), config.nonfinite,
+                            indices=config.indices)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from thinwire.compress.base import check_fraction
 from thinwire.compress.sparse import SCOPES
+from thinwire.compress.values import CASTS
 from thinwire.feedback import check_policy
 from thinwire.schemes.base import Scheme
 
@@ -71,16 +72,14 @@ RENAMED = {
 
 
 def fingerprint(scheme: Scheme) -> dict[str, Any]:
-    """What every rank's scheme must share: registered name, full config, codec, value format.
+    """What every rank's scheme must share: registered name, full config, traits.
 
-    A scheme built without :func:`build` is described by its class and codec only.
+    A scheme built without :func:`build` is described by its class and traits only.
     """
     name, config = scheme.origin or (type(scheme).__name__, None)
-    compressor = getattr(scheme, "compressor", None)
     return {"scheme": name,
             "config": dataclasses.asdict(config) if config is not None else {},
-            "codec": type(compressor).__name__ if compressor is not None else None,
-            "value_dtype": str(getattr(compressor, "value_dtype", None))}
+            "traits": dataclasses.asdict(scheme.traits)}
 
 
 def _known(name: str) -> None:
@@ -95,8 +94,8 @@ def validate_common(config: Any) -> None:
     if hasattr(config, "min_numel") and (not isinstance(config.min_numel, int)
                                          or config.min_numel < 0):
         raise ValueError(f"min_numel={config.min_numel!r} must be an integer >= 0")
-    if hasattr(config, "values") and config.values not in ("fp32", "fp16"):
-        raise ValueError(f"values={config.values!r} must be 'fp32' or 'fp16'")
+    if hasattr(config, "values") and config.values not in CASTS:
+        raise ValueError(f"values={config.values!r} must be one of {list(CASTS)}")
     if hasattr(config, "indices") and config.indices not in ("int32", "delta16"):
         raise ValueError(f"indices={config.indices!r} must be 'int32' or 'delta16'")
     if hasattr(config, "scope") and config.scope not in SCOPES:

@@ -1,6 +1,6 @@
 """Streaming in pieces: a bucket selected and sent part by part, decoded as each arrives.
 
-:class:`~thinwire.schemes.base.CompressedScheme` delegates here for a compressor
+:class:`~thinwire.schemes.kernel.CompressedScheme` delegates here for a selection
 that :class:`~thinwire.compress.pieces.Streams` (its threshold is known before
 the gradient on a reuse step, DCT KDD'21 Algorithm 1 line 8), so compression
 of one piece runs while the previous one is on the wire. Pieces, their rooms
@@ -11,42 +11,36 @@ never on one rank's values, so every rank sends the same payloads.
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
-from thinwire.comm import Meter, world
-from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect
+from thinwire.comm import world
+from thinwire.comm.collectives import Future, Group
 from thinwire.compress import TensorInfo
-from thinwire.compress.payload import SparseLayout, layout_segments
 from thinwire.compress.pieces import TRIALS, Part, Streams, cut, pay
 from thinwire.feedback import Memory
-
-T = TypeVar("T")
+from thinwire.schemes.selected import Chosen, Kept, merged
 
 
 class Engine(Protocol):
-    """What streaming uses of the engine it serves (a ``CompressedScheme``)."""
+    """What streaming uses of the kernel it serves (a ``CompressedScheme``)."""
 
     memory: Memory | None
-    meter: Meter | None
 
     def _magnitudes(self, buffer: torch.Tensor) -> torch.Tensor: ...
 
-    def _charge(self, seconds: float) -> None: ...
-
-    def _charged(self, callback: Callable[[Any], T]) -> Callable[[Any], T]: ...
-
     def _record(self, segments: Sequence[tuple[str, int]], collective: str, n: int) -> None: ...
 
-    def _sum_sparse(self, buffer: torch.Tensor,
-                    gathered: tuple[SparseLayout, list[torch.Tensor]], n: int,
-                    ranges: Sequence[tuple[int, int]] | None = None) -> None: ...
+    def _send(self, launch: Any, chosen: Sequence[Chosen], piece: Sequence[Part] | None,
+              rows: Sequence[Any], group: Group, kept: list[Kept] | None = None) -> Future[Any]:
+        ...
+
+    def _remember(self, kept: Sequence[Kept]) -> None: ...
 
 
 class Streaming:
@@ -139,24 +133,25 @@ class Streaming:
             exchange, codec = both[0].item(), -both[1].item()
         return pay(exchange, codec)
 
-    def launch(self, buffer: torch.Tensor, infos: Sequence[TensorInfo],
-               pieces: Sequence[Sequence[Part]], views: Mapping[str, torch.Tensor],
-               finite: bool, streamed: bool, group: Group) -> Future[Any]:
-        """The engine's sparse launch in pieces, each sent once selected, decoded on arrival.
+    def launch(self, launch: Any, pieces: Sequence[Sequence[Part]], streamed: bool,
+               group: Group) -> list[Future[Any]]:
+        """The kernel's selected tensors in pieces, each sent once selected (by the kernel's
+        own send, :meth:`~thinwire.schemes.kernel.CompressedScheme._send`), decoded on arrival.
 
         ``streamed``: each part is absorbed into the memory, selected and sent
         before the next part is touched. Otherwise (a threshold refresh, a first
         round) every tensor is absorbed whole first; the parts are then selected
-        alike, so both give the same bits.
+        alike, so both give the same bits. The memory remembers once every piece
+        has gone (a later part may read what an earlier one left in it).
 
         Returns:
-            A future (of None) completed once every piece is decoded into ``buffer``.
+            One future per piece, completed once it is decoded into the bucket.
         """
         scheme, compressor, memory = self.scheme, self.compressor, self.scheme.memory
-        _, n = world(group)
-        offsets = offsets_of(infos)
+        views, finite = launch.views, launch.finite
+        offsets = offsets_of(launch.infos)
         tensors = list(dict.fromkeys(part.info for piece in pieces for part in piece))
-        scratch = scheme._magnitudes(buffer)
+        scratch = scheme._magnitudes(launch.buffer)
 
         def magnitudes(info: TensorInfo, start: int = 0, stop: int | None = None) -> torch.Tensor:
             offset = offsets[info.key]
@@ -166,61 +161,37 @@ class Streaming:
         tau: dict[str, float] = {}
         if finite:
             for info in tensors:
-                whole = views[info.key].reshape(-1)
+                whole = views[info.key]
                 if not streamed:
                     whole = whole if memory is None else memory.absorb_(info.key, whole)
                     torch.abs(whole, out=magnitudes(info))
                     held[info.key] = whole
                 tau[info.key] = compressor.open_call(None if streamed else magnitudes(info), info)
         passed = dict.fromkeys(tau, 0)
-        chosen: dict[str, list[torch.Tensor]] = {key: [] for key in tau}
-        sent: dict[str, list[torch.Tensor]] = {key: [] for key in tau}
+        kept: list[Kept] = []
         futures = []
         for piece in pieces:
-            indices, values, counts = [], [], []
+            chosen = []
             for part in piece if finite else ():
                 key, start, stop = part.info.key, part.start, part.stop
                 if streamed:
-                    grad = views[key].reshape(-1)
+                    grad = views[key]
                     held[key] = grad if memory is None else memory.absorb_part_(
                         key, grad[start:stop], start)
-                p = held[key][start:stop]
                 part_abs = magnitudes(part.info, start, stop)
                 if streamed:
-                    torch.abs(p, out=part_abs)
+                    torch.abs(held[key][start:stop], out=part_abs)
                 local, count = compressor.pick(part_abs, tau[key], part.room)
                 passed[key] += count
-                chosen[key].append(local + start)
-                sent[key].append(p.index_select(0, local).to(compressor.value_dtype))
-                indices.append(chosen[key][-1] + offsets[key])
-                values.append(sent[key][-1])
-                counts.append((key, local.numel()))
-            layout = SparseLayout(buffer.numel(), sum(part.room for part in piece),
-                                  compressor.value_dtype, compressor.index_format)
-            empty = buffer.new_zeros(0)
-            payload = layout.encode(joined(indices) if indices else empty.long(),
-                                    joined(values) if values else empty, ascending=True)
-            ranges = [(offsets[part.info.key] + part.start, offsets[part.info.key] + part.stop)
-                      for part in piece]
-            future = all_gather_fixed(payload, group, scheme.meter,
-                                      layout_segments(layout, counts))
-            futures.append(future.then(scheme._charged(functools.partial(
-                self._decode, buffer, layout, ranges, n))))
-        exact = compressor.value_dtype == buffer.dtype
+                chosen.append(Chosen(part.info, held[key], local + start))
+            futures.append(scheme._send(launch, chosen, piece, [], group, kept))
+        whole = {item.key: item for item in merged(kept)}
+        if finite:
+            scheme._remember(list(whole.values()))
         for info in tensors if finite else ():
-            key = info.key
-            local = torch.cat(chosen[key])
-            if memory is not None and memory.forgets_what_is_sent and exact:
-                memory.update_selected_(key, held[key], local)  # sent exactly: zeroed
-            elif memory is not None:
-                memory.update_sparse(key, held[key], local, torch.cat(sent[key]))
-            compressor.close_call(magnitudes(info), info, passed[key], local.numel())
-        return collect(futures, [buffer.device]).then(lambda _: None)
-
-    def _decode(self, buffer: torch.Tensor, layout: SparseLayout,
-                ranges: Sequence[tuple[int, int]], n: int, future: Future[Any]) -> None:
-        """Decode one piece's rows into its ``ranges`` of ``buffer`` (on arrival)."""
-        self.scheme._sum_sparse(buffer, (layout, future.value()), n, ranges)
+            compressor.close_call(magnitudes(info), info, passed[info.key],
+                                  whole[info.key].indices.numel())
+        return futures
 
     def state_dict(self) -> list[list[Any]]:
         return [[list(bucket), choice] for bucket, choice in self.streaming.items()]

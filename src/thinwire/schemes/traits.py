@@ -13,7 +13,8 @@ class Traits:
 
     ``optim`` couples by it, the DDP hook arms its guard and tells whether
     clipping belongs in the hook by it, jobs and benchmarks read diagnostics
-    by it, the parameter server refuses what it cannot carry by it.
+    by it, the parameter server refuses what it cannot carry by it
+    (:attr:`rounds`).
     """
 
     density: float | None = None  # target fraction of the entries a step sends; None: all
@@ -24,6 +25,9 @@ class Traits:
     # the collectives one exchange hands torch.distributed, in order (a bucket whose
     # tensors all travel dense issues only its all-reduce)
     collectives: tuple[str, ...] = (ALL_REDUCE,)
+    # dependent rounds: 2 where ranks agree on coordinates first (a leader's indices, a
+    # low-rank basis); one rank's payload is then no use alone (no push, no row)
+    rounds: int = 1
 
     @property
     def sparse(self) -> bool:

@@ -1,0 +1,53 @@
+"""The fault-injection benchmark's summary of a run's events, and its results-page section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.faults import section, summarise
+
+
+def _event(replica: int, step: int, time: float, score: float | None = None,
+           committed: bool = True, digest: str = "a", workers: int = 4) -> dict[str, Any]:
+    return {"replica": replica, "step": step, "time": time, "workers": workers,
+            "committed": committed, "weights_hash": digest, "score": score}
+
+
+def test_the_summary_finds_the_target_failed_syncs_heals_and_disagreement() -> None:
+    lines = [_event(0, 10, 100.0, 3.0), _event(1, 10, 100.1, digest="a"),
+             _event(0, 20, 101.0, committed=False, workers=4),
+             _event(0, 30, 102.0, 2.5, digest="b", workers=3), _event(1, 30, 102.1, digest="c"),
+             {"replica": 4, "heal": 30, "time": 101.5, "seconds": 0.4},
+             {"replica": 1, "heal": 10, "time": 99.0, "seconds": 0.2},  # before the first sync
+             {"replica": 0, "done": True, "started": 90.0, "record": {},
+              "bytes_sent_per_step": 1234.0}]
+    summary = summarise("thinwire", "diloco+int4", lines, [], 0.0, (2.58, True))
+    assert summary["steps_to_target"] == 30 and summary["seconds_to_target"] == 2.0
+    assert summary["syncs"] == 3 and summary["syncs_failed"] == 1
+    assert [(h["replica"], h["seconds"]) for h in summary["heals"]] == [(4, 0.4)]
+    assert summary["syncs_checked"] == 2 and not summary["weights_equal_after_every_sync"]
+    assert summary["workers_per_sync"] == [(10, 4), (20, 4), (30, 3)]
+    assert summary["bytes_sent_per_step"] == 1234.0
+
+
+def test_the_section_sets_each_run_against_its_fault_free_twin(tmp_path: Path) -> None:
+    run = {"label": "thinwire-local", "scheme": "diloco+int4", "steps_to_target": 1300,
+           "seconds_to_target": 100.0, "syncs_failed": 0, "syncs": 160, "heals": [],
+           "weights_equal_after_every_sync": True, "syncs_checked": 160,
+           "bytes_sent_per_step": 2500.0, "faults": False}
+    faulty = {**run, "faults": True, "seconds_to_target": 120.0, "syncs_failed": 2,
+              "heals": [{"replica": 2, "step": 800, "after_s": 50.0, "seconds": 1.5}]}
+    record = {"machine": {"when": "today", "cpus": 2, "load_before": [1.0], "load_after": [2.0]},
+              "schedule": {"join_at": 800, "kill_inner": 405, "kill_exchange": 1200,
+                           "relaunch_s": 5.0}, "compute_ms_per_step": 25.0,
+              "workload": "text-lm", "command": "python -m benchmarks.faults", "workers": 4,
+              "metric": "bits per byte", "target": 2.58, "min_workers": 2, "eval_every": 50,
+              "runs": [run, faulty]}
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "efficiency-text-lm.json").write_text(
+        '{"steps_to_target": {"1": 2600.0, "4": 950.0}}')
+    text = section(record, tmp_path)
+    assert "| thinwire-local `diloco+int4` | yes | 1300 | 120 | 1.20 | 2 of 160 | 1.5 |" in text
+    assert "| lone worker | no | 2600 | 65 (modelled) |" in text
+    assert "| compute-only bound (4 workers) | no | 950 | 24 (modelled) |" in text

@@ -1,0 +1,22 @@
+"""Workers that fail and join: thinwire's exchanges on torchft's fault tolerance.
+
+torchft's Lighthouse forms a quorum of the live workers at each sync (local
+updates, :class:`ElasticLocalUpdates`) or step (per-step DDP,
+:class:`ElasticDDP`); its Manager re-forms torch.distributed's default group
+for each quorum (:class:`QuorumGroup`), heals a worker that joins from a live
+peer, and commits a step only where every worker's exchange went through.
+thinwire adds its schemes (error feedback, top-k, CLT-k, PowerSGD,
+quantisers), rolled back when a step does not commit.
+
+Floor: above the front doors it drives (local, ddp); below models, data and jobs.
+Needs torchft (``pip install thinwire[ft]``).
+"""
+
+from thinwire.elastic.ddp import ElasticDDP
+from thinwire.elastic.group import QuorumGroup
+from thinwire.elastic.local import ElasticLocalUpdates
+from thinwire.elastic.manager import LIGHTHOUSE_ENV, QuorumLost, connect, start_lighthouse
+from thinwire.elastic.state import Rollback
+
+__all__ = ["LIGHTHOUSE_ENV", "ElasticDDP", "ElasticLocalUpdates", "QuorumGroup", "QuorumLost",
+           "Rollback", "connect", "start_lighthouse"]

@@ -1,0 +1,126 @@
+"""One worker's part in torchft's quorums: meeting, the peer check, guarded exchanges, the vote."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchft.manager import Manager
+
+from thinwire.comm import Meter, done
+from thinwire.comm.collectives import Future, all_gather_single
+from thinwire.comm.fingerprint import PeerMismatchError, check_peers
+from thinwire.elastic.manager import quorum
+
+
+class Membership:
+    """Meets each quorum, compares peers in each new group, reports failures to torchft
+    instead of raising them, and keeps the count of commits, failures and heals.
+
+    Args:
+        manager: the worker's torchft Manager.
+        fields: what every worker must share (:func:`thinwire.comm.fingerprint.check_peers`).
+        where: names the front door in a peer-check message.
+        device: where the small tensors of the roll call live (the worker's device).
+        meter: records the roll call's bytes (entity ``size``).
+    """
+
+    def __init__(self, manager: Manager, fields: Mapping[str, Any], where: str,
+                 device: torch.device | None, meter: Meter | None = None) -> None:
+        self.manager = manager
+        self.meter = meter
+        self.fields = fields
+        self.where = where
+        self.device = device or torch.device("cpu")
+        self.rank = 0  # in the last quorum's group
+        # quorum_s: waiting for quorums; heal_s: for those in which this worker was healed
+        self.record: dict[str, float] = {"commits": 0, "failures": 0, "heals": 0,
+                                         "quorum_s": 0.0, "heal_s": 0.0}
+        self._checked: weakref.ref[dist.ProcessGroup] | None = None  # the group last compared
+
+    @property
+    def heals(self) -> int:
+        return int(self.record["heals"])
+
+    def healed(self) -> None:
+        """Count one heal (torchft loaded a peer's state here, during :meth:`meet`)."""
+        self.record["heals"] += 1
+
+    def meet(self, row: Callable[[], list[int]] | None = None) -> torch.Tensor | None:
+        """The quorum (a worker behind is healed in it), the peer check where its group is
+        new, then a roll call: every worker's ``row()`` (called after the quorum), gathered.
+
+        Returns:
+            The rows in the group's rank order (CPU, int64), an empty tensor without
+            ``row``; None if the quorum or the roll call failed (reported: no commit).
+
+        Raises:
+            QuorumLost: no quorum in time.
+            PeerMismatchError: the quorum's workers were set up differently.
+        """
+        start, heals = time.perf_counter(), self.heals
+        formed = quorum(self.manager)
+        waited = time.perf_counter() - start
+        self.record["heal_s" if self.heals > heals else "quorum_s"] += waited
+        if not formed:
+            self.fail("no process group formed for this quorum")
+            return None
+        try:
+            group = dist.group.WORLD
+            if self._checked is None or self._checked() is not group:
+                check_peers(self.fields, self.where, None, self.device)
+                assert group is not None
+                self._checked = weakref.ref(group)
+            self.rank = dist.get_rank()
+            if row is None:
+                return torch.empty(0, dtype=torch.int64)
+            mine = torch.tensor(row(), dtype=torch.int64, device=self.device)
+            rows = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.int64,
+                               device=self.device)
+            all_gather_single(rows, mine)
+            if self.meter is not None:
+                self.meter.record("size", "(roll call)", "all_gather",
+                                  mine.numel() * mine.element_size(),
+                                  world_size=dist.get_world_size())
+            return rows.view(-1, mine.numel()).cpu()
+        except PeerMismatchError:
+            raise
+        except Exception as error:  # a peer lost while meeting: this step does not commit
+            self.fail(error)
+            return None
+
+    def guard(self, launch: Callable[[], Future[Any]], fallback: Any,
+              finish: Callable[[Any], Any] = lambda value: value) -> Future[Any]:
+        """``launch()``'s future with ``finish`` applied to its value; where the launch or the
+        exchange fails, or an earlier one of this step did, ``fallback`` instead, the error
+        reported to torchft (the step will not commit) rather than raised."""
+        if self.manager.errored() is not None:
+            return done(fallback)
+        try:
+            future = launch()
+        except Exception as error:
+            self.fail(error)
+            return done(fallback)
+
+        def settle(arrived: Future[Any]) -> Any:
+            try:
+                return finish(arrived.value())
+            except Exception as error:  # noqa: BLE001  (reported: the step does not commit)
+                self.fail(error)
+                return fallback
+
+        return future.then(settle)
+
+    def fail(self, error: Exception | str) -> None:
+        """Report ``error`` to torchft: this step or sync does not commit on this worker."""
+        self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(error))
+
+    def commit(self) -> bool:
+        """torchft's commit vote (False on any reported error or too few workers)."""
+        committed = bool(self.manager.should_commit())
+        self.record["commits" if committed else "failures"] += 1
+        return committed
