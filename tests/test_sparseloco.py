@@ -9,6 +9,7 @@ its progress since its last exchange left.
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 from typing import Any
@@ -16,9 +17,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from thinwire import schemes
+from thinwire import ddp, schemes
 from thinwire.comm import Meter
+from thinwire.comm.collectives import ALONE
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import TensorInfo, chunk_index, codebook
 from thinwire.compress.chunked import ChunkTopK, chunk_counts, chunk_topk, kept
@@ -26,6 +29,7 @@ from thinwire.compress.values import Binned
 from thinwire.feedback import Decayed, Residual
 from thinwire.launch import spawn
 from thinwire.local import LocalUpdates
+from thinwire.ps import Layout, PushCodec
 from thinwire.schemes import CompressedScheme
 
 WORLD = 3
@@ -191,6 +195,24 @@ def test_a_non_finite_round_is_skipped_without_touching_memory() -> None:
     assert all(torch.equal(before[k], scheme.memory.buffers[k]) for k in before)
     with pytest.raises(FloatingPointError, match="'w'"):
         schemes.build("sparseloco", **CONFIG).reduce(bad)
+
+
+def test_a_push_carries_the_ddp_engines_bytes_and_its_step() -> None:
+    """The parameter server's push of the whole model is the DDP engine's payload of one
+    bucket and the 4-byte step (codes are padded to 4 bytes already), decoded exactly."""
+    infos = [TensorInfo(key, shape) for key, shape in SHAPES.items()]
+    grad = torch.randn(sum(math.prod(shape) for shape in SHAPES.values()))
+    engine = schemes.build("sparseloco", **CONFIG)
+    engine.meter = Meter()
+    engine.launch_flat(grad.clone(), infos, ALONE).wait()
+    handed = sum(record.nbytes for record in engine.meter.records)
+    assert handed == sum(engine.payload_bytes(infos).values())
+    layout = Layout(tuple(SHAPES), tuple(SHAPES.values()))
+    worker, server = PushCodec(layout, "sparseloco", **CONFIG), PushCodec(layout, "sparseloco",
+                                                                          **CONFIG)
+    pushed = worker.encode(grad)
+    assert pushed.data.numel() == handed + 4
+    assert torch.equal(server.decode(pushed.data, pushed.dense), pushed.sent)
 
 
 # ---------------------------------------------------------------- local updates, W workers
@@ -394,3 +416,45 @@ def test_peers_that_differ_in_beta_are_refused_on_every_rank(
     messages = [runs[rank]["refused"] for rank in range(WORLD)]
     assert messages[0] is not None and all(m == messages[0] for m in messages)
     assert "beta" in messages[0]
+
+
+# ---------------------------------------------------------------- per step, through DDP
+
+def _through_ddp(rank: int, world_size: int) -> list[dict[str, dict[str, torch.Tensor]]]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+    alone = copy.deepcopy(net)  # the same weights, for this rank's own gradient
+    model = DistributedDataParallel(net)
+    state = ddp.register(model, schemes.build("sparseloco", **CONFIG))
+    memory = state.scheme.error_memory
+    assert memory is not None
+    generator = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(3):
+        x, y = torch.randn(8, 12, generator=generator), torch.randint(0, 3, (8,),
+                                                                      generator=generator)
+        before = {k: v.clone() for k, v in memory.buffers.items()}
+        alone.zero_grad()
+        nn.functional.cross_entropy(alone(x), y).backward()
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        sent = {}  # p - new error: what this rank sent, p = beta e + g
+        for (name, local), p in zip(alone.named_parameters(), net.parameters()):
+            assert local.grad is not None
+            old = before.get(name, torch.zeros(p.numel()))
+            compensated = old * CONFIG["beta"] + local.grad.reshape(-1)
+            sent[name] = compensated - memory.buffers[name].reshape(-1)
+        steps.append({"sent": sent, "mean": {name: p.grad.reshape(-1).clone()  # type: ignore[union-attr]
+                                             for name, p in net.named_parameters()}})
+    return steps
+
+
+def test_per_step_through_the_ddp_hook_grad_is_the_mean_of_what_each_rank_sent() -> None:
+    ranks = spawn(_through_ddp, 2)
+    for mine, theirs in zip(*ranks):
+        for name, mean in mine["mean"].items():
+            assert torch.equal(mean, theirs["mean"][name])
+            torch.testing.assert_close(mean, (mine["sent"][name] + theirs["sent"][name]) / 2,
+                                       rtol=0, atol=1e-6)
+            if name.endswith("weight"):  # 4 of each chunk of 64, from each rank
+                assert int((mine["sent"][name] != 0).sum()) == kept(mean.numel(), 64, 4)
