@@ -8,7 +8,8 @@ One launch of a flat bucket (:meth:`CompressedScheme.launch_flat`):
    a reused threshold, a Laplace fit, chunks), or coordinates agreed in a first round
    (:mod:`thinwire.schemes.agreed`: a leader's indices, CLT-k; a low-rank basis, PowerSGD);
 4. encode: values by the value codec (:mod:`thinwire.compress.values`), own indices by
-   the index codec (:class:`~thinwire.compress.SparseLayout`);
+   the index codec (:class:`~thinwire.compress.SparseLayout`; a chunk code where the
+   selection fixes each chunk's count, SparseLoCo's);
 5. move: an all-reduce where every rank's coordinates are the same (whole tensors, or
    agreed ones) and the values summable; otherwise one all-gather of fixed-size payloads,
    in pieces where a threshold known before the gradient lets them stream
@@ -140,6 +141,7 @@ class CompressedScheme(Scheme):
         if isinstance(selection, Agreed) and not values.summable:
             raise ValueError(f"values={values.name!r} do not sum, so they cannot be "
                              "all-reduced at agreed coordinates")
+        # a selection with a plan (even of no tensors) sends a fixed count of each chunk
         fixed = isinstance(selection, Sparsifier) and selection.plan(()) is not None
         if indices in CHUNK_FORMATS and not fixed:
             raise ValueError(f"indices={indices!r} codes chunks of a fixed count; the "
