@@ -23,7 +23,7 @@ from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.comm.collectives import ALONE
 from thinwire.comm.fingerprint import PeerMismatchError
-from thinwire.compress import Cast, TensorInfo, TopK, chunk_index, codebook
+from thinwire.compress import Cast, SparseLayout, TensorInfo, TopK, chunk_index, codebook
 from thinwire.compress.chunked import ChunkTopK, chunk_counts, chunk_topk, kept
 from thinwire.compress.values import Binned
 from thinwire.feedback import Decayed, Residual
@@ -96,6 +96,31 @@ def test_fixed_code_packs_two_positions_in_three_bytes_and_elias_fano_is_tighter
     assert chunk_index.nbytes(paper, "elias-fano") == 64  # 64 x 6 + 64 + 63 bits
     with pytest.raises(ValueError, match="indices='delta16'"):
         chunk_index.nbytes(paper, "delta16")
+
+
+@pytest.mark.parametrize("fmt", chunk_index.FORMATS)
+def test_a_layout_of_chunk_positions_and_a_table_per_tensor_round_trips(fmt: str) -> None:
+    """Two tensors' chunk top-k in one payload: positions in a chunk code, each tensor's
+    values with its own table; its metered parts add up to its size."""
+    selection, infos = ChunkTopK(64, 4), [TensorInfo("a", (7, 30)), TensorInfo("b", (300,))]
+    x = torch.randn(510, dtype=torch.float64)
+    picked = [chunk_topk(part.abs(), 64, 4) for part in x.split([210, 300])]
+    indices = torch.cat([picked[0], picked[1] + 210])
+    groups = tuple(selection.capacity(info.numel) for info in infos)
+    layout = SparseLayout(510, sum(groups), torch.float64, fmt, Binned(),
+                          selection.plan(infos), groups)
+    assert layout.index_codec.format == fmt
+    payload, sent = layout.pack(indices, x[indices], ascending=True)
+    got, values = layout.decode(payload)
+    assert torch.equal(got, indices) and torch.equal(values, sent)
+    assert torch.equal(sent, torch.cat([_reference_codebook(x[i]) for i in
+                                        (picked[0], picked[1] + 210)]))
+    assert sum(n for _, n in layout.segments([("a", groups[0]), ("b", groups[1])])) \
+        == layout.nbytes == payload.numel()
+    skipped, _ = layout.pack(indices[:0], x[:0])
+    assert layout.decode(skipped)[0].numel() == 0
+    with pytest.raises(ValueError, match="all 33 entries or none"):
+        layout.pack(indices[:5], x[indices[:5]])
 
 
 def _reference_codebook(values: torch.Tensor) -> torch.Tensor:
@@ -450,7 +475,8 @@ def _through_ddp(rank: int, world_size: int) -> list[bool]:
         nn.functional.cross_entropy(model(x), y).backward()
         mean = reference.reduce({name: p.grad for name, p in alone.named_parameters()
                                  if p.grad is not None})
-        equal.append(all(torch.equal(p.grad, mean[name]) for name, p in net.named_parameters()))
+        equal.append(all(p.grad is not None and torch.equal(p.grad, mean[name])
+                         for name, p in net.named_parameters()))
     return equal
 
 
