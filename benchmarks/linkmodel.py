@@ -45,7 +45,7 @@ KEPT = ("scheme", "steps_to_target", "compute_ms_per_step", "overhead_ms_per_ste
         "wire_sent_per_step", "bytes_received_per_step", "bytes_sent_per_step",
         "collectives_per_step", "test_score", "test_accuracy", "final_loss", "recipe",
         "replicas_identical", "curve", "probe_compute_ms", "workload", "target", "metric",
-        "local", "probe_overhead_ms")
+        "local", "probe_overhead_ms", "delayed")
 
 
 def modelled(run: dict[str, Any], workers: int, rate: str) -> float | None:
@@ -67,15 +67,26 @@ def time_at(run: dict[str, Any], workers: int, rate_bps: float,
 
 
 def exposed(run: dict[str, Any], link_s: float, busy_s: float) -> float:
-    """The link time per step that training waits for: all of ``link_s``, except under
-    Streaming DiLoCo, whose exchange of a fragment overlaps the ``delay`` inner steps
-    before it lands; a fragment syncs every ``every / fragments`` steps, so each
-    exchange carries that many steps' share of the link time."""
+    """The link time per step that training waits for (``link_s`` averaged over steps).
+
+    An exchange that overlaps compute hides behind the steps it overlaps: under
+    Streaming DiLoCo the ``delay`` inner steps before a fragment lands, with
+    ``overlap`` the whole cycle before the fragment's next sync, and for a
+    per-step scheme with ``delayed`` the next step. Each exchange carries the
+    link time of the steps between its launches (``every / fragments``; 1 per
+    step), and the link carries one exchange at a time, so no more than a step's
+    compute hides per step. Otherwise all of ``link_s``.
+    """
     local = run.get("local") or {}
-    if not local.get("delay"):
+    if local.get("overlap"):
+        spacing, window = local["every"] / local["fragments"], local["every"]
+    elif local.get("delay"):
+        spacing, window = local["every"] / local["fragments"], local["delay"]
+    elif run.get("delayed"):
+        spacing, window = 1, 1
+    else:
         return link_s
-    spacing = local["every"] / local["fragments"]
-    return max(0.0, link_s * spacing - local["delay"] * busy_s) / spacing
+    return max(0.0, link_s * spacing - window * busy_s, (link_s - busy_s) * spacing) / spacing
 
 
 def codec_ms(run: dict[str, Any], measured: dict[str, float]) -> float | None:

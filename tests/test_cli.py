@@ -144,7 +144,7 @@ def test_compare_under_fp16_autocast_with_clipping_in_the_hook(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
-    (["--option", "bogus=3"], "'bogus' is not an option of dense, dct-dp; valid keys: "),
+    (["--option", "bogus=3"], "'bogus' is not an option of dense, ddp, dct-dp; valid keys: "),
     (["--option", "rank"], "'rank' must look like KEY=VALUE"),
     (["--schemes", "dense,powersgd:ratio=0.1"], "'ratio' is not an option of powersgd"),
     (["--schemes", "topk:rank"], "'rank' must look like KEY=VALUE"),  # in a scheme's spelling
@@ -452,9 +452,9 @@ def _refuse(*args: object, **kwargs: object) -> None:
 
 @pytest.mark.parametrize(("argv", "expected"), [
     (["compare", "--schemes", "dense", "--option", "bogus=1"],
-     "--option 'bogus' is not an option of dense; valid keys: nonfinite"),
+     "--option 'bogus' is not an option of dense, ddp; valid keys: delayed, nonfinite"),
     (["train", "--scheme", "topk", "--option", "bogus=1"],
-     "--option 'bogus' is not an option of topk; valid keys: error_feedback, exclude, "),
+     "--option 'bogus' is not an option of topk, ddp; valid keys: delayed, error_feedback, "),
     (["pipeline", "--boundary", "sketch", "--boundary-option", "bogus=1"],
      "--boundary-option 'bogus' is not an option of sketch; valid keys: compression"),
     (["pipeline", "--replicas", "2", "--dp-scheme", "powersgd", "--dp-option", "bogus=1"],

@@ -21,6 +21,7 @@ from thinwire import ddp, schemes
 from thinwire.comm import fingerprint
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.launch import spawn
+from thinwire.local import LocalUpdates
 
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust logs, read when it is imported
 torchft = pytest.importorskip("torchft")
@@ -372,3 +373,11 @@ def test_bad_options_are_refused_by_name(options: dict[str, Any], match: str,
     monkeypatch.delenv(elastic.LIGHTHOUSE_ENV, raising=False)
     with pytest.raises(ValueError, match=match):
         elastic.connect(**{"lighthouse": "http://localhost:1", **options})
+
+
+def test_overlapped_local_updates_are_refused() -> None:
+    model = nn.Linear(3, 2)
+    updates = LocalUpdates(model, torch.optim.SGD(model.parameters(), lr=0.1), every=2,
+                           overlap=True)
+    with pytest.raises(ValueError, match="overlap=False"):
+        elastic.ElasticLocalUpdates(updates, None)  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ def test_names_split_into_local_updates_and_their_scheme() -> None:
 def test_options_reach_the_local_run_and_its_scheme_alike() -> None:
     names = ["dense", "diloco+dct-dp", "diloco+int4"]
     assert parse_options(["every=20", "chunk=64"], names) == {"every": 20, "chunk": 64}
-    with pytest.raises(ValueError, match="'nothing' is not an option of dense, diloco"):
+    with pytest.raises(ValueError, match="'nothing' is not an option of dense, ddp, diloco"):
         parse_options(["nothing=1"], names)
     config = scheme_config("diloco+dct-dp", 0.1, 10, ["every=20", "chunk=64"])
     assert config == {"ratio": 0.1, "life_span": 10, "every": 20}

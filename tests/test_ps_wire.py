@@ -25,7 +25,8 @@ def _bytes(meter: Meter, collective: str) -> int:
 
 SCHEMES = [("dense", {}), ("fp16", {}), ("topk", {"ratio": 0.1}),
            ("dct-dp", {"ratio": 0.1, "life_span": 3, "min_numel": 10}),
-           ("dct-dp", {"ratio": 0.01, "values": "fp16"}), ("laplace", {"ratio": 0.2})]
+           ("dct-dp", {"ratio": 0.01, "values": "fp16"}), ("laplace", {"ratio": 0.2}),
+           ("sparseloco", {"chunk": 64, "k": 4})]
 
 
 @pytest.mark.parametrize("scheme,options", SCHEMES)

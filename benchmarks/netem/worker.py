@@ -125,8 +125,9 @@ def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int,
     if entry["name"] in ANCHORS:
         return ANCHORS[entry["name"]](model, meter, rank)
     net = DistributedDataParallel(model)
-    scheme = schemes.build(entry["name"], **entry["config"])
-    hook = ddp.register(net, scheme, meter=meter)
+    step, scheme_config = local_run.step_parts(entry["config"])
+    scheme = schemes.build(entry["name"], **scheme_config)
+    hook = ddp.register(net, scheme, meter=meter, delay=step.delayed)
 
     def details() -> dict[str, Any]:
         # Threshold recomputations (DCT-DP's selections) per tensor, and the buckets dct-dp
@@ -160,9 +161,11 @@ def install_local(entry: dict[str, Any], model: nn.Module, inner: torch.optim.Op
     name = entry["name"]
     local_options, scheme_config = local_run.parts(name, entry["config"])
     scheme = schemes.build(local_run.inner_scheme(name), **scheme_config)
+    local_options = local_options.resolved(scheme)
+    assert local_options.outer_lr is not None and local_options.outer_momentum is not None
     updates = LocalUpdates(model, inner, scheme, every=local_options.every,
                            fragments=local_options.fragments, delay=local_options.delay,
-                           mix=local_options.mix,
+                           mix=local_options.mix, overlap=local_options.overlap,
                            outer=nesterov(local_options.outer_lr, local_options.outer_momentum),
                            meter=meter)
     syncs = []
@@ -280,8 +283,8 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        installed.after_step()  # timed: a local-update sync waits here for its exchange
         step_s.append(time.perf_counter() - start)
-        installed.after_step()
         meter.next_step()
         losses.append(float(loss.detach()))
         if not math.isfinite(losses[-1]):

@@ -94,6 +94,22 @@ def test_streaming_diloco_waits_only_for_the_link_time_its_delay_does_not_cover(
     assert linkmodel.time_at(overlapped, 4, rate, 0.0) == pytest.approx(lone)
 
 
+def test_an_exchange_a_sync_late_or_a_step_late_hides_behind_the_steps_it_overlaps() -> None:
+    link = 8 * 1e5 / 1e7  # s per step at 10 Mbit/s: 0.08, above a step's 0.021 of compute
+    late = {**_run("diloco", 100, 1e5), "local": {"every": 50, "fragments": 1, "delay": 0,
+                                                  "overlap": True}}
+    # the exchange has the whole next cycle, but the link carries one at a time
+    assert linkmodel.time_at(late, 4, 1e7, 0.0) == pytest.approx(100 * link)
+    assert linkmodel.time_at(late, 4, 1e8, 0.0) == pytest.approx(100 * 0.021)  # hidden
+    two = {**late, "local": {**late["local"], "fragments": 2}}
+    assert linkmodel.time_at(two, 4, 1e7, 0.0) == pytest.approx(100 * link)
+    delayed = {**_run("dense", 100, 1e5), "delayed": True}
+    assert linkmodel.time_at(delayed, 4, 1e7, 0.0) == pytest.approx(100 * link)
+    assert linkmodel.time_at(delayed, 4, 1e8, 0.0) == pytest.approx(100 * 0.021)
+    assert linkmodel.time_at({**delayed, "delayed": False}, 4, 1e8, 0.0) == pytest.approx(
+        100 * (0.021 + link / 10))
+
+
 def test_a_later_run_adds_its_schemes_to_an_earlier_file_of_the_same_recipe(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     earlier = _linkmodel()

@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from thinwire.compress import chunk_index
 from thinwire.compress.base import TensorInfo
 from thinwire.compress.values import Cast, ValueCodec, align
 
 HEADER_BYTES = 4
 BLOCK = 1 << 16  # entries per block of the 16-bit index code
 INDEX_FORMATS = ("int32", "delta16")  # index lists of a SparseLayout (a bitmap when smaller)
+CHUNK_FORMATS = chunk_index.FORMATS  # positions of a fixed count per chunk (a chunk plan's)
+Plan = tuple[tuple[int, int], ...]  # (entries, positions sent) of each chunk, in order
 _BITMAP = -1
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -199,41 +202,57 @@ class IndexCodec:
     """Up to ``capacity`` distinct indices into ``numel`` entries, in an area of fixed size.
 
     Formats: ``"int32"`` (4 bytes an index), ``"delta16"`` (the 16-bit code,
-    :func:`index16_bytes`) and ``"bitmap"`` (a bit per entry). The 16-bit code
-    and the bitmap need ascending indices; :meth:`encode` sorts them when they
-    are not, with their values, so no order decodes wrong.
+    :func:`index16_bytes`), ``"bitmap"`` (a bit per entry), and the chunk codes
+    ``"elias-fano"`` and ``"fixed"`` (:mod:`~thinwire.compress.chunk_index`) of
+    a selection that sends a fixed count of each chunk (``plan``): they carry all
+    ``capacity`` positions or none. The 16-bit code, the bitmap and the chunk codes
+    need ascending indices; :meth:`encode` sorts them when they are not, with their
+    values, so no order decodes wrong.
     """
 
-    format: str  # "int32", "delta16" or "bitmap"
+    format: str  # "int32", "delta16", "bitmap", "elias-fano" or "fixed"
     capacity: int
     numel: int
+    plan: Plan = ()  # a chunk code's chunks, covering numel and counting capacity
 
     @staticmethod
-    def choose(preferred: str | None, capacity: int, numel: int) -> IndexCodec:
-        """``preferred`` (one of :data:`INDEX_FORMATS`) unless a bitmap is smaller; None:
-        the smallest of the three formats (the first of int32, delta16, bitmap on a tie).
+    def choose(preferred: str | None, capacity: int, numel: int,
+               plan: Plan = ()) -> IndexCodec:
+        """``preferred`` (one of :data:`INDEX_FORMATS` or :data:`CHUNK_FORMATS`, these with
+        a ``plan``) unless a bitmap is smaller; None: the smallest of int32, delta16 and
+        bitmap (the first on a tie).
 
         Raises:
-            ValueError: an unknown format.
+            ValueError: an unknown format, or a chunk code without a plan.
         """
-        if preferred is not None and preferred not in INDEX_FORMATS:
-            raise ValueError(f"indices={preferred!r} must be one of {INDEX_FORMATS}")
+        if preferred is not None and preferred not in (*INDEX_FORMATS, *CHUNK_FORMATS):
+            raise ValueError(f"indices={preferred!r} must be one of "
+                             f"{(*INDEX_FORMATS, *CHUNK_FORMATS)}")
+        if preferred in CHUNK_FORMATS and (
+                sum(size for size, _ in plan) != numel
+                or sum(count for _, count in plan) != capacity):
+            raise ValueError(f"indices={preferred!r} needs the plan of a selection that sends "
+                             f"a fixed count of each chunk, covering {numel} entries and "
+                             f"counting {capacity}")
         candidates = [preferred] if preferred is not None else list(INDEX_FORMATS)
-        codecs = [IndexCodec(name, capacity, numel) for name in (*candidates, "bitmap")]
+        codecs = [IndexCodec(name, capacity, numel, plan if name in CHUNK_FORMATS else ())
+                  for name in (*candidates, "bitmap")]
         return min(codecs, key=lambda codec: codec.nbytes)  # min keeps the first of equals
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         if self.format == "bitmap":
             return bitmap_bytes(self.numel)
         if self.format == "delta16":
             return index16_bytes(self.capacity, self.numel)
+        if self.format in CHUNK_FORMATS:
+            return chunk_index.nbytes(self.plan, self.format)
         return 4 * self.capacity
 
     @property
     def entry_bytes(self) -> int:
         """Bytes that grow with each valid index (the rest are fixed)."""
-        return {"bitmap": 0, "delta16": 2, "int32": 4}[self.format]
+        return {"delta16": 2, "int32": 4}.get(self.format, 0)
 
     @property
     def ordered(self) -> bool:
@@ -250,11 +269,25 @@ class IndexCodec:
             area[: bits.numel()] = bits
         elif self.format == "delta16":
             encode_index16(indices, self.capacity, self.numel, area)
+        elif self.format in CHUNK_FORMATS:
+            if indices.numel():  # all or nothing: none leaves the area zero
+                code = chunk_index.encode(indices, self.plan, self.format)
+                area[: code.numel()] = code
         else:
             area[: 4 * indices.numel()].view(torch.int32).copy_(indices)
 
     def decode(self, area: torch.Tensor, count: int) -> torch.Tensor:
-        """The ``count`` int64 indices :meth:`encode` wrote into ``area``."""
+        """The ``count`` int64 indices :meth:`encode` wrote into ``area``.
+
+        Raises:
+            ValueError: a chunk code's count other than 0 or its capacity.
+        """
+        if self.format in CHUNK_FORMATS:
+            if count not in (0, self.capacity):
+                raise ValueError(f"a chunk code carries 0 or {self.capacity} positions, "
+                                 f"not {count}")
+            return (chunk_index.decode(area, self.plan, self.format) if count
+                    else area.new_zeros(0, dtype=torch.int64))
         if self.format == "bitmap":
             return unpack_bits(area[: math.ceil(self.numel / 8)], self.numel).nonzero().squeeze(1)
         if self.format == "delta16":
@@ -272,15 +305,16 @@ class SparseLayout:
 
         int32 header        valid count c <= capacity
         indices             the index codec's area (:class:`IndexCodec`):
-                            ``indices`` ("int32" or "delta16"), or a bitmap when
-                            that is smaller (the same choice on every rank)
+                            ``indices`` ("int32", "delta16", or a chunk code), or a
+                            bitmap when that is smaller (the same choice on every rank)
         values              the value codec's area (:mod:`thinwire.compress.values`):
                             capacity values as floats, or codes and their scales;
                             starting and ending aligned to 4 bytes and to a float's
-                            width (fp64: 8)
+                            width (fp64: 8); with ``groups``, one area per group
 
-    Unused slots and alignment bytes are zero. With a bitmap or the 16-bit code, values
-    are in ascending index order.
+    Unused slots and alignment bytes are zero. With a bitmap, the 16-bit code or a chunk
+    code, values are in ascending index order. A layout with a ``plan`` or ``groups``
+    carries all ``capacity`` entries or none (a round skipped).
     """
 
     numel: int  # entries of the region the indices point into, < 2**31
@@ -288,6 +322,8 @@ class SparseLayout:
     value_dtype: torch.dtype = torch.float32  # the dtype of the values encoded (a tensor's)
     indices: str = "int32"  # the index list format when no bitmap: "int32" or "delta16"
     values: ValueCodec = field(default_factory=lambda: Cast("native"))  # how values travel
+    plan: Plan = ()  # the chunks of a selection sending a fixed count of each (chunk codes)
+    groups: tuple[int, ...] = ()  # values of each tensor, coded apart (a per-tensor codec)
 
     def __post_init__(self) -> None:
         if not 0 <= self.numel < 2**31:
@@ -295,12 +331,29 @@ class SparseLayout:
         if not 0 <= self.capacity <= self.numel:
             raise ValueError(f"capacity={self.capacity!r} is outside the allowed range "
                              f"[0, {self.numel}]")
-        if self.indices not in INDEX_FORMATS:
-            raise ValueError(f"indices={self.indices!r} must be one of {INDEX_FORMATS}")
+        if self.indices not in (*INDEX_FORMATS, *CHUNK_FORMATS):
+            raise ValueError(f"indices={self.indices!r} must be one of "
+                             f"{(*INDEX_FORMATS, *CHUNK_FORMATS)}")
+        if self.groups and sum(self.groups) != self.capacity:
+            raise ValueError(f"groups={self.groups!r} must add up to capacity={self.capacity}")
 
     @functools.cached_property
     def index_codec(self) -> IndexCodec:
-        return IndexCodec.choose(self.indices, self.capacity, self.numel)
+        return IndexCodec.choose(self.indices, self.capacity, self.numel, self.plan)
+
+    @property
+    def whole(self) -> bool:
+        """Whether a payload carries all ``capacity`` entries or none."""
+        return bool(self.plan or self.groups)
+
+    def _areas(self) -> list[tuple[int, int, int]]:
+        """``(start, stop, capacity)`` of each value area: one, or one per group."""
+        areas, start = [], self.value_start
+        for size in self.groups or (self.capacity,):
+            stop = start + self.values.nbytes(size, self.value_dtype)
+            areas.append((start, stop, size))
+            start = stop
+        return areas
 
     @property
     def uses_bitmap(self) -> bool:
@@ -320,9 +373,9 @@ class SparseLayout:
         """Where values begin: after header and indices, aligned for the value codec."""
         return align(HEADER_BYTES + self.index_bytes, self.values.width(self.value_dtype))
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return self.value_start + self.values.nbytes(self.capacity, self.value_dtype)
+        return self._areas()[-1][1]
 
     def encode(self, indices: torch.Tensor, values: torch.Tensor, *,
                ascending: bool = False) -> torch.Tensor:
@@ -344,11 +397,15 @@ class SparseLayout:
             ``nbytes`` uint8 on ``values``' device, and the decoded values.
 
         Raises:
-            ValueError: more entries than ``capacity``.
+            ValueError: more entries than ``capacity``, or (:attr:`whole`) neither all
+                nor none.
         """
         count = indices.numel()
         if count > self.capacity:
             raise ValueError(f"{count} entries exceed the payload capacity {self.capacity}")
+        if self.whole and count not in (0, self.capacity):
+            raise ValueError(f"this payload carries all {self.capacity} entries or none, "
+                             f"not {count}")
         codec = self.index_codec
         order = None
         if codec.ordered and not (ascending or _ascending(indices)):
@@ -357,7 +414,15 @@ class SparseLayout:
         out = torch.zeros(self.nbytes, dtype=torch.uint8, device=values.device)
         out[:HEADER_BYTES].view(torch.int32).fill_(count)
         codec.encode(indices, out[HEADER_BYTES: HEADER_BYTES + codec.nbytes])
-        sent = self.values.write(values, out[self.value_start:], self.capacity)
+        if not self.groups:
+            sent = self.values.write(values, out[self.value_start:], self.capacity)
+        elif not count:  # nothing sent: the areas stay zero
+            sent = values.clone()
+        else:
+            areas = self._areas()
+            parts = values.split([size for _, _, size in areas])
+            sent = torch.cat([self.values.write(part, out[start:stop], size)
+                              for part, (start, stop, size) in zip(parts, areas)])
         if order is not None:  # back in the order given
             sent = torch.empty_like(sent).index_copy_(0, order, sent)
         return out, sent
@@ -380,16 +445,23 @@ class SparseLayout:
             count = self.counts([buffer])[0]
         indices = self.index_codec.decode(buffer[HEADER_BYTES: HEADER_BYTES + self.index_bytes],
                                           count)
-        return indices, self.values.read(buffer[self.value_start:], count, self.capacity,
-                                         self.value_dtype)
+        if not self.groups:
+            return indices, self.values.read(buffer[self.value_start:], count, self.capacity,
+                                             self.value_dtype)
+        if not count:
+            return indices, buffer.new_zeros(0, dtype=self.value_dtype)
+        return indices, torch.cat([self.values.read(buffer[start:stop], size, size,
+                                                    self.value_dtype)
+                                   for start, stop, size in self._areas()])
 
     def segments(self, counts: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
         """The metered parts of one payload, adding up to its size.
 
         Each layer is charged its valid entries (values, and indices unless a
-        bitmap); the header and the bitmap are charged as ``"(header)"`` and
-        ``"(bitmap)"``, a codec's fixed parts as it names them (``"(scales)"``),
-        the unused capacity (and the 16-bit code's block ends) as ``"(padding)"``.
+        bitmap or a chunk code); the header, the bitmap and a chunk code are charged
+        as ``"(header)"``, ``"(bitmap)"`` and ``"(positions)"``, a codec's fixed parts
+        as it names them (``"(scales)"``, ``"(tables)"``), the unused capacity (and
+        the 16-bit code's block ends) as ``"(padding)"``.
 
         Args:
             counts: ``(layer, valid entries)`` of the payload.
@@ -400,7 +472,13 @@ class SparseLayout:
         parts.append(("(header)", HEADER_BYTES))
         if self.uses_bitmap:
             parts.append(("(bitmap)", self.index_bytes))
-        parts.extend(values.extra_segments(self.capacity))
+        elif self.index_codec.format in CHUNK_FORMATS:
+            parts.append(("(positions)", self.index_bytes))
+        fixed: dict[str, int] = {}
+        for _, _, size in self._areas():
+            for name, nbytes in values.extra_segments(size):
+                fixed[name] = fixed.get(name, 0) + nbytes
+        parts.extend(fixed.items())
         parts.append(("(padding)", self.nbytes - sum(nbytes for _, nbytes in parts)))
         return parts
 

@@ -110,6 +110,13 @@ class Sparsifier(ABC):
         """What the selection counts about itself, for reports; here nothing."""
         return {}
 
+    def plan(self, infos: Sequence[TensorInfo]) -> tuple[tuple[int, int], ...] | None:
+        """``(entries, positions sent)`` of each chunk of ``infos``' tensors laid back to
+        back, where every call sends exactly that many of each (the payload then
+        carries a chunk code, :data:`~thinwire.compress.payload.CHUNK_FORMATS`); None:
+        the count varies (here)."""
+        return None
+
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Payload:
         """``tensor``'s selected entries (in its own dtype), or all of it if it travels whole."""
         flat = tensor.reshape(-1)

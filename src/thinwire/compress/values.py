@@ -8,7 +8,9 @@ where every rank sends the same coordinates they are averaged by all-reduce.
 :class:`Quantised` sends codes with a scale per chunk
 (:class:`~thinwire.compress.quantise.Quantiser`: int8, int4, int2, sign); a
 sum of codes at different scales is no code, so they travel by all-gather and
-each rank decodes every payload. Neither keeps state.
+each rank decodes every payload. :class:`Binned` sends 2-bit codes and the mean
+of each code's bin (SparseLoCo's values, :mod:`~thinwire.compress.codebook`),
+a table per tensor. None keeps state.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from thinwire.compress import codebook
 from thinwire.compress.quantise import (
     KINDS,
     SCALE_DTYPE,
@@ -28,7 +31,8 @@ from thinwire.compress.quantise import (
 
 CASTS: dict[str, torch.dtype | None] = {"fp32": torch.float32, "fp16": torch.float16,
                                         "bf16": torch.bfloat16, "native": None}
-CODECS = (*CASTS, *KINDS)  # every value codec's name
+BINNED = "int2-bins"  # SparseLoCo's 2-bit codes read as their bins' means
+CODECS = (*CASTS, *KINDS, BINNED)  # every value codec's name
 
 
 def align(nbytes: int, size: int) -> int:
@@ -44,10 +48,14 @@ class ValueCodec(ABC):
         name: the codec's name, one of :data:`CODECS`.
         summable: whether the mean over ranks of wire values is the wire value of the
             mean, so the values can be all-reduced (float casts; not codes).
+        per_tensor: whether the codec's statistics are each tensor's own, so a payload
+            holds one area per tensor (:class:`~thinwire.compress.SparseLayout`'s
+            ``groups``).
     """
 
     name: str
     summable: bool
+    per_tensor = False
 
     @abstractmethod
     def width(self, dtype: torch.dtype) -> int:
@@ -193,6 +201,48 @@ class Quantised(ValueCodec):
         return quantiser.decode_flat(payload, dtype)
 
 
+class Binned(ValueCodec):
+    """SparseLoCo's 2-bit values (:mod:`~thinwire.compress.codebook`): an area holds the
+    packed codes of ``capacity`` values (padded to 4), then the fp32 mean of each code's
+    bin. The table is one tensor's (:attr:`per_tensor`). Not summable.
+    """
+
+    name = BINNED
+    summable = False
+    per_tensor = True
+
+    def width(self, dtype: torch.dtype) -> int:
+        return 1
+
+    @staticmethod
+    def _room(capacity: int) -> int:
+        return align(codebook.code_bytes(capacity), 1)
+
+    def nbytes(self, capacity: int, dtype: torch.dtype) -> int:
+        return self._room(capacity) + codebook.TABLE_BYTES
+
+    def entry_bytes(self, count: int, dtype: torch.dtype) -> int:
+        return count * codebook.BITS // 8
+
+    def extra_segments(self, capacity: int) -> list[tuple[str, int]]:
+        return [("(tables)", codebook.TABLE_BYTES)]
+
+    def write(self, values: torch.Tensor, area: torch.Tensor, capacity: int) -> torch.Tensor:
+        book = codebook.encode(values)
+        area[: book.codes.numel()] = book.codes
+        room = self._room(capacity)
+        area[room: room + codebook.TABLE_BYTES] = book.table.view(torch.uint8)
+        return codebook.decode(book, values.dtype)
+
+    def read(self, area: torch.Tensor, count: int, capacity: int,
+             dtype: torch.dtype) -> torch.Tensor:
+        room = self._room(capacity)
+        # A copy: the table's bytes may sit at an offset a float view cannot take.
+        table = area[room: room + codebook.TABLE_BYTES].clone().view(SCALE_DTYPE)
+        return codebook.decode(codebook.Codebook(area[: codebook.code_bytes(count)], table,
+                                                 count), dtype)
+
+
 def value_codec(name: str, chunk: int = 128) -> ValueCodec:
     """The codec called ``name`` (:data:`CODECS`); ``chunk`` is a quantiser's.
 
@@ -203,4 +253,6 @@ def value_codec(name: str, chunk: int = 128) -> ValueCodec:
         return Cast(name)
     if name in KINDS:
         return Quantised(name, chunk)
+    if name == BINNED:
+        return Binned()
     raise ValueError(f"values={name!r} must be one of {list(CODECS)}")

@@ -19,6 +19,7 @@ from thinwire.comm.fingerprint import check_peers
 from thinwire.compress import TensorInfo
 from thinwire.ddp.amp import LossScale
 from thinwire.ddp.clip import LocalClip
+from thinwire.ddp.delayed import OneStepDelay
 from thinwire.ddp.guard import GradGuard
 from thinwire.ddp.hold import Stage, StepHold
 from thinwire.schemes.base import Scheme
@@ -42,6 +43,7 @@ class HookState:
     hold: StepHold | None = None  # holds a step's buckets for the two above
     guard: GradGuard | None = None  # warns if the sparse update is rewritten before the step
     coupling: optim.Coupling | None = None  # what couple did, when given the optimiser
+    delay: OneStepDelay | None = None  # hands DDP last step's mean (thinwire.ddp.delayed)
 
     @property
     def clips_in_hook(self) -> bool:
@@ -52,18 +54,21 @@ class HookState:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's scheme state (error memory, velocity, thresholds, counters), with the
-        rank and world size it belongs to and the error memory's rule: save one per rank."""
+        rank and world size it belongs to, the error memory's rule and, under ``delay``, the
+        means not yet applied: save one per rank."""
         rank, world_size = world(self.group)
         return {"rank": rank, "world_size": world_size,
-                "memory": self.scheme.traits.memory, "scheme": self.scheme.state_dict()}
+                "memory": self.scheme.traits.memory, "scheme": self.scheme.state_dict(),
+                "delay": self.delay.state_dict() if self.delay is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` saved on this rank.
 
         Raises:
-            ValueError: ``state`` belongs to another rank or world size, or to a scheme
+            ValueError: ``state`` belongs to another rank or world size, to a scheme
                 whose error memory was coupled otherwise (register with the same
-                ``optimizer`` and ``coupling`` before loading).
+                ``optimizer`` and ``coupling`` before loading), or to a run with another
+                ``delay``.
         """
         rank, world_size = world(self.group)
         if (state.get("rank"), state.get("world_size")) != (rank, world_size):
@@ -77,7 +82,13 @@ class HookState:
                              f"{state.get('memory')!r}, the registered scheme {memory!r}: "
                              "register with the same scheme, optimizer and coupling as the "
                              "run that saved it, then load")
+        if (state.get("delay") is None) != (self.delay is None):
+            raise ValueError(f"this scheme state was saved with delay="
+                             f"{state.get('delay') is not None}, this hook has delay="
+                             f"{self.delay is not None}: register with the same delay")
         self.scheme.load_state_dict(state["scheme"])
+        if self.delay is not None:
+            self.delay.load_state_dict(state["delay"])
 
 
 def agree(state: HookState, device: torch.device | None) -> None:
@@ -98,12 +109,15 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     agree(state, buffer.device)  # a no-op after register; here for hook_state's users
     infos = [TensorInfo(state.names[id(p)], tuple(p.shape), p.dtype, "W_grad", p.device)
              for p in bucket.parameters()]
+    sent = buffer if state.delay is None else buffer.clone()  # delayed: DDP keeps buffer
 
     def start(last: bool) -> Future[Any]:
-        return state.scheme.launch_flat(buffer, infos, state.group, last=last)
+        return state.scheme.launch_flat(sent, infos, state.group, last=last)
 
     future = (start(bucket.is_last()) if state.hold is None
-              else state.hold.launch(buffer, start, bucket.is_last()))
+              else state.hold.launch(sent, start, bucket.is_last()))
+    if state.delay is not None:
+        future = state.delay.swap(buffer, infos, future, bucket.is_last())
     if state.guard is not None:
         state.guard.arm()
     return future
@@ -113,7 +127,8 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
              meter: Meter | None = None, max_norm: float | None = None,
              scaler: torch.amp.GradScaler | None = None,
              optimizer: torch.optim.Optimizer | None = None, coupling: str = "auto",
-             warmup: int | None = None, feedback: str = "auto") -> HookState:
+             warmup: int | None = None, feedback: str = "auto",
+             delay: bool = False) -> HookState:
     """Install ``scheme`` as ``ddp_model``'s communication hook.
 
     Under a sparse error-feedback scheme, ``.grad`` after ``backward`` holds the
@@ -145,6 +160,9 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
         warmup: steps averaged dense before the scheme compresses
             (:class:`thinwire.schemes.Warmup`); None: the optimiser family's.
         feedback: what a coupled clt-k keeps the velocity in (``couple``'s ``feedback``).
+        delay: apply each step's mean one step later, its exchange overlapping the next
+            step (:mod:`thinwire.ddp.delayed`; the state's ``state_dict`` holds the mean
+            in flight).
 
     Returns:
         The hook state; its ``state_dict`` checkpoints this rank's scheme (one file per
@@ -164,7 +182,7 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
     state = hook_state(ddp_model.module, scheme,
                        group if group is not None else ddp_model.process_group, meter,
                        max_norm=max_norm, scaler=scaler, optimizer=optimizer,
-                       coupling=coupling, warmup=warmup, feedback=feedback)
+                       coupling=coupling, warmup=warmup, feedback=feedback, delay=delay)
     parameter = next(ddp_model.module.parameters(), None)
     agree(state, parameter.device if parameter is not None else None)
     ddp_model.register_comm_hook(state, comm_hook)
@@ -176,7 +194,8 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
                meter: Meter | None = None, max_norm: float | None = None,
                scaler: torch.amp.GradScaler | None = None,
                optimizer: torch.optim.Optimizer | None = None, coupling: str = "auto",
-               warmup: int | None = None, feedback: str = "auto") -> HookState:
+               warmup: int | None = None, feedback: str = "auto",
+               delay: bool = False) -> HookState:
     """The state for :func:`comm_hook`, for frameworks that register the hook themselves.
 
     PyTorch Lightning takes it as ``DDPStrategy(ddp_comm_state=hook_state(model, scheme),
@@ -187,7 +206,8 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
         scheme: from :func:`thinwire.schemes.build`.
         group: the process group to reduce over; None: the default group.
         meter: records the bytes handed to torch.distributed; attached to the scheme.
-        max_norm, scaler, optimizer, coupling, warmup, feedback: as for :func:`register`.
+        max_norm, scaler, optimizer, coupling, warmup, feedback, delay: as for
+            :func:`register`.
 
     Raises:
         ValueError: an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` (sparse
@@ -216,9 +236,11 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
              if trained and scheme.traits.sparse else None)
     state = HookState(scheme, {id(p): name for name, p in named}, group,
                       {**fingerprint(scheme), "parameters": parameters, "thinwire": __version__,
-                       "max_norm": max_norm, "scaler": scaler is not None, "warmup": warmup},
+                       "max_norm": max_norm, "scaler": scaler is not None, "warmup": warmup,
+                       "delay": delay},
                       module=module, clip=clip, loss_scale=loss_scale,
-                      hold=StepHold(stages) if stages else None, guard=guard)
+                      hold=StepHold(stages) if stages else None, guard=guard,
+                      delay=OneStepDelay() if delay else None)
     if optimizer is not None:
         chosen = optim.couple(optimizer, state, rule=coupling, feedback=feedback)
         state.coupling = dataclasses.replace(chosen, warmup=warmup, reason=chosen.reason + (

@@ -54,7 +54,8 @@ class ElasticLocalUpdates:
             ``heals``, and seconds spent in ``quorum_s`` and ``heal_s``.
 
     Raises:
-        ValueError: ``updates`` has a group of its own, or DTensor parameters.
+        ValueError: ``updates`` has a group of its own, DTensor parameters, or
+            ``overlap`` (an exchange landing a sync late would span two quorums).
     """
 
     def __init__(self, updates: LocalUpdates, manager: Manager) -> None:
@@ -66,6 +67,9 @@ class ElasticLocalUpdates:
         if sharded:
             raise ValueError(f"parameters {sharded[:3]} are DTensors: fault-tolerant local "
                              "updates take a model that is not sharded")
+        if updates.config.overlap:
+            raise ValueError("overlap=True lands each exchange a sync late, across the next "
+                             "sync's quorum; fault-tolerant local updates take overlap=False")
         self.updates = updates
         self.membership = Membership(manager, updates.fields, "fault-tolerant local updates",
                                      updates.device, updates.scheme.meter)

@@ -226,7 +226,7 @@ def backward(work: workloads.Workload, model: nn.Module, batch: workloads.Data,
 def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                progress: Callable[[int], None] | None = None,
                group: dist.ProcessGroup | None = None,
-               compute_s: float | None = None) -> dict[str, Any]:
+               compute_s: float | None = None, delayed: bool = False) -> dict[str, Any]:
     """Train ``options.workload`` under scheme ``name`` in the current process group.
 
     The optimiser is the user's (``options.optimizer``, ``lr``, ``momentum``),
@@ -237,6 +237,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     Args:
         compute_s: a step's compute time for the modelled time (see
             :func:`shared_compute_seconds`); None probes this run's model here.
+        delayed: apply each step's mean one step later (``thinwire.ddp.register``'s delay).
 
     Returns:
         This rank's results: accuracy, loss, bytes handed and the ring traffic
@@ -260,7 +261,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     state = ddp.register(net, scheme, meter=meter,
                          max_norm=options.max_norm if in_hook else None, scaler=scaler,
                          optimizer=optimizer, coupling=options.coupling, warmup=options.warmup,
-                         feedback=options.feedback)
+                         feedback=options.feedback, delay=delayed)
     scheme = state.scheme
     after_backward = options.max_norm if options.max_norm is not None and not in_hook else None
     if scheme.traits.energy:  # a shared-index scheme's diagnostic (clt-k): turn it on
@@ -314,6 +315,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         "overflow_steps": None if state.loss_scale is None else state.loss_scale.skipped,
         "captured_energy_per_layer": {key: statistics.fmean(shares) for key, shares in
                                       (scheme.energy or {}).items()},
+        "delayed": delayed,
     })
     return result
 

@@ -140,9 +140,11 @@ class _Run:
         """Local updates, ``options.steps`` inner steps (a healed worker's are its peers')."""
         local, scheme_config = local_run.parts(self.name, config)
         scheme = schemes.build(local_run.inner_scheme(self.name), **scheme_config)
+        local = local.resolved(scheme)
+        assert local.outer_lr is not None and local.outer_momentum is not None
         updates = ElasticLocalUpdates(LocalUpdates(
             self.model, self.inner, scheme, every=local.every, fragments=local.fragments,
-            delay=local.delay, mix=local.mix,
+            delay=local.delay, mix=local.mix, overlap=local.overlap,
             outer=nesterov(local.outer_lr, local.outer_momentum), meter=self.meter), manager)
         probe = copy.deepcopy(self.model)  # holds the global weights, for evaluation
         while updates.steps < self.options.steps:

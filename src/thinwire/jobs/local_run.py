@@ -9,7 +9,8 @@ target fall on sync points; the result's keys are :func:`run_scheme`'s, so a
 compare table holds both families alike.
 
 A sync's exchange is launched at the step that lands it (delay 0) or ``delay``
-steps before: the meter charges its bytes to the launching step.
+steps before: the meter charges its bytes to the launching step. A per-step
+scheme takes :class:`StepOptions` the same way (``dense:delayed=true``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from thinwire.jobs.dataparallel import (
     run_scheme,
 )
 from thinwire.launch import phase
-from thinwire.local import LocalConfig, LocalUpdates, nesterov
+from thinwire.local import LocalConfig, LocalUpdates, nesterov, outer_defaults
 
 PREFIX = "diloco"
 
@@ -54,17 +55,41 @@ class DiLoCoOptions:
     fragments: int = 1  # Streaming DiLoCo's F, parts synced at staggered steps
     delay: int = 0  # tau, inner steps a fragment's exchange overlaps, < every // fragments
     mix: float = 0.0  # weight of the local weights when a fragment lands, in [0, 1)
-    outer_lr: float = 0.7  # the outer Nesterov SGD's learning rate, > 0
-    outer_momentum: float = 0.9  # its momentum, in [0, 1); 0: plain SGD
+    overlap: bool = False  # each exchange lands one sync late, under the next H steps
+    # the outer Nesterov SGD's learning rate, > 0; None: the scheme's (outer_defaults:
+    # 0.7, or 1.0 for sparseloco)
+    outer_lr: float | None = None
+    outer_momentum: float | None = None  # its momentum, in [0, 1); 0: plain SGD; None: 0.9, or 0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr)
+        if self.outer_lr is not None and not (
+                isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr)
                 and self.outer_lr > 0):
             raise ValueError(f"outer_lr={self.outer_lr!r} must be a finite number > 0")
-        if not (isinstance(self.outer_momentum, (int, float))
+        if self.outer_momentum is not None and not (
+                isinstance(self.outer_momentum, (int, float))
                 and 0.0 <= self.outer_momentum < 1.0):
             raise ValueError(f"outer_momentum={self.outer_momentum!r} is outside the allowed "
                              "range [0, 1)")
+
+    def resolved(self, scheme: schemes.Scheme) -> DiLoCoOptions:
+        """These options with the outer optimiser's settings the scheme calls for filled in."""
+        lr, momentum = outer_defaults(scheme)
+        return dataclasses.replace(
+            self, outer_lr=lr if self.outer_lr is None else self.outer_lr,
+            outer_momentum=momentum if self.outer_momentum is None else self.outer_momentum)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    delayed: bool = False  # apply each step's mean one step later (ddp.register's delay)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.delayed, bool):
+            raise ValueError(f"delayed={self.delayed!r} must be True or False")
+
+
+STEP = "ddp"  # the label of StepOptions in messages
 
 
 def is_local(name: str) -> bool:
@@ -84,7 +109,7 @@ def config_classes(name: str) -> dict[str, type]:
         ValueError: an unknown scheme (after ``diloco+``, too).
     """
     if not is_local(name):
-        return {name: schemes.config_class(name)}
+        return {name: schemes.config_class(name), STEP: StepOptions}
     return {PREFIX: DiLoCoOptions, inner_scheme(name): schemes.config_class(inner_scheme(name))}
 
 
@@ -101,23 +126,35 @@ def parts(name: str, config: dict[str, Any]) -> tuple[DiLoCoOptions, dict[str, A
     return options, scheme
 
 
+def step_parts(config: dict[str, Any]) -> tuple[StepOptions, dict[str, Any]]:
+    """A per-step run's ``config`` split into :class:`StepOptions` and the scheme's own."""
+    step = {f.name for f in dataclasses.fields(StepOptions)}
+    return (StepOptions(**{k: v for k, v in config.items() if k in step}),
+            {k: v for k, v in config.items() if k not in step})
+
+
 def validate(name: str, config: dict[str, Any]) -> None:
     """Build what a run of ``name`` builds, so bad options fail before anything is spawned."""
     if not is_local(name):
-        schemes.build(name, **config)
+        schemes.build(name, **step_parts(config)[1])
         return
     options, scheme = parts(name, config)
     schemes.build(inner_scheme(name), **scheme)
-    LocalConfig(options.every, options.fragments, options.delay, options.mix)
+    LocalConfig(options.every, options.fragments, options.delay, options.mix, options.overlap)
 
 
 def run(name: str, config: dict[str, Any], options: RunOptions,
         progress: Callable[[int], None] | None = None,
         group: dist.ProcessGroup | None = None,
         compute_s: float | None = None) -> dict[str, Any]:
-    """:func:`run_local` for a local-update name, else :func:`run_scheme`."""
-    runner = run_local if is_local(name) else run_scheme
-    return runner(name, config, options, progress=progress, group=group, compute_s=compute_s)
+    """:func:`run_local` for a local-update name, else :func:`run_scheme` (with the
+    per-step options of ``config``)."""
+    if is_local(name):
+        return run_local(name, config, options, progress=progress, group=group,
+                         compute_s=compute_s)
+    step, scheme_config = step_parts(config)
+    return run_scheme(name, scheme_config, options, progress=progress, group=group,
+                      compute_s=compute_s, delayed=step.delayed)
 
 
 def _global_copy(model: nn.Module, updates: LocalUpdates) -> nn.Module:
@@ -137,7 +174,8 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     """Train ``options.workload`` with local updates in the current process group.
 
     The inner optimiser is the user's (``options.optimizer``, ``lr``,
-    ``momentum``); the outer one Nesterov SGD (``outer_lr``, ``outer_momentum``).
+    ``momentum``); the outer one Nesterov SGD (``outer_lr``, ``outer_momentum``;
+    by default what the scheme calls for, :func:`~thinwire.local.outer_defaults`).
     Every rank calls this with the same arguments.
 
     Returns:
@@ -151,11 +189,13 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     work, shard, model, compute_s = prepare(options, device, rank, world_size, compute_s)
     meter = Meter(rank, world_size)
     scheme = schemes.build(inner_scheme(name), **scheme_config)
+    local_options = local_options.resolved(scheme)
+    assert local_options.outer_lr is not None and local_options.outer_momentum is not None
     inner = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
                                 options.momentum, options.weight_decay)
     updates = LocalUpdates(model, inner, scheme, every=local_options.every,
                            fragments=local_options.fragments, delay=local_options.delay,
-                           mix=local_options.mix,
+                           mix=local_options.mix, overlap=local_options.overlap,
                            outer=nesterov(local_options.outer_lr, local_options.outer_momentum),
                            group=group, meter=meter)
     dtype = PRECISIONS[options.precision]

@@ -7,6 +7,6 @@ weights (:class:`LocalUpdates`).
 Floor: front door, beside pipeline, autodiff and ps (none imported).
 """
 
-from thinwire.local.diloco import LocalConfig, LocalUpdates, nesterov, split
+from thinwire.local.diloco import LocalConfig, LocalUpdates, nesterov, outer_defaults, split
 
-__all__ = ["LocalConfig", "LocalUpdates", "nesterov", "split"]
+__all__ = ["LocalConfig", "LocalUpdates", "nesterov", "outer_defaults", "split"]

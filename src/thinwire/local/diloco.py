@@ -7,7 +7,10 @@ outer optimiser steps the global weights with it, and the replica restarts
 from them. Streaming DiLoCo (Douillard et al. 2025) cuts the parameters into
 ``fragments`` synced at staggered steps; a fragment's exchange is launched as
 a future and lands ``delay`` (tau) inner steps later, its local weights then
-``mix * local + (1 - mix) * global``.
+``mix * local + (1 - mix) * global``. With ``overlap`` (DiLoCoX's one-step
+delay; Qi et al. 2025) every exchange lands one sync late: the workers train on
+through it, and when it lands each replica becomes the new global weights plus
+its own progress since the exchange left.
 
 Parameters only: buffers (batch-norm statistics) stay each worker's own. A
 DTensor parameter (FSDP2 inside a site) is worked on through its local shard,
@@ -32,6 +35,7 @@ from thinwire.comm import Meter
 from thinwire.comm.broadcast import broadcast_object, broadcast_tensors, digest_tensors
 from thinwire.comm.collectives import Future, Group, done
 from thinwire.comm.fingerprint import check_peers
+from thinwire.feedback import Decayed
 from thinwire.schemes import Scheme, build, fingerprint
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -44,12 +48,20 @@ def nesterov(lr: float = 0.7, momentum: float = 0.9) -> OuterFactory:
     return make
 
 
+def outer_defaults(scheme: Scheme) -> tuple[float, float]:
+    """The outer ``(lr, momentum)`` a scheme calls for: plain SGD at lr 1 where its error
+    memory decays (SparseLoCo, whose memory is the outer momentum: Alg. 1, alpha = 1 in
+    the reference code), else DiLoCo's 0.7 and Nesterov 0.9."""
+    return (1.0, 0.0) if scheme.traits.memory == Decayed.rule else (0.7, 0.9)
+
+
 @dataclass(frozen=True)
 class LocalConfig:
     every: int = 50  # H, inner steps between a fragment's syncs, >= fragments
     fragments: int = 1  # F, parts of the parameters synced at staggered steps, >= 1
     delay: int = 0  # tau, inner steps an exchange overlaps before it lands, < every // fragments
     mix: float = 0.0  # weight of the local weights when a fragment lands, in [0, 1)
+    overlap: bool = False  # each exchange lands at the fragment's next sync (delay, mix 0)
 
     def __post_init__(self) -> None:
         for name, low in (("every", 1), ("fragments", 1), ("delay", 0)):
@@ -65,6 +77,11 @@ class LocalConfig:
                              "each fragment's first exchange starts after step 0)")
         if not (isinstance(self.mix, (int, float)) and 0.0 <= self.mix < 1.0):
             raise ValueError(f"mix={self.mix!r} is outside the allowed range [0, 1)")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap={self.overlap!r} must be True or False")
+        if self.overlap and (self.delay or self.mix):
+            raise ValueError(f"overlap=True lands each exchange a whole sync late; it takes "
+                             f"delay=0 and mix=0, not delay={self.delay!r}, mix={self.mix!r}")
 
     def offset(self, fragment: int) -> int:
         """The step of the cycle, in [1, every], at which ``fragment`` lands."""
@@ -143,9 +160,9 @@ class LocalUpdates:
         module: the replica; its trained parameters are synchronised.
         inner: the user's optimiser of ``module``'s parameters (never reset).
         scheme: averages the pseudo-gradients; default ``build("dense")``.
-        every, fragments, delay, mix: see :class:`LocalConfig`.
+        every, fragments, delay, mix, overlap: see :class:`LocalConfig`.
         outer: builds the outer optimiser from the global weights; default
-            :func:`nesterov` ``()``.
+            :func:`nesterov` ``(*``:func:`outer_defaults` ``(scheme))``.
         group: the process group the workers exchange over; None: the default. For a
             model sharded with FSDP2 inside each site, the cross-site group.
         meter: records the bytes handed to torch.distributed; attached to the scheme.
@@ -163,10 +180,10 @@ class LocalUpdates:
 
     def __init__(self, module: nn.Module, inner: torch.optim.Optimizer,
                  scheme: Scheme | None = None, *, every: int = 50, fragments: int = 1,
-                 delay: int = 0, mix: float = 0.0, outer: OuterFactory | None = None,
-                 group: Group = None, meter: Meter | None = None,
-                 broadcast: bool = True) -> None:
-        self.config = LocalConfig(every, fragments, delay, mix)
+                 delay: int = 0, mix: float = 0.0, overlap: bool = False,
+                 outer: OuterFactory | None = None, group: Group = None,
+                 meter: Meter | None = None, broadcast: bool = True) -> None:
+        self.config = LocalConfig(every, fragments, delay, mix, overlap)
         self.module = module
         self.inner = inner
         self.scheme = scheme if scheme is not None else build("dense")
@@ -186,7 +203,8 @@ class LocalUpdates:
         self.params = dict(named)
         with torch.no_grad():
             self.globals = {name: _local(p).detach().clone() for name, p in named}
-        self.outer = (outer or nesterov())(list(self.globals.values()))
+        self.outer = (outer or nesterov(*outer_defaults(self.scheme)))(
+            list(self.globals.values()))
         # split by the whole parameter's size (a DTensor's numel is global), so the
         # ranks of a site, whose shards differ in size, agree on every fragment
         self.fragments = [[self.names[i] for i in run] for run in
@@ -206,6 +224,9 @@ class LocalUpdates:
         with torch.no_grad():  # every replica starts from the (now shared) global weights
             for name in self.names:
                 _local(self.params[name]).copy_(self.globals[name])
+        # overlap: each replica's weights when its last exchange left, its progress' origin
+        self.anchors = ({name: g.clone() for name, g in self.globals.items()}
+                        if overlap else None)
 
     def _agree(self) -> None:
         """Every rank's global weights, outer optimiser state and step count become rank 0's
@@ -235,34 +256,47 @@ class LocalUpdates:
 
         Returns:
             The fragments that landed at this step (their weights are the global ones,
-            mixed with the local when ``mix`` > 0).
+            mixed with the local when ``mix`` > 0; under ``overlap``, plus this
+            replica's progress since the exchange left).
         """
         self.steps += 1
         config = self.config
         landed = []
         for fragment in range(config.fragments):
             phase = (self.steps - config.offset(fragment) + config.delay) % config.every
+            if phase == 0 and config.overlap:  # the last exchange lands as the next leaves
+                previous = self.pending.pop(fragment, None)
+                self._launch(fragment, self.steps + config.every)
+                if previous is not None:
+                    self._land(fragment, previous[1])
+                    landed.append(fragment)
+                else:
+                    self._rebase(fragment, moved=False)
+                continue
             if phase == 0:
                 self._launch(fragment, self.steps + config.delay)
             pending = self.pending.get(fragment)
             if pending is not None and pending[0] == self.steps:
-                self._land(fragment)
+                self._land(fragment, self.pending.pop(fragment)[1])
                 landed.append(fragment)
         return landed
 
     def _launch(self, fragment: int, lands: int) -> None:
-        """Start averaging the fragment's pseudo-gradients (``x_global - x_local``)."""
+        """Start averaging the fragment's pseudo-gradients (``x_global - x_local``; under
+        ``overlap`` ``x_anchor - x_local``, this replica's progress since its last launch)."""
+        origin = self.globals if self.anchors is None else self.anchors
         with torch.no_grad():
-            deltas = {name: self.globals[name] - _local(self.params[name])
+            deltas = {name: origin[name] - _local(self.params[name])
                       for name in self.fragments[fragment]}
         self.pending[fragment] = (lands, self.exchange.launch(self, fragment, deltas))
 
-    def _land(self, fragment: int) -> None:
+    def _land(self, fragment: int, future: Future[Any]) -> None:
         """The outer step on the fragment's global weights, then the local weights (unless
         the exchange did not commit: then both stay as they are)."""
-        _, future = self.pending.pop(fragment)
         averaged = self.exchange.land(self, fragment, future)
         if averaged is None:
+            if self.anchors is not None:
+                self._rebase(fragment, moved=False)
             return
         names = self.fragments[fragment]
         for name in names:  # the outer optimiser skips parameters without a gradient
@@ -272,15 +306,31 @@ class LocalUpdates:
             for name in names:
                 self.globals[name].grad = None
                 local = _local(self.params[name])
+                if self.anchors is not None:
+                    continue  # below: the global weights plus this replica's progress
                 if self.config.mix == 0.0:
                     local.copy_(self.globals[name])
                 else:
                     local.lerp_(self.globals[name], 1.0 - self.config.mix)
+        if self.anchors is not None:
+            self._rebase(fragment, moved=True)
+
+    def _rebase(self, fragment: int, moved: bool) -> None:
+        """Under ``overlap``: where the global weights ``moved``, the local weights become
+        them plus this replica's progress since its anchor (``x <- g + (x - a)``); the
+        anchor becomes the local weights."""
+        assert self.anchors is not None
+        with torch.no_grad():
+            for name in self.fragments[fragment]:
+                local, anchor = _local(self.params[name]), self.anchors[name]
+                if moved:
+                    local.sub_(anchor).add_(self.globals[name])
+                anchor.copy_(local)
 
     def finish(self) -> None:
         """Land every exchange in flight now (at the end of training)."""
         for fragment in sorted(self.pending):
-            self._land(fragment)
+            self._land(fragment, self.pending.pop(fragment)[1])
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global weights by parameter name (local shards of DTensors): what every worker
@@ -298,6 +348,8 @@ class LocalUpdates:
                 "module": {k: v.clone() for k, v in self.module.state_dict().items()},
                 "inner": self.inner.state_dict(), "outer": self.outer.state_dict(),
                 "globals": {name: g.clone() for name, g in self.globals.items()},
+                "anchors": None if self.anchors is None else {
+                    name: a.clone() for name, a in self.anchors.items()},
                 "scheme": self.scheme.state_dict(),
                 "pending": {fragment: (lands, _cloned(future.wait()))
                             for fragment, (lands, future) in self.pending.items()}}
@@ -313,7 +365,8 @@ class LocalUpdates:
             ValueError: the state was saved under other options.
             PeerMismatchError: ``broadcast=False`` and the ranks' states differ.
         """
-        if state["config"] != dataclasses.asdict(self.config):
+        if {**dataclasses.asdict(LocalConfig()), **state["config"]} != dataclasses.asdict(
+                self.config):  # a state from before overlap existed has no such key
             raise ValueError(f"the state was saved with {state['config']}, these local updates "
                              f"run with {dataclasses.asdict(self.config)}")
         self.module.load_state_dict(state["module"])
@@ -321,6 +374,9 @@ class LocalUpdates:
         with torch.no_grad():
             for name, tensor in state["globals"].items():
                 self.globals[name].copy_(tensor)
+            for name, tensor in (state.get("anchors") or {}).items():
+                assert self.anchors is not None  # the configs match
+                self.anchors[name].copy_(tensor)
         self.outer.load_state_dict(state["outer"])
         self.scheme.load_state_dict(state["scheme"])
         self.steps = state["steps"]

@@ -7,6 +7,7 @@ from thinwire.schemes import builtin as _builtin  # noqa: F401  (registers the s
 from thinwire.schemes import powersgd as _powersgd  # noqa: F401
 from thinwire.schemes import quantised as _quantised  # noqa: F401
 from thinwire.schemes import scalecom as _scalecom  # noqa: F401
+from thinwire.schemes import sparseloco as _sparseloco  # noqa: F401
 from thinwire.schemes.base import Scheme
 from thinwire.schemes.kernel import CompressedScheme
 from thinwire.schemes.registry import (

@@ -8,7 +8,8 @@ One launch of a flat bucket (:meth:`CompressedScheme.launch_flat`):
    a reused threshold, a Laplace fit, chunks), or coordinates agreed in a first round
    (:mod:`thinwire.schemes.agreed`: a leader's indices, CLT-k; a low-rank basis, PowerSGD);
 4. encode: values by the value codec (:mod:`thinwire.compress.values`), own indices by
-   the index codec (:class:`~thinwire.compress.SparseLayout`);
+   the index codec (:class:`~thinwire.compress.SparseLayout`; a chunk code where the
+   selection fixes each chunk's count, SparseLoCo's);
 5. move: an all-reduce where every rank's coordinates are the same (whole tensors, or
    agreed ones) and the values summable; otherwise one all-gather of fixed-size payloads,
    in pieces where a threshold known before the gradient lets them stream
@@ -38,6 +39,7 @@ from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect, 
 from thinwire.comm.rounds import TwoRounds, all_reduce_round
 from thinwire.comm.shared_index import broadcast_indices
 from thinwire.compress import SparseLayout, Sparsifier, TensorInfo, ValueCodec
+from thinwire.compress.payload import CHUNK_FORMATS
 from thinwire.compress.pieces import Part, Streams
 from thinwire.feedback import Memory
 from thinwire.schemes.agreed import Agreed, Proposal
@@ -49,6 +51,7 @@ from thinwire.schemes.traits import ALL_GATHER, ALL_REDUCE, BROADCAST, Traits
 AnySelection = Sparsifier | Agreed
 STEP_BYTES = 4  # a row's header: the launch's step, int32
 ROW = "row"  # the collective of bytes only a row carries (its step, its padding)
+MEANS = ("ranks", "senders")  # what a gathered entry's sum is divided by
 Segment = tuple[str, str, int]  # (collective, layer, bytes) of a row
 
 
@@ -117,21 +120,37 @@ class CompressedScheme(Scheme):
         memory: error feedback, or None for none.
         nonfinite: ``"raise"`` or ``"skip"`` (see :func:`thinwire.feedback.all_finite`).
         indices: the index list of own selections' payloads, ``"delta16"`` or ``"int32"``
-            (a bitmap where smaller).
+            (a bitmap where smaller), or a chunk code (``"elias-fano"``, ``"fixed"``)
+            of a selection that sends a fixed count of each chunk
+            (:meth:`~thinwire.compress.Sparsifier.plan`).
         warmup_steps: launches of a tensor sent whole before its selection starts.
+        mean: what the sum of the entries gathered from every rank's payload is divided
+            by: ``"ranks"``, or ``"senders"`` (at each entry, the ranks that sent it).
 
     Raises:
-        ValueError: an agreed selection with values that do not sum (codes), or a
-            negative ``warmup_steps``.
+        ValueError: an agreed selection with values that do not sum (codes), a chunk
+            code or per-tensor values without a selection of fixed counts, a negative
+            ``warmup_steps``, or an unknown ``mean``.
     """
 
     def __init__(self, values: ValueCodec, selection: AnySelection | None = None,
                  memory: Memory | None = None, nonfinite: str = "raise", *,
-                 indices: str = "delta16", warmup_steps: int = 0) -> None:
+                 indices: str = "delta16", warmup_steps: int = 0,
+                 mean: str = "ranks") -> None:
         super().__init__()
         if isinstance(selection, Agreed) and not values.summable:
             raise ValueError(f"values={values.name!r} do not sum, so they cannot be "
                              "all-reduced at agreed coordinates")
+        # a selection with a plan (even of no tensors) sends a fixed count of each chunk
+        fixed = isinstance(selection, Sparsifier) and selection.plan(()) is not None
+        if indices in CHUNK_FORMATS and not fixed:
+            raise ValueError(f"indices={indices!r} codes chunks of a fixed count; the "
+                             "selection does not fix its counts")
+        if values.per_tensor and selection is not None and not fixed:
+            raise ValueError(f"values={values.name!r} are coded per tensor, which needs a "
+                             "selection that fixes each tensor's count (or none)")
+        if mean not in MEANS:
+            raise ValueError(f"mean={mean!r} must be one of {MEANS}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) \
                 or warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0")
@@ -141,6 +160,7 @@ class CompressedScheme(Scheme):
         self.nonfinite = nonfinite
         self.indices = indices
         self.warmup_steps = warmup_steps
+        self.mean = mean
         self.steps: dict[str, int] = {}  # key -> launches so far
         self.rounds = TwoRounds()  # at most one launch whose round 2 waits for round 1
         # A selection whose threshold is known before the gradient streams large buckets.
@@ -247,9 +267,8 @@ class CompressedScheme(Scheme):
                        if not values.summable)
         if selected:
             assert isinstance(selection, Sparsifier)
-            gathered += SparseLayout(sum(info.numel for info in selected),
-                                     selection.room(selected, record=False), selected[0].dtype,
-                                     self.indices, values).nbytes
+            gathered += self._sparse_layout(selected, selection.room(selected, record=False),
+                                            selected[0].dtype).nbytes
         if gathered:
             out[ALL_GATHER] = gathered
         return out
@@ -423,8 +442,19 @@ class CompressedScheme(Scheme):
         assert isinstance(selection, Sparsifier)
         room = (selection.room(launch.selected) if piece is None
                 else sum(part.room for part in piece))
-        return SparseLayout(sum(info.numel for info in launch.selected), room,
-                            launch.buffer.dtype, self.indices, self.values)
+        return self._sparse_layout(launch.selected, room, launch.buffer.dtype)
+
+    def _sparse_layout(self, selected: Sequence[TensorInfo], room: int,
+                       dtype: torch.dtype) -> SparseLayout:
+        """The layout of ``selected`` with ``room`` entries: a chunk code's plan and a
+        per-tensor codec's groups where the scheme has them."""
+        selection = self.selection
+        assert isinstance(selection, Sparsifier)
+        plan = selection.plan(selected) if self.indices in CHUNK_FORMATS else None
+        groups = (tuple(selection.capacity(info.numel) for info in selected)
+                  if self.values.per_tensor else ())
+        return SparseLayout(sum(info.numel for info in selected), room, dtype, self.indices,
+                            self.values, plan or (), groups)
 
     def _pack(self, launch: _Launch, layout: SparseLayout, chosen: Sequence[Chosen],
               kept: list[Kept] | None) -> tuple[torch.Tensor, list[tuple[str, int]]]:
@@ -489,7 +519,8 @@ class CompressedScheme(Scheme):
         and then divided by the rank count; the other whole tensors (summable values) are
         divided first, as the all-reduce's mean divides. Only the entries some rank sent
         are divided (a duplicate index writes the same quotient twice): the same bits as
-        dividing the whole buffer, without a pass over it.
+        dividing the whole buffer, without a pass over it; under ``mean="senders"`` a
+        selected entry by the ranks that sent it.
         """
         buffer, views, n, values = launch.buffer, launch.views, launch.n, self.values
         if ranges is None:
@@ -525,7 +556,11 @@ class CompressedScheme(Scheme):
                 views[info.key].div_(n)
             if touched:
                 sent = torch.cat(touched)
-                buffer.index_copy_(0, sent, buffer.index_select(0, sent).div_(n))
+                divisor: torch.Tensor | int = n
+                if self.mean == "senders":
+                    divisor = torch.zeros_like(buffer).index_add_(
+                        0, sent, torch.ones_like(sent, dtype=buffer.dtype)).index_select(0, sent)
+                buffer.index_copy_(0, sent, buffer.index_select(0, sent).div_(divisor))
 
     # ---- tensors sent whole
     def _launch_whole(self, launch: _Launch, group: Group) -> Future[Any]:
