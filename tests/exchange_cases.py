@@ -66,10 +66,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "local-topk": ("local-topk", {"ratio": 0.05, "warmup_steps": 1, "beta": 0.5}),
     "local-topk-layer": ("local-topk", {"ratio": 0.05, "scope": "layer",
                                         "selection": "chunk"}),
-    "sparseloco": ("sparseloco", {"chunk": 64, "k": 4}),
+    "sparseloco": ("sparseloco", {"chunk": 64, "k": 4, "aggregate": "ranks"}),
     "sparseloco-senders": ("sparseloco", {"chunk": 100, "k": 7, "beta": 0.5,
                                           "aggregate": "senders", "indices": "fixed"}),
-    "sparseloco-skip": ("sparseloco", {"chunk": 64, "k": 4, "nonfinite": "skip"}),
+    "sparseloco-skip": ("sparseloco", {"chunk": 64, "k": 4, "aggregate": "ranks",
+                                       "nonfinite": "skip"}),
 }
 
 

@@ -27,7 +27,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "laplace": ("laplace", {"ratio": 0.1, "min_numel": 200}),
     "local-topk": ("local-topk", {"ratio": 0.05, "warmup_steps": 1, "beta": 0.5}),
     "local-topk-layer": ("local-topk", {"ratio": 0.05, "scope": "layer", "selection": "chunk"}),
-    "sparseloco": ("sparseloco", {"chunk": 64, "k": 4}),
+    "sparseloco": ("sparseloco", {"chunk": 64, "k": 4, "aggregate": "ranks"}),
     "sparseloco-senders": ("sparseloco", {"chunk": 100, "k": 7, "aggregate": "senders",
                                           "indices": "fixed"}),
 }

@@ -36,7 +36,7 @@ WORLD = 3
 EVERY = 3
 STEPS = 12
 LR = 0.05
-CONFIG = {"chunk": 64, "k": 4, "beta": 0.95}
+CONFIG = {"chunk": 64, "k": 4, "beta": 0.95, "aggregate": "ranks"}  # Alg. 1's mean
 SHAPES = {"w": (7, 150), "b": (5,)}  # 1050 entries: 16 chunks of 64 and one of 26; b whole
 
 

@@ -8,9 +8,10 @@ their values as 2-bit codes read as their bins' means, a table per tensor
 (:mod:`~thinwire.compress.chunk_index`), ``e <- e - sent``. A tensor of one
 dimension sends every entry as codes. The payload's size is fixed by the shapes,
 so one all-gather carries it (:class:`~thinwire.schemes.kernel.CompressedScheme`);
-every rank decodes every payload and sums them in rank order, then divides by
-the ranks (Alg. 1's ``1/R``; ``aggregate="senders"``: at each entry by the ranks
-that sent it, as the reference code's scatter-mean does). The outer step belongs
+every rank decodes every payload and sums them in rank order, then divides each
+entry by the ranks that sent it, as the reference code's scatter-mean does
+(``aggregate="ranks"``: by all ranks, Alg. 1's ``1/R``; on text-lm that reached
+the target later, docs/local-updates.md). The outer step belongs
 to the caller: under :class:`~thinwire.local.LocalUpdates` it is SGD with lr
 alpha and no momentum (the decayed memory is the momentum), chosen there from
 this scheme's traits (its memory rule, ``"decayed"``).
@@ -36,7 +37,7 @@ class SparseLoCoConfig:
     k: int = K  # entries sent per chunk, in [1, chunk] (the paper's 64: 1.56 %)
     beta: float = 0.95  # the error memory's decay, in [0, 1] (the paper's 0.95)
     indices: str = "elias-fano"  # positions on the wire: "elias-fano" or "fixed" (the paper's)
-    aggregate: str = "ranks"  # an entry's sum over: "ranks" (Alg. 1) or "senders" (its code)
+    aggregate: str = "senders"  # an entry's sum over: "senders" (its code) or "ranks" (Alg. 1)
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite pseudo-gradient
 
     def __post_init__(self) -> None:
