@@ -321,6 +321,7 @@ def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[d
     for event in events:
         if event["committed"]:
             hashes.setdefault(event.get("sync", event["step"]), set()).add(event["weights_hash"])
+    unequal = sorted(sync for sync, seen in hashes.items() if len(seen) > 1)
     first = [e for e in events if e["replica"] == 0]
     heals = [{"replica": e["replica"], "step": e["heal"], "after_s": e["time"] - start,
               "seconds": e["seconds"]} for e in lines
@@ -335,8 +336,8 @@ def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[d
         "wall_s": max(e["time"] for e in events) - start if events else None,
         "syncs": len(first), "syncs_failed": sum(not e["committed"] for e in first),
         "heals": heals,
-        "syncs_checked": len(hashes), "weights_equal_after_every_sync":
-            all(len(seen) == 1 for seen in hashes.values()),
+        "syncs_checked": len(hashes), "weights_equal_after_every_sync": not unequal,
+        "syncs_unequal": unequal,
         "workers_per_sync": [(e["step"], e["workers"]) for e in first],
         "curve": [(e["step"], e["time"] - start, e["score"]) for e in scored],
         "bytes_sent_per_step": next((e["bytes_sent_per_step"] for e in done
