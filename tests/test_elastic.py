@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -145,7 +144,8 @@ def _worker(mode: str, replica: int, lighthouse: str, out: str) -> None:
             commits = updates.record["commits"]
             if updates.step():
                 log["syncs"].append((updates.steps, _digest(updates.updates.global_state()),
-                                     dist.get_world_size(), updates.record["commits"] > commits))
+                                     manager.num_participants(),
+                                     updates.record["commits"] > commits))
             if replica < 2 and updates.steps == JOIN_AT:
                 _join(replica, out)
         updates.finish()
@@ -160,7 +160,7 @@ def _worker(mode: str, replica: int, lighthouse: str, out: str) -> None:
             nn.functional.cross_entropy(net(x), y).backward()
             committed = net.commit()
             log["syncs"].append((manager.current_step(), _digest(model.state_dict()),
-                                 dist.get_world_size(), committed))
+                                 manager.num_participants(), committed))
             if not committed:
                 log["rolled back"].append(before == _digest(net.scheme.state_dict()))
             if replica < 2 and manager.current_step() == JOIN_AT:

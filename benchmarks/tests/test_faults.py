@@ -27,6 +27,7 @@ def test_the_summary_finds_the_target_failed_syncs_heals_and_disagreement() -> N
     assert summary["syncs"] == 3 and summary["syncs_failed"] == 1
     assert [(h["replica"], h["seconds"]) for h in summary["heals"]] == [(4, 0.4)]
     assert summary["syncs_checked"] == 2 and not summary["weights_equal_after_every_sync"]
+    assert summary["syncs_unequal"] == [30]  # 10 agreed; 20 did not commit
     assert summary["workers_per_sync"] == [(10, 4), (20, 4), (30, 3)]
     assert summary["bytes_sent_per_step"] == 1234.0
 

@@ -15,6 +15,7 @@ from thinwire.comm import Meter, done
 from thinwire.comm.collectives import Future, all_gather_single
 from thinwire.comm.fingerprint import PeerMismatchError, check_peers
 from thinwire.elastic.manager import quorum
+from thinwire.launch import end_process_group
 
 
 class Membership:
@@ -41,6 +42,7 @@ class Membership:
         self.record: dict[str, float] = {"commits": 0, "failures": 0, "heals": 0,
                                          "quorum_s": 0.0, "heal_s": 0.0}
         self._checked: weakref.ref[dist.ProcessGroup] | None = None  # the group last compared
+        self._broken = False  # a collective of this step failed: the group is left at the vote
 
     @property
     def heals(self) -> int:
@@ -90,7 +92,7 @@ class Membership:
         except PeerMismatchError:
             raise
         except Exception as error:  # a peer lost while meeting: this step does not commit
-            self.fail(error)
+            self.broke(error)
             return None
 
     def guard(self, launch: Callable[[], Future[Any]], fallback: Any,
@@ -103,14 +105,14 @@ class Membership:
         try:
             future = launch()
         except Exception as error:
-            self.fail(error)
+            self.broke(error)
             return done(fallback)
 
         def settle(arrived: Future[Any]) -> Any:
             try:
                 return finish(arrived.value())
             except Exception as error:  # noqa: BLE001  (reported: the step does not commit)
-                self.fail(error)
+                self.broke(error)
                 return fallback
 
         return future.then(settle)
@@ -119,8 +121,21 @@ class Membership:
         """Report ``error`` to torchft: this step or sync does not commit on this worker."""
         self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(error))
 
+    def broke(self, error: Exception) -> None:
+        """A collective failed (a peer lost): :meth:`fail`, and leave the group at the vote."""
+        self._broken = True
+        self.fail(error)
+
     def commit(self) -> bool:
-        """torchft's commit vote (False on any reported error or too few workers)."""
+        """torchft's commit vote (False on any reported error or too few workers).
+
+        After a failed collective this worker first leaves the quorum's group: a peer
+        still waiting on its part (a ring's next hop) then fails at once rather than
+        after the group's timeout. The Lighthouse forms a new quorum after a failed
+        commit, and with it a new group."""
+        if self._broken:
+            self._broken = False
+            end_process_group()
         committed = bool(self.manager.should_commit())
         self.record["commits" if committed else "failures"] += 1
         return committed
