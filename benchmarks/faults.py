@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -226,6 +227,19 @@ def _torchft_worker(spec: Spec) -> None:
     manager.shutdown(wait=False)
 
 
+def _life(spec: Spec) -> None:
+    """One life of a worker. Its events written and its group ended, it leaves without the
+    interpreter's shutdown, where gloo's threads can still abort it (as
+    :func:`thinwire.launch.spawn`'s ranks do): an abort would read as a death here."""
+    from thinwire.launch import end_process_group
+
+    (_thinwire_worker if spec.side == "thinwire" else _torchft_worker)(spec)
+    end_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _seconds(value: float) -> Any:
     from datetime import timedelta
 
@@ -238,7 +252,6 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
     """One run under ``schedule``; returns its events and what they show."""
     from thinwire.elastic import start_lighthouse
 
-    worker = _thinwire_worker if side == "thinwire" else _torchft_worker
     context = mp.get_context("spawn")
     lighthouse = start_lighthouse("[::]:0", min_workers=min_workers)
     processes: dict[int, Any] = {}
@@ -254,7 +267,7 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
                         else None,
                         schedule.kill_exchange if schedule.faults and first and replica == 2
                         else None, min_workers)
-            processes[replica] = context.Process(target=worker, args=(spec,))
+            processes[replica] = context.Process(target=_life, args=(spec,))
             processes[replica].start()
 
         start = time.time()
@@ -345,6 +358,65 @@ def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[d
     }
 
 
+def section(record: dict[str, Any], docs: Path) -> str:
+    """The results-page section: each run against the same run without faults, with the lone
+    worker and the compute-only bound beside them."""
+    machine, schedule = record["machine"], record["schedule"]
+    compute_ms = record["compute_ms_per_step"]
+    source = f"docs/data/faults-{record['workload']}.json"
+    lines = ["## Workers that fail and join", "",
+             f"`{record['command']}` ({machine['when']}, {machine['cpus']} cores, 1-minute load "
+             f"{machine['load_before'][0]:.1f} before and {machine['load_after'][0]:.1f} after: "
+             "the machine was shared, so seconds are slow and noisy, steps are not; data: "
+             f"`{source}`). {record['workers']} workers on {record['workload']} "
+             f"({record['metric']}, target {record['target']:g}), one process each on torchft "
+             f"(one Lighthouse, at least {record['min_workers']} workers to commit), a fifth "
+             f"joining at worker 0's step {schedule['join_at']}. With faults, worker 1 kills "
+             f"itself after inner step {schedule['kill_inner']}, worker 2 in the exchange of "
+             f"the sync at step {schedule['kill_exchange']}, and worker 3 is killed while the "
+             "relaunched worker 2 is healed; each is relaunched "
+             f"{schedule['relaunch_s']:g} s after it died. Seconds count from worker 0's first "
+             "sync; the global weights are evaluated by worker 0 every "
+             f"{record['eval_every']} steps.", "",
+             "| run | faults | steps to target | s to target | x fault-free | syncs failed "
+             "| heals (s each) | weights equal after every sync | bytes/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    clean = {run["label"]: run for run in record["runs"] if not run["faults"]}
+    for run in record["runs"]:
+        base, seconds = clean.get(run["label"]), run["seconds_to_target"]
+        ratio = (f"{seconds / base['seconds_to_target']:.2f}" if run["faults"] and seconds
+                 and base and base["seconds_to_target"] else "-")
+        steps = "not reached" if run["steps_to_target"] is None else run["steps_to_target"]
+        heals = ", ".join("?" if h["seconds"] is None else f"{h['seconds']:.1f}"
+                          for h in run["heals"]) or "-"
+        equal = "yes" if run["weights_equal_after_every_sync"] else "NO"
+        lines.append(f"| {run['label']} `{run['scheme']}` | {'yes' if run['faults'] else 'no'} "
+                     f"| {steps} | {'-' if seconds is None else f'{seconds:.0f}'} | {ratio} "
+                     f"| {run['syncs_failed']} of {run['syncs']} | {heals} "
+                     f"| {equal} ({run['syncs_checked']}) "
+                     f"| {run['bytes_sent_per_step'] or 0:,.0f} |")
+    efficiency = docs / "data" / f"efficiency-{record['workload']}.json"
+    if efficiency.exists():
+        steps = json.loads(efficiency.read_text())["steps_to_target"]
+        for label, workers in (("lone worker", "1"),
+                               (f"compute-only bound ({record['workers']} workers)",
+                                str(record["workers"]))):
+            if workers in steps:
+                lines.append(f"| {label} | no | {steps[workers]:.0f} | "
+                             f"{steps[workers] * compute_ms / 1000:.0f} (modelled) | - | - "
+                             "| - | - | - |")
+        lines += ["", f"Lone worker and bound: steps from `docs/data/{efficiency.name}`, "
+                  f"seconds at this run's compute step of {compute_ms:.0f} ms (one thread, "
+                  "measured before the runs, under the same load)."]
+    lines += ["", "*syncs failed*: syncs (per step: steps) of worker 0 that did not commit; "
+              "*heals*: each quorum in which a joining, relaunched or lagging worker took a live "
+              "peer's state, with its length (torchft's: not timed, ?); *weights equal*: every "
+              "committed sync's weight hashes agreed across the live workers (syncs compared). "
+              "torchft's DiLoCo exchanges dense fp32 and resets every replica to the last "
+              "global weights when a sync fails; thinwire keeps each replica's inner steps."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="text-lm")
@@ -425,61 +497,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-
-def section(record: dict[str, Any], docs: Path) -> str:
-    """The results-page section: each run against the same run without faults, with the lone
-    worker and the compute-only bound beside them."""
-    machine, schedule = record["machine"], record["schedule"]
-    compute_ms = record["compute_ms_per_step"]
-    source = f"docs/data/faults-{record['workload']}.json"
-    lines = ["## Workers that fail and join", "",
-             f"`{record['command']}` ({machine['when']}, {machine['cpus']} cores, 1-minute load "
-             f"{machine['load_before'][0]:.1f} before and {machine['load_after'][0]:.1f} after: "
-             "the machine was shared, so seconds are slow and noisy, steps are not; data: "
-             f"`{source}`). {record['workers']} workers on {record['workload']} "
-             f"({record['metric']}, target {record['target']:g}), one process each on torchft "
-             f"(one Lighthouse, at least {record['min_workers']} workers to commit), a fifth "
-             f"joining at worker 0's step {schedule['join_at']}. With faults, worker 1 kills "
-             f"itself after inner step {schedule['kill_inner']}, worker 2 in the exchange of "
-             f"the sync at step {schedule['kill_exchange']}, and worker 3 is killed while the "
-             "relaunched worker 2 is healed; each is relaunched "
-             f"{schedule['relaunch_s']:g} s after it died. Seconds count from worker 0's first "
-             "sync; the global weights are evaluated by worker 0 every "
-             f"{record['eval_every']} steps.", "",
-             "| run | faults | steps to target | s to target | x fault-free | syncs failed "
-             "| heals (s each) | weights equal after every sync | bytes/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    clean = {run["label"]: run for run in record["runs"] if not run["faults"]}
-    for run in record["runs"]:
-        base, seconds = clean.get(run["label"]), run["seconds_to_target"]
-        ratio = (f"{seconds / base['seconds_to_target']:.2f}" if run["faults"] and seconds
-                 and base and base["seconds_to_target"] else "-")
-        steps = "not reached" if run["steps_to_target"] is None else run["steps_to_target"]
-        heals = ", ".join("?" if h["seconds"] is None else f"{h['seconds']:.1f}"
-                          for h in run["heals"]) or "-"
-        equal = "yes" if run["weights_equal_after_every_sync"] else "NO"
-        lines.append(f"| {run['label']} `{run['scheme']}` | {'yes' if run['faults'] else 'no'} "
-                     f"| {steps} | {'-' if seconds is None else f'{seconds:.0f}'} | {ratio} "
-                     f"| {run['syncs_failed']} of {run['syncs']} | {heals} "
-                     f"| {equal} ({run['syncs_checked']}) "
-                     f"| {run['bytes_sent_per_step'] or 0:,.0f} |")
-    efficiency = docs / "data" / f"efficiency-{record['workload']}.json"
-    if efficiency.exists():
-        steps = json.loads(efficiency.read_text())["steps_to_target"]
-        for label, workers in (("lone worker", "1"),
-                               (f"compute-only bound ({record['workers']} workers)",
-                                str(record["workers"]))):
-            if workers in steps:
-                lines.append(f"| {label} | no | {steps[workers]:.0f} | "
-                             f"{steps[workers] * compute_ms / 1000:.0f} (modelled) | - | - "
-                             "| - | - | - |")
-        lines += ["", f"Lone worker and bound: steps from `docs/data/{efficiency.name}`, "
-                  f"seconds at this run's compute step of {compute_ms:.0f} ms (one thread, "
-                  "measured before the runs, under the same load)."]
-    lines += ["", "*syncs failed*: syncs (per step: steps) of worker 0 that did not commit; "
-              "*heals*: each quorum in which a joining, relaunched or lagging worker took a live "
-              "peer's state, with its length (torchft's: not timed, ?); *weights equal*: every "
-              "committed sync's weight hashes agreed across the live workers (syncs compared). "
-              "torchft's DiLoCo exchanges dense fp32 and resets every replica to the last "
-              "global weights when a sync fails; thinwire keeps each replica's inner steps."]
-    return "\n".join(lines) + "\n"
