@@ -274,13 +274,14 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
         try:
             for replica in range(workers):
                 launch(replica)
-            killed_while_healing, finished = False, 0.0
+            killed_while_healing, finished, step = False, 0.0, 0
             while True:
                 now = time.time()
                 if now - start > deadline_s:
                     raise TimeoutError(f"{side} {scheme}: not done within {deadline_s} s")
                 clock = Path(folder, "clock")
-                step = int(clock.read_text() or 0) if clock.exists() else 0
+                if clock.exists():  # empty while worker 0 rewrites it: keep the last step
+                    step = int(clock.read_text() or step)
                 if JOINER not in lives and step >= schedule.join_at:
                     launch(JOINER)
                 for replica, process in processes.items():
