@@ -52,6 +52,7 @@ from thinwire.jobs.workloads import RECIPES
 JOINER = 4  # the worker that joins half way (with 4 workers: the fifth)
 POLL_S = 0.05
 GRACE_S = 60.0  # after worker 0 ends, how long the others get to end too
+TIMEOUT_S = 60.0  # the longest a collective, vote or state transfer waits on a peer
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def _thinwire_worker(spec: Spec) -> None:
         elastic_ddp.comm_hook = killing_hook  # type: ignore[assignment]
     def connect() -> Any:
         manager = elastic.connect(spec.lighthouse, min_workers=spec.min_workers,
-                                  replica_id=f"worker{spec.replica}", timeout_s=60,
+                                  replica_id=f"worker{spec.replica}", timeout_s=TIMEOUT_S,
                                   quorum_timeout_s=900)
         # called when torchft loads a peer's state here: a heal under way
         manager.register_state_dict_fn(
@@ -171,12 +172,13 @@ def _torchft_worker(spec: Spec) -> None:
                             momentum=local["outer_momentum"], nesterov=True)
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=_seconds(60)), min_replica_size=spec.min_workers,
+        pg=ProcessGroupGloo(timeout=_seconds(TIMEOUT_S)), min_replica_size=spec.min_workers,
         use_async_quorum=False, load_state_dict=model.load_state_dict,
         state_dict=model.state_dict, replica_id=f"worker{spec.replica}",
         store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-        lighthouse_addr=spec.lighthouse, timeout=_seconds(60), quorum_timeout=_seconds(900),
-        connect_timeout=_seconds(60), init_sync=False)  # one seed: the replicas start alike
+        lighthouse_addr=spec.lighthouse, timeout=_seconds(TIMEOUT_S),
+        quorum_timeout=_seconds(900), connect_timeout=_seconds(TIMEOUT_S),
+        init_sync=False)  # one seed: the replicas start alike
     steps = 0  # inner steps this worker took
 
     def healing(_: Any) -> None:  # torchft loads a peer's state here: a heal
@@ -359,6 +361,10 @@ def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[d
     }
 
 
+def _rounded(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.1f}"
+
+
 def section(record: dict[str, Any], docs: Path) -> str:
     """The results-page section: each run against the same run without faults, with the lone
     worker and the compute-only bound beside them."""
@@ -379,20 +385,26 @@ def section(record: dict[str, Any], docs: Path) -> str:
              f"{schedule['relaunch_s']:g} s after it died. Seconds count from worker 0's first "
              "sync; the global weights are evaluated by worker 0 every "
              f"{record['eval_every']} steps.", "",
-             "| run | faults | steps to target | s to target | x fault-free | syncs failed "
-             "| heals (s each) | weights equal after every sync | bytes/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| run | faults | steps to target | s to target | x fault-free | s to the end "
+             "| x fault-free | syncs failed | heals (s each) | weights equal after every sync "
+             "| bytes/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     clean = {run["label"]: run for run in record["runs"] if not run["faults"]}
+
+    def ratio(run: dict[str, Any], key: str) -> str:
+        base = clean.get(run["label"])
+        return (f"{run[key] / base[key]:.2f}" if run["faults"] and run[key] and base
+                and base[key] else "-")
+
     for run in record["runs"]:
-        base, seconds = clean.get(run["label"]), run["seconds_to_target"]
-        ratio = (f"{seconds / base['seconds_to_target']:.2f}" if run["faults"] and seconds
-                 and base and base["seconds_to_target"] else "-")
+        seconds = run["seconds_to_target"]
         steps = "not reached" if run["steps_to_target"] is None else run["steps_to_target"]
         heals = ", ".join("?" if h["seconds"] is None else f"{h['seconds']:.1f}"
                           for h in run["heals"]) or "-"
         equal = "yes" if run["weights_equal_after_every_sync"] else "NO"
         lines.append(f"| {run['label']} `{run['scheme']}` | {'yes' if run['faults'] else 'no'} "
-                     f"| {steps} | {'-' if seconds is None else f'{seconds:.0f}'} | {ratio} "
+                     f"| {steps} | {_rounded(seconds)} | {ratio(run, 'seconds_to_target')} "
+                     f"| {_rounded(run['wall_s'])} | {ratio(run, 'wall_s')} "
                      f"| {run['syncs_failed']} of {run['syncs']} | {heals} "
                      f"| {equal} ({run['syncs_checked']}) "
                      f"| {run['bytes_sent_per_step'] or 0:,.0f} |")
@@ -404,14 +416,17 @@ def section(record: dict[str, Any], docs: Path) -> str:
                                 str(record["workers"]))):
             if workers in steps:
                 lines.append(f"| {label} | no | {steps[workers]:.0f} | "
-                             f"{steps[workers] * compute_ms / 1000:.0f} (modelled) | - | - "
-                             "| - | - | - |")
+                             f"{_rounded(steps[workers] * compute_ms / 1000)} (modelled) | - "
+                             "| - | - | - | - | - | - |")
         lines += ["", f"Lone worker and bound: steps from `docs/data/{efficiency.name}`, "
                   f"seconds at this run's compute step of {compute_ms:.0f} ms (one thread, "
                   "measured before the runs, under the same load)."]
     lines += ["", "*syncs failed*: syncs (per step: steps) of worker 0 that did not commit; "
               "*heals*: each quorum in which a joining, relaunched or lagging worker took a live "
-              "peer's state, with its length (torchft's: not timed, ?); *weights equal*: every "
+              "peer's state, with its wait from its quorum request (torchft's: not timed, ?); "
+              "a worker lost within a quorum (while the others form its group or heal from "
+              f"it) can cost them up to the group's timeout ({TIMEOUT_S:g} s), on either side; "
+              "*s to the end*: to worker 0's last step; *weights equal*: every "
               "committed sync's weight hashes agreed across the live workers (syncs compared). "
               "torchft's DiLoCo exchanges dense fp32 and resets every replica to the last "
               "global weights when a sync fails; thinwire keeps each replica's inner steps."]

@@ -34,10 +34,10 @@ def test_the_summary_finds_the_target_failed_syncs_heals_and_disagreement() -> N
 
 def test_the_section_sets_each_run_against_its_fault_free_twin(tmp_path: Path) -> None:
     run = {"label": "thinwire-local", "scheme": "diloco+int4", "steps_to_target": 1300,
-           "seconds_to_target": 100.0, "syncs_failed": 0, "syncs": 160, "heals": [],
-           "weights_equal_after_every_sync": True, "syncs_checked": 160,
+           "seconds_to_target": 100.0, "wall_s": 200.0, "syncs_failed": 0, "syncs": 160,
+           "heals": [], "weights_equal_after_every_sync": True, "syncs_checked": 160,
            "bytes_sent_per_step": 2500.0, "faults": False}
-    faulty = {**run, "faults": True, "seconds_to_target": 120.0, "syncs_failed": 2,
+    faulty = {**run, "faults": True, "seconds_to_target": 120.0, "wall_s": 260.0, "syncs_failed": 2,
               "heals": [{"replica": 2, "step": 800, "after_s": 50.0, "seconds": 1.5}]}
     record = {"machine": {"when": "today", "cpus": 2, "load_before": [1.0], "load_after": [2.0]},
               "schedule": {"join_at": 800, "kill_inner": 405, "kill_exchange": 1200,
@@ -49,6 +49,7 @@ def test_the_section_sets_each_run_against_its_fault_free_twin(tmp_path: Path) -
     (tmp_path / "data" / "efficiency-text-lm.json").write_text(
         '{"steps_to_target": {"1": 2600.0, "4": 950.0}}')
     text = section(record, tmp_path)
-    assert "| thinwire-local `diloco+int4` | yes | 1300 | 120 | 1.20 | 2 of 160 | 1.5 |" in text
+    assert ("| thinwire-local `diloco+int4` | yes | 1300 | 120 | 1.20 | 260 | 1.30 | 2 of 160 "
+            "| 1.5 |") in text
     assert "| lone worker | no | 2600 | 65 (modelled) |" in text
     assert "| compute-only bound (4 workers) | no | 950 | 24 (modelled) |" in text
