@@ -42,7 +42,8 @@ class Membership:
         self.record: dict[str, float] = {"commits": 0, "failures": 0, "heals": 0,
                                          "quorum_s": 0.0, "heal_s": 0.0}
         self._checked: weakref.ref[dist.ProcessGroup] | None = None  # the group last compared
-        self._broken = False  # a collective of this step failed: the group is left at the vote
+        # the group in which a collective of this step failed: left at the vote
+        self._broken: weakref.ref[dist.ProcessGroup] | None = None
 
     @property
     def heals(self) -> int:
@@ -92,7 +93,7 @@ class Membership:
         except PeerMismatchError:
             raise
         except Exception as error:  # a peer lost while meeting: this step does not commit
-            self.broke(error)
+            self.broke(error, dist.group.WORLD)
             return None
 
     def guard(self, launch: Callable[[], Future[Any]], fallback: Any,
@@ -102,17 +103,18 @@ class Membership:
         reported to torchft (the step will not commit) rather than raised."""
         if self.manager.errored() is not None:
             return done(fallback)
+        group = dist.group.WORLD
         try:
             future = launch()
         except Exception as error:
-            self.broke(error)
+            self.broke(error, group)
             return done(fallback)
 
         def settle(arrived: Future[Any]) -> Any:
             try:
                 return finish(arrived.value())
             except Exception as error:  # noqa: BLE001  (reported: the step does not commit)
-                self.broke(error)
+                self.broke(error, group)
                 return fallback
 
         return future.then(settle)
@@ -121,9 +123,11 @@ class Membership:
         """Report ``error`` to torchft: this step or sync does not commit on this worker."""
         self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(error))
 
-    def broke(self, error: Exception) -> None:
-        """A collective failed (a peer lost): :meth:`fail`, and leave the group at the vote."""
-        self._broken = True
+    def broke(self, error: Exception, group: dist.ProcessGroup | None) -> None:
+        """A collective in ``group`` failed (a peer lost): :meth:`fail`, and leave ``group``
+        at the vote."""
+        if group is not None:
+            self._broken = weakref.ref(group)
         self.fail(error)
 
     def commit(self) -> bool:
@@ -132,9 +136,9 @@ class Membership:
         After a failed collective this worker first leaves the quorum's group: a peer
         still waiting on its part (a ring's next hop) then fails at once rather than
         after the group's timeout. The Lighthouse forms a new quorum after a failed
-        commit, and with it a new group."""
-        if self._broken:
-            self._broken = False
+        commit, and with it a new group (one formed since the failure is kept)."""
+        broken, self._broken = self._broken, None
+        if broken is not None and dist.is_initialized() and broken() is dist.group.WORLD:
             end_process_group()
         committed = bool(self.manager.should_commit())
         self.record["commits" if committed else "failures"] += 1
