@@ -433,6 +433,17 @@ def section(record: dict[str, Any], docs: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _added_to(earlier: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """``earlier``'s runs and machine, ``record``'s command after its own, for more runs."""
+    same = ("workload", "workers", "min_workers", "steps", "eval_every", "schedule", "local",
+            "per_step")
+    differ = [key for key in same if earlier[key] != record[key]]
+    if differ:
+        raise ValueError(f"--add-to: the file's {differ} differ from this run's")
+    return {**earlier, "command": f"{earlier['command']}; then {record['command']}",
+            "machine": {**earlier["machine"], "load_after": record["machine"]["load_before"]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="text-lm")
@@ -455,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", default="thinwire-local,torchft,thinwire-per-step")
     parser.add_argument("--deadline-s", type=float, default=7200.0)
     parser.add_argument("--out", type=Path, default=Path("docs/data"))
+    parser.add_argument("--add-to", type=Path, default=None,
+                        help="a data file of this benchmark with the same workload, workers, "
+                             "steps and schedule: its runs, then these (more sides, later)")
     args = parser.parse_args(argv)
     os.environ.setdefault("RUST_LOG", "error")  # torchft's own logging, read at its import
     recipe = RECIPES[args.workload]
@@ -490,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
                     "when": time.strftime("%Y-%m-%d %H:%M %Z")},
         "runs": [],
     }
+    if args.add_to is not None:
+        record = _added_to(json.loads(args.add_to.read_text()), record)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"faults-{args.workload}.json"
     for label in args.sides.split(","):

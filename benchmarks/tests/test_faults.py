@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.faults import section, summarise
+import pytest
+
+from benchmarks.faults import _added_to, section, summarise
 
 
 def _event(replica: int, step: int, time: float, score: float | None = None,
@@ -53,3 +55,20 @@ def test_the_section_sets_each_run_against_its_fault_free_twin(tmp_path: Path) -
             "| 1.5 |") in text
     assert "| lone worker | no | 2600 | 65 (modelled) |" in text
     assert "| compute-only bound (4 workers) | no | 950 | 24 (modelled) |" in text
+
+
+def test_runs_added_to_a_data_file_keep_its_runs_and_name_both_commands() -> None:
+    base = {"workload": "text-lm", "workers": 4, "min_workers": 3, "steps": 1600,
+            "eval_every": 50, "schedule": {"join_at": 800}, "local": {}, "per_step": {},
+            "command": "python -m benchmarks.faults --sides torchft",
+            "machine": {"when": "then", "load_before": [1.0], "load_after": [2.0]},
+            "runs": [{"label": "torchft"}]}
+    later = {**base, "command": "python -m benchmarks.faults --sides thinwire-per-step",
+             "machine": {"when": "now", "load_before": [3.0]}, "runs": []}
+    merged = _added_to(base, later)
+    assert merged["runs"] == [{"label": "torchft"}]
+    assert merged["command"] == ("python -m benchmarks.faults --sides torchft; then "
+                                 "python -m benchmarks.faults --sides thinwire-per-step")
+    assert merged["machine"] == {"when": "then", "load_before": [1.0], "load_after": [3.0]}
+    with pytest.raises(ValueError, match="schedule"):
+        _added_to(base, {**later, "schedule": {"join_at": 400}})
