@@ -366,12 +366,13 @@ def _rounded(seconds: float | None) -> str:
 
 
 def section(record: dict[str, Any], docs: Path) -> str:
-    """The results-page section: each run against the same run without faults, with the lone
-    worker and the compute-only bound beside them."""
+    """The results page's part for one workload (under "Workers that fail and join"): each run
+    against the same run without faults, with the lone worker and the compute-only bound
+    beside them."""
     machine, schedule = record["machine"], record["schedule"]
     compute_ms = record["compute_ms_per_step"]
     source = f"docs/data/faults-{record['workload']}.json"
-    lines = ["## Workers that fail and join", "",
+    lines = [f"### {record['workload']}", "",
              f"`{record['command']}` ({machine['when']}, {machine['cpus']} cores, 1-minute load "
              f"{machine['load_before'][0]:.1f} before and {machine['load_after'][0]:.1f} after: "
              "the machine was shared, so seconds are slow and noisy, steps are not; data: "
