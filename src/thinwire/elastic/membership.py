@@ -133,10 +133,11 @@ class Membership:
     def commit(self) -> bool:
         """torchft's commit vote (False on any reported error or too few workers).
 
-        After a failed collective this worker first leaves the quorum's group: a peer
-        still waiting on its part (a ring's next hop) then fails at once rather than
-        after the group's timeout. The Lighthouse forms a new quorum after a failed
-        commit, and with it a new group (one formed since the failure is kept)."""
+        After a failed collective this worker first leaves the quorum's group, so that a
+        peer still waiting on its part (a ring's next hop) can fail without waiting out
+        the group's timeout (where nothing else holds the group alive). The Lighthouse
+        forms a new quorum after a failed commit, and with it a new group (one formed
+        since the failure is kept)."""
         broken, self._broken = self._broken, None
         if broken is not None and dist.is_initialized() and broken() is dist.group.WORLD:
             end_process_group()
