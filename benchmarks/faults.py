@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -51,6 +52,7 @@ from thinwire.jobs.workloads import RECIPES
 JOINER = 4  # the worker that joins half way (with 4 workers: the fifth)
 POLL_S = 0.05
 GRACE_S = 60.0  # after worker 0 ends, how long the others get to end too
+TIMEOUT_S = 60.0  # the longest a collective, vote or state transfer waits on a peer
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def _thinwire_worker(spec: Spec) -> None:
         elastic_ddp.comm_hook = killing_hook  # type: ignore[assignment]
     def connect() -> Any:
         manager = elastic.connect(spec.lighthouse, min_workers=spec.min_workers,
-                                  replica_id=f"worker{spec.replica}", timeout_s=60,
+                                  replica_id=f"worker{spec.replica}", timeout_s=TIMEOUT_S,
                                   quorum_timeout_s=900)
         # called when torchft loads a peer's state here: a heal under way
         manager.register_state_dict_fn(
@@ -170,12 +172,13 @@ def _torchft_worker(spec: Spec) -> None:
                             momentum=local["outer_momentum"], nesterov=True)
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=_seconds(60)), min_replica_size=spec.min_workers,
+        pg=ProcessGroupGloo(timeout=_seconds(TIMEOUT_S)), min_replica_size=spec.min_workers,
         use_async_quorum=False, load_state_dict=model.load_state_dict,
         state_dict=model.state_dict, replica_id=f"worker{spec.replica}",
         store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-        lighthouse_addr=spec.lighthouse, timeout=_seconds(60), quorum_timeout=_seconds(900),
-        connect_timeout=_seconds(60), init_sync=False)  # one seed: the replicas start alike
+        lighthouse_addr=spec.lighthouse, timeout=_seconds(TIMEOUT_S),
+        quorum_timeout=_seconds(900), connect_timeout=_seconds(TIMEOUT_S),
+        init_sync=False)  # one seed: the replicas start alike
     steps = 0  # inner steps this worker took
 
     def healing(_: Any) -> None:  # torchft loads a peer's state here: a heal
@@ -226,6 +229,19 @@ def _torchft_worker(spec: Spec) -> None:
     manager.shutdown(wait=False)
 
 
+def _life(spec: Spec) -> None:
+    """One life of a worker. Its events written and its group ended, it leaves without the
+    interpreter's shutdown, where gloo's threads can still abort it (as
+    :func:`thinwire.launch.spawn`'s ranks do): an abort would read as a death here."""
+    from thinwire.launch import end_process_group
+
+    (_thinwire_worker if spec.side == "thinwire" else _torchft_worker)(spec)
+    end_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _seconds(value: float) -> Any:
     from datetime import timedelta
 
@@ -238,7 +254,6 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
     """One run under ``schedule``; returns its events and what they show."""
     from thinwire.elastic import start_lighthouse
 
-    worker = _thinwire_worker if side == "thinwire" else _torchft_worker
     context = mp.get_context("spawn")
     lighthouse = start_lighthouse("[::]:0", min_workers=min_workers)
     processes: dict[int, Any] = {}
@@ -254,20 +269,21 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
                         else None,
                         schedule.kill_exchange if schedule.faults and first and replica == 2
                         else None, min_workers)
-            processes[replica] = context.Process(target=worker, args=(spec,))
+            processes[replica] = context.Process(target=_life, args=(spec,))
             processes[replica].start()
 
         start = time.time()
         try:
             for replica in range(workers):
                 launch(replica)
-            killed_while_healing, finished = False, 0.0
+            killed_while_healing, finished, step = False, 0.0, 0
             while True:
                 now = time.time()
                 if now - start > deadline_s:
                     raise TimeoutError(f"{side} {scheme}: not done within {deadline_s} s")
                 clock = Path(folder, "clock")
-                step = int(clock.read_text() or 0) if clock.exists() else 0
+                if clock.exists():  # empty while worker 0 rewrites it: keep the last step
+                    step = int(clock.read_text() or step)
                 if JOINER not in lives and step >= schedule.join_at:
                     launch(JOINER)
                 for replica, process in processes.items():
@@ -321,6 +337,7 @@ def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[d
     for event in events:
         if event["committed"]:
             hashes.setdefault(event.get("sync", event["step"]), set()).add(event["weights_hash"])
+    unequal = sorted(sync for sync, seen in hashes.items() if len(seen) > 1)
     first = [e for e in events if e["replica"] == 0]
     heals = [{"replica": e["replica"], "step": e["heal"], "after_s": e["time"] - start,
               "seconds": e["seconds"]} for e in lines
@@ -335,13 +352,98 @@ def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[d
         "wall_s": max(e["time"] for e in events) - start if events else None,
         "syncs": len(first), "syncs_failed": sum(not e["committed"] for e in first),
         "heals": heals,
-        "syncs_checked": len(hashes), "weights_equal_after_every_sync":
-            all(len(seen) == 1 for seen in hashes.values()),
+        "syncs_checked": len(hashes), "weights_equal_after_every_sync": not unequal,
+        "syncs_unequal": unequal,
         "workers_per_sync": [(e["step"], e["workers"]) for e in first],
         "curve": [(e["step"], e["time"] - start, e["score"]) for e in scored],
         "bytes_sent_per_step": next((e["bytes_sent_per_step"] for e in done
                                      if e["replica"] == 0), None),
     }
+
+
+def _rounded(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.1f}"
+
+
+def section(record: dict[str, Any], docs: Path) -> str:
+    """The results page's part for one workload (under "Workers that fail and join"): each run
+    against the same run without faults, with the lone worker and the compute-only bound
+    beside them."""
+    machine, schedule = record["machine"], record["schedule"]
+    compute_ms = record["compute_ms_per_step"]
+    source = f"docs/data/faults-{record['workload']}.json"
+    lines = [f"### {record['workload']}", "",
+             f"`{record['command']}` ({machine['when']}, {machine['cpus']} cores, 1-minute load "
+             f"{machine['load_before'][0]:.1f} before and {machine['load_after'][0]:.1f} after: "
+             "the machine was shared, so seconds are slow and noisy, steps are not; data: "
+             f"`{source}`). {record['workers']} workers on {record['workload']} "
+             f"({record['metric']}, target {record['target']:g}), one process each on torchft "
+             f"(one Lighthouse, at least {record['min_workers']} workers to commit), a fifth "
+             f"joining at worker 0's step {schedule['join_at']}. With faults, worker 1 kills "
+             f"itself after inner step {schedule['kill_inner']}, worker 2 in the exchange of "
+             f"the sync at step {schedule['kill_exchange']}, and worker 3 is killed while the "
+             "relaunched worker 2 is healed; each is relaunched "
+             f"{schedule['relaunch_s']:g} s after it died. Seconds count from worker 0's first "
+             "sync; the global weights are evaluated by worker 0 every "
+             f"{record['eval_every']} steps.", "",
+             "| run | faults | steps to target | s to target | x fault-free | s to the end "
+             "| x fault-free | syncs failed | heals (s each) | weights equal after every sync "
+             "| bytes/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    clean = {run["label"]: run for run in record["runs"] if not run["faults"]}
+
+    def ratio(run: dict[str, Any], key: str) -> str:
+        base = clean.get(run["label"])
+        return (f"{run[key] / base[key]:.2f}" if run["faults"] and run[key] and base
+                and base[key] else "-")
+
+    for run in record["runs"]:
+        seconds = run["seconds_to_target"]
+        steps = "not reached" if run["steps_to_target"] is None else run["steps_to_target"]
+        heals = ", ".join("?" if h["seconds"] is None else f"{h['seconds']:.1f}"
+                          for h in run["heals"]) or "-"
+        equal = "yes" if run["weights_equal_after_every_sync"] else "NO"
+        lines.append(f"| {run['label']} `{run['scheme']}` | {'yes' if run['faults'] else 'no'} "
+                     f"| {steps} | {_rounded(seconds)} | {ratio(run, 'seconds_to_target')} "
+                     f"| {_rounded(run['wall_s'])} | {ratio(run, 'wall_s')} "
+                     f"| {run['syncs_failed']} of {run['syncs']} | {heals} "
+                     f"| {equal} ({run['syncs_checked']}) "
+                     f"| {run['bytes_sent_per_step'] or 0:,.0f} |")
+    efficiency = docs / "data" / f"efficiency-{record['workload']}.json"
+    if efficiency.exists():
+        steps = json.loads(efficiency.read_text())["steps_to_target"]
+        for label, workers in (("lone worker", "1"),
+                               (f"compute-only bound ({record['workers']} workers)",
+                                str(record["workers"]))):
+            if workers in steps:
+                lines.append(f"| {label} | no | {steps[workers]:.0f} | "
+                             f"{_rounded(steps[workers] * compute_ms / 1000)} (modelled) | - "
+                             "| - | - | - | - | - | - |")
+        lines += ["", f"Lone worker and bound: steps from `docs/data/{efficiency.name}`, "
+                  f"seconds at this run's compute step of {compute_ms:.0f} ms (one thread, "
+                  "measured before the runs, under the same load)."]
+    lines += ["", "*syncs failed*: syncs (per step: steps) of worker 0 that did not commit; "
+              "*heals*: each quorum in which a joining, relaunched or lagging worker took a live "
+              "peer's state, with its wait from its quorum request (torchft's: not timed, ?); "
+              "a worker lost in an exchange or within a quorum (while the others heal from it "
+              f"or form its group) can cost the others the group's timeout ({TIMEOUT_S:g} s), "
+              "on either side; "
+              "*s to the end*: to worker 0's last step; *weights equal*: every "
+              "committed sync's weight hashes agreed across the live workers (syncs compared). "
+              "torchft's DiLoCo exchanges dense fp32 and resets every replica to the last "
+              "global weights when a sync fails; thinwire keeps each replica's inner steps."]
+    return "\n".join(lines) + "\n"
+
+
+def _added_to(earlier: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """``earlier``'s runs and machine, ``record``'s command after its own, for more runs."""
+    same = ("workload", "workers", "min_workers", "steps", "eval_every", "schedule", "local",
+            "per_step")
+    differ = [key for key in same if earlier[key] != record[key]]
+    if differ:
+        raise ValueError(f"--add-to: the file's {differ} differ from this run's")
+    return {**earlier, "command": f"{earlier['command']}; then {record['command']}",
+            "machine": {**earlier["machine"], "load_after": record["machine"]["load_before"]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", default="thinwire-local,torchft,thinwire-per-step")
     parser.add_argument("--deadline-s", type=float, default=7200.0)
     parser.add_argument("--out", type=Path, default=Path("docs/data"))
+    parser.add_argument("--add-to", type=Path, default=None,
+                        help="a data file of this benchmark with the same workload, workers, "
+                             "steps and schedule: its runs, then these (more sides, later)")
     args = parser.parse_args(argv)
     os.environ.setdefault("RUST_LOG", "error")  # torchft's own logging, read at its import
     recipe = RECIPES[args.workload]
@@ -395,11 +500,14 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": recipe, "local": {"scheme": args.local, "config": local_config},
         "per_step": {"scheme": args.per_step, "config": per_step_config},
         "schedule": asdict(schedule), "compute_ms_per_step": compute_ms,
-        "command": "python -m benchmarks.faults " + " ".join(argv or []),
+        "command": " ".join(["python -m benchmarks.faults",
+                             *(sys.argv[1:] if argv is None else argv)]),
         "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg(),
                     "when": time.strftime("%Y-%m-%d %H:%M %Z")},
         "runs": [],
     }
+    if args.add_to is not None:
+        record = _added_to(json.loads(args.add_to.read_text()), record)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"faults-{args.workload}.json"
     for label in args.sides.split(","):
@@ -423,62 +531,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def section(record: dict[str, Any], docs: Path) -> str:
-    """The results-page section: each run against the same run without faults, with the lone
-    worker and the compute-only bound beside them."""
-    machine, schedule = record["machine"], record["schedule"]
-    compute_ms = record["compute_ms_per_step"]
-    source = f"docs/data/faults-{record['workload']}.json"
-    lines = ["## Workers that fail and join", "",
-             f"`{record['command']}` ({machine['when']}, {machine['cpus']} cores, 1-minute load "
-             f"{machine['load_before'][0]:.1f} before and {machine['load_after'][0]:.1f} after: "
-             "the machine was shared, so seconds are slow and noisy, steps are not; data: "
-             f"`{source}`). {record['workers']} workers on {record['workload']} "
-             f"({record['metric']}, target {record['target']:g}), one process each on torchft "
-             f"(one Lighthouse, at least {record['min_workers']} workers to commit), a fifth "
-             f"joining at worker 0's step {schedule['join_at']}. With faults, worker 1 kills "
-             f"itself after inner step {schedule['kill_inner']}, worker 2 in the exchange of "
-             f"the sync at step {schedule['kill_exchange']}, and worker 3 is killed while the "
-             "relaunched worker 2 is healed; each is relaunched "
-             f"{schedule['relaunch_s']:g} s after it died. Seconds count from worker 0's first "
-             "sync; the global weights are evaluated by worker 0 every "
-             f"{record['eval_every']} steps.", "",
-             "| run | faults | steps to target | s to target | x fault-free | syncs failed "
-             "| heals (s each) | weights equal after every sync | bytes/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    clean = {run["label"]: run for run in record["runs"] if not run["faults"]}
-    for run in record["runs"]:
-        base, seconds = clean.get(run["label"]), run["seconds_to_target"]
-        ratio = (f"{seconds / base['seconds_to_target']:.2f}" if run["faults"] and seconds
-                 and base and base["seconds_to_target"] else "-")
-        steps = "not reached" if run["steps_to_target"] is None else run["steps_to_target"]
-        heals = ", ".join("?" if h["seconds"] is None else f"{h['seconds']:.1f}"
-                          for h in run["heals"]) or "-"
-        equal = "yes" if run["weights_equal_after_every_sync"] else "NO"
-        lines.append(f"| {run['label']} `{run['scheme']}` | {'yes' if run['faults'] else 'no'} "
-                     f"| {steps} | {'-' if seconds is None else f'{seconds:.0f}'} | {ratio} "
-                     f"| {run['syncs_failed']} of {run['syncs']} | {heals} "
-                     f"| {equal} ({run['syncs_checked']}) "
-                     f"| {run['bytes_sent_per_step'] or 0:,.0f} |")
-    efficiency = docs / "data" / f"efficiency-{record['workload']}.json"
-    if efficiency.exists():
-        steps = json.loads(efficiency.read_text())["steps_to_target"]
-        for label, workers in (("lone worker", "1"),
-                               (f"compute-only bound ({record['workers']} workers)",
-                                str(record["workers"]))):
-            if workers in steps:
-                lines.append(f"| {label} | no | {steps[workers]:.0f} | "
-                             f"{steps[workers] * compute_ms / 1000:.0f} (modelled) | - | - "
-                             "| - | - | - |")
-        lines += ["", f"Lone worker and bound: steps from `docs/data/{efficiency.name}`, "
-                  f"seconds at this run's compute step of {compute_ms:.0f} ms (one thread, "
-                  "measured before the runs, under the same load)."]
-    lines += ["", "*syncs failed*: syncs (per step: steps) of worker 0 that did not commit; "
-              "*heals*: each quorum in which a joining, relaunched or lagging worker took a live "
-              "peer's state, with its length (torchft's: not timed, ?); *weights equal*: every "
-              "committed sync's weight hashes agreed across the live workers (syncs compared). "
-              "torchft's DiLoCo exchanges dense fp32 and resets every replica to the last "
-              "global weights when a sync fails; thinwire keeps each replica's inner steps."]
-    return "\n".join(lines) + "\n"

@@ -638,8 +638,10 @@ def render(netem: tuple[dict[str, Any], Path] | None,
                                  ("step.json", step.section)):
         if (docs / "data" / name).exists():  # written by benchmarks.wire_format / .step
             parts.append(render_section(json.loads((docs / "data" / name).read_text())))
-    for path in sorted((docs / "data").glob("faults-*.json")):  # written by benchmarks.faults
-        parts.append(faults.section(json.loads(path.read_text()), docs))
+    fault_files = sorted((docs / "data").glob("faults-*.json"))  # written by benchmarks.faults
+    if fault_files:
+        parts.append("## Workers that fail and join\n")
+        parts += [faults.section(json.loads(path.read_text()), docs) for path in fault_files]
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -146,7 +146,8 @@ def _worker(mode: str, replica: int, lighthouse: str, out: str) -> None:
             commits = updates.record["commits"]
             if updates.step():
                 log["syncs"].append((updates.steps, _digest(updates.updates.global_state()),
-                                     dist.get_world_size(), updates.record["commits"] > commits))
+                                     manager.num_participants(),
+                                     updates.record["commits"] > commits))
             if replica < 2 and updates.steps == JOIN_AT:
                 _join(replica, out)
         updates.finish()
@@ -161,7 +162,7 @@ def _worker(mode: str, replica: int, lighthouse: str, out: str) -> None:
             nn.functional.cross_entropy(net(x), y).backward()
             committed = net.commit()
             log["syncs"].append((manager.current_step(), _digest(model.state_dict()),
-                                 dist.get_world_size(), committed))
+                                 manager.num_participants(), committed))
             if not committed:
                 log["rolled back"].append(before == _digest(net.scheme.state_dict()))
             if replica < 2 and manager.current_step() == JOIN_AT:
@@ -347,6 +348,53 @@ def test_thinwire_beside_plain_ddp_fails_clearly_well_before_the_groups_timeout(
     assert kind == "PeerMismatchError" and "plain DDP" in message
     assert "closed" in peer_message  # the plain-DDP rank's wait ends when thinwire's rank leaves
     assert waited < PLAIN_DDP_TIMEOUT_S / 2 and peer_waited < PLAIN_DDP_TIMEOUT_S
+
+
+class _Votes:
+    """torchft's Manager as the membership sees it: errors reported, then the vote."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def report_error(self, error: Exception) -> None:
+        self.error = error
+
+    def errored(self) -> Exception | None:
+        return self.error
+
+    def should_commit(self) -> bool:
+        committed, self.error = self.error is None, None
+        return committed
+
+
+def _lost_peer() -> Any:
+    raise RuntimeError("Connection closed by peer")
+
+
+@pytest.mark.parametrize("failure", ["collective", "decision", "collective, group re-formed"])
+def test_a_worker_whose_collective_failed_leaves_the_group_at_the_vote(failure: str) -> None:
+    """A survivor still waiting on this worker's part (a ring's next hop) then fails at once,
+    not after the group's timeout; a step refused by decision keeps the group, and so does a
+    group formed since the failure (a later fragment's, under delayed local updates)."""
+    from thinwire.elastic.membership import Membership
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        membership = Membership(_Votes(), {}, "a test", None)
+        if failure == "decision":
+            membership.fail("joined a sync without the others' state")
+        else:
+            assert membership.guard(_lost_peer, "fallback").wait() == "fallback"
+        if failure == "collective, group re-formed":
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+        assert dist.is_initialized()  # left at the vote, not in the exchange's callback
+        assert not membership.commit()
+        assert dist.is_initialized() == (failure != "collective")
+        assert membership.record["failures"] == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_a_lost_lighthouse_gives_a_clear_error_in_bounded_time() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.faults import section, summarise
+import pytest
+
+from benchmarks.faults import _added_to, section, summarise
 
 
 def _event(replica: int, step: int, time: float, score: float | None = None,
@@ -27,16 +29,17 @@ def test_the_summary_finds_the_target_failed_syncs_heals_and_disagreement() -> N
     assert summary["syncs"] == 3 and summary["syncs_failed"] == 1
     assert [(h["replica"], h["seconds"]) for h in summary["heals"]] == [(4, 0.4)]
     assert summary["syncs_checked"] == 2 and not summary["weights_equal_after_every_sync"]
+    assert summary["syncs_unequal"] == [30]  # 10 agreed; 20 did not commit
     assert summary["workers_per_sync"] == [(10, 4), (20, 4), (30, 3)]
     assert summary["bytes_sent_per_step"] == 1234.0
 
 
 def test_the_section_sets_each_run_against_its_fault_free_twin(tmp_path: Path) -> None:
     run = {"label": "thinwire-local", "scheme": "diloco+int4", "steps_to_target": 1300,
-           "seconds_to_target": 100.0, "syncs_failed": 0, "syncs": 160, "heals": [],
-           "weights_equal_after_every_sync": True, "syncs_checked": 160,
+           "seconds_to_target": 100.0, "wall_s": 200.0, "syncs_failed": 0, "syncs": 160,
+           "heals": [], "weights_equal_after_every_sync": True, "syncs_checked": 160,
            "bytes_sent_per_step": 2500.0, "faults": False}
-    faulty = {**run, "faults": True, "seconds_to_target": 120.0, "syncs_failed": 2,
+    faulty = {**run, "faults": True, "seconds_to_target": 120.0, "wall_s": 260.0, "syncs_failed": 2,
               "heals": [{"replica": 2, "step": 800, "after_s": 50.0, "seconds": 1.5}]}
     record = {"machine": {"when": "today", "cpus": 2, "load_before": [1.0], "load_after": [2.0]},
               "schedule": {"join_at": 800, "kill_inner": 405, "kill_exchange": 1200,
@@ -48,6 +51,24 @@ def test_the_section_sets_each_run_against_its_fault_free_twin(tmp_path: Path) -
     (tmp_path / "data" / "efficiency-text-lm.json").write_text(
         '{"steps_to_target": {"1": 2600.0, "4": 950.0}}')
     text = section(record, tmp_path)
-    assert "| thinwire-local `diloco+int4` | yes | 1300 | 120 | 1.20 | 2 of 160 | 1.5 |" in text
+    assert ("| thinwire-local `diloco+int4` | yes | 1300 | 120 | 1.20 | 260 | 1.30 | 2 of 160 "
+            "| 1.5 |") in text
     assert "| lone worker | no | 2600 | 65 (modelled) |" in text
     assert "| compute-only bound (4 workers) | no | 950 | 24 (modelled) |" in text
+
+
+def test_runs_added_to_a_data_file_keep_its_runs_and_name_both_commands() -> None:
+    base = {"workload": "text-lm", "workers": 4, "min_workers": 3, "steps": 1600,
+            "eval_every": 50, "schedule": {"join_at": 800}, "local": {}, "per_step": {},
+            "command": "python -m benchmarks.faults --sides torchft",
+            "machine": {"when": "then", "load_before": [1.0], "load_after": [2.0]},
+            "runs": [{"label": "torchft"}]}
+    later = {**base, "command": "python -m benchmarks.faults --sides thinwire-per-step",
+             "machine": {"when": "now", "load_before": [3.0]}, "runs": []}
+    merged = _added_to(base, later)
+    assert merged["runs"] == [{"label": "torchft"}]
+    assert merged["command"] == ("python -m benchmarks.faults --sides torchft; then "
+                                 "python -m benchmarks.faults --sides thinwire-per-step")
+    assert merged["machine"] == {"when": "then", "load_before": [1.0], "load_after": [3.0]}
+    with pytest.raises(ValueError, match="schedule"):
+        _added_to(base, {**later, "schedule": {"join_at": 400}})

@@ -15,6 +15,7 @@ from thinwire.comm import Meter, done
 from thinwire.comm.collectives import Future, all_gather_single
 from thinwire.comm.fingerprint import PeerMismatchError, check_peers
 from thinwire.elastic.manager import quorum
+from thinwire.launch import end_process_group
 
 
 class Membership:
@@ -41,6 +42,8 @@ class Membership:
         self.record: dict[str, float] = {"commits": 0, "failures": 0, "heals": 0,
                                          "quorum_s": 0.0, "heal_s": 0.0}
         self._checked: weakref.ref[dist.ProcessGroup] | None = None  # the group last compared
+        # the group in which a collective of this step failed: left at the vote
+        self._broken: weakref.ref[dist.ProcessGroup] | None = None
 
     @property
     def heals(self) -> int:
@@ -90,7 +93,7 @@ class Membership:
         except PeerMismatchError:
             raise
         except Exception as error:  # a peer lost while meeting: this step does not commit
-            self.fail(error)
+            self.broke(error, dist.group.WORLD)
             return None
 
     def guard(self, launch: Callable[[], Future[Any]], fallback: Any,
@@ -100,17 +103,18 @@ class Membership:
         reported to torchft (the step will not commit) rather than raised."""
         if self.manager.errored() is not None:
             return done(fallback)
+        group = dist.group.WORLD
         try:
             future = launch()
         except Exception as error:
-            self.fail(error)
+            self.broke(error, group)
             return done(fallback)
 
         def settle(arrived: Future[Any]) -> Any:
             try:
                 return finish(arrived.value())
             except Exception as error:  # noqa: BLE001  (reported: the step does not commit)
-                self.fail(error)
+                self.broke(error, group)
                 return fallback
 
         return future.then(settle)
@@ -119,8 +123,24 @@ class Membership:
         """Report ``error`` to torchft: this step or sync does not commit on this worker."""
         self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(error))
 
+    def broke(self, error: Exception, group: dist.ProcessGroup | None) -> None:
+        """A collective in ``group`` failed (a peer lost): :meth:`fail`, and leave ``group``
+        at the vote."""
+        if group is not None:
+            self._broken = weakref.ref(group)
+        self.fail(error)
+
     def commit(self) -> bool:
-        """torchft's commit vote (False on any reported error or too few workers)."""
+        """torchft's commit vote (False on any reported error or too few workers).
+
+        After a failed collective this worker first leaves the quorum's group, so that a
+        peer still waiting on its part (a ring's next hop) can fail without waiting out
+        the group's timeout (where nothing else holds the group alive). The Lighthouse
+        forms a new quorum after a failed commit, and with it a new group (one formed
+        since the failure is kept)."""
+        broken, self._broken = self._broken, None
+        if broken is not None and dist.is_initialized() and broken() is dist.group.WORLD:
+            end_process_group()
         committed = bool(self.manager.should_commit())
         self.record["commits" if committed else "failures"] += 1
         return committed

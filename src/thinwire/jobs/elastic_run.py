@@ -117,17 +117,16 @@ class _Run:
         backward(self.work, model, self.work.train.rows(next(self.stream)), self.inner,
                  self.dtype)
 
-    def log(self, step: int, committed: bool, shared: list[torch.Tensor],
+    def log(self, step: int, committed: bool, workers: int, shared: list[torch.Tensor],
             evaluated: nn.Module) -> None:
-        """An event; the quorum's first worker evaluates ``evaluated`` every eval_every."""
+        """An event of a quorum of ``workers``; its first worker evaluates ``evaluated`` every
+        eval_every."""
         options = self.options
         first = dist.is_initialized() and dist.get_rank() == 0
         due = step % options.eval_every == 0 or step >= options.steps
         score = (self.work.score(evaluated, options.eval_rows) if committed and first and due
                  else None)
-        self.events.append((step, time.time(),
-                            dist.get_world_size() if dist.is_initialized() else 0, committed,
-                            weights_hash(shared), score))
+        self.events.append((step, time.time(), workers, committed, weights_hash(shared), score))
 
     def stepped(self, step: int, logged: int, record: dict[str, float]) -> None:
         self.meter.next_step()
@@ -156,7 +155,8 @@ class _Run:
                 shared = list(updates.updates.global_state().values())
                 with torch.no_grad():
                     torch._foreach_copy_(list(probe.parameters()), shared)
-                self.log(updates.steps, updates.record["commits"] > commits, shared, probe)
+                self.log(updates.steps, updates.record["commits"] > commits,
+                         manager.num_participants(), shared, probe)
             self.stepped(updates.steps, logged, updates.record)
         updates.finish()
         return updates.record, {**asdict(local), **scheme_config}
@@ -170,7 +170,7 @@ class _Run:
             net.begin()
             self.backward(net.ddp)
             committed, logged = net.commit(), len(self.events)
-            self.log(manager.current_step(), committed, list(self.model.parameters()),
-                     self.model)
+            self.log(manager.current_step(), committed, manager.num_participants(),
+                     list(self.model.parameters()), self.model)
             self.stepped(manager.current_step(), logged, net.record)
         return net.record, config
