@@ -48,6 +48,7 @@ def connect(lighthouse: str | None = None, *, min_workers: int = 1,
     Raises:
         ValueError: a bad option, no Lighthouse address, torch.distributed's default group
             already formed, or a torchrun job of more than one process per replica group.
+        QuorumLost: the Lighthouse did not answer within ``timeout_s``.
     """
     address = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
     if not address:
@@ -76,14 +77,18 @@ def connect(lighthouse: str | None = None, *, min_workers: int = 1,
                             timeout=timedelta(seconds=timeout_s))
         store = {"store_addr": host, "store_port": own.port}
         group.store = own  # the replica group's store lives as long as its group
-    manager = Manager(pg=group, load_state_dict=None, state_dict=None,
-                      min_replica_size=min_workers, use_async_quorum=False,
-                      timeout=timedelta(seconds=timeout_s),
-                      quorum_timeout=timedelta(seconds=quorum_timeout_s),
-                      connect_timeout=timedelta(seconds=timeout_s), rank=0, world_size=1,
-                      lighthouse_addr=address, replica_id=replica_id, init_sync=True,
-                      max_retries=max_failures, **store)
-    return manager
+    try:
+        return Manager(pg=group, load_state_dict=None, state_dict=None,
+                       min_replica_size=min_workers, use_async_quorum=False,
+                       timeout=timedelta(seconds=timeout_s),
+                       quorum_timeout=timedelta(seconds=quorum_timeout_s),
+                       connect_timeout=timedelta(seconds=timeout_s), rank=0, world_size=1,
+                       lighthouse_addr=address, replica_id=replica_id, init_sync=True,
+                       max_retries=max_failures, **store)
+    except RuntimeError as error:  # torchft's Rust client: the Lighthouse did not answer
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise QuorumLost(f"the Lighthouse is gone or unreachable at {address} (waited "
+                         f"{timeout_s:g} s to connect): {cause}") from error
 
 
 def quorum(manager: Manager) -> bool:
