@@ -45,8 +45,8 @@ class TinyGPT(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
+def _model(rank: int) -> nn.Module:
+    torch.manual_seed(1337 + rank)  # nanoGPT seeds each rank apart; DDP's wrap broadcasts
     return TinyGPT().double()
 
 
@@ -56,10 +56,10 @@ def _batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _setup(scheme: str | None, checkpoint: dict[str, Any] | None
+def _setup(rank: int, scheme: str | None, checkpoint: dict[str, Any] | None
            ) -> tuple[nn.Module, DistributedDataParallel, torch.optim.Optimizer, Any, Any]:
     """nanoGPT's order: model and optimiser restored first, then DDP, then register."""
-    model = _model()
+    model = _model(rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99),
                                   weight_decay=0.1)
     if checkpoint is not None:
@@ -94,13 +94,13 @@ def _loop(rank: int, net: DistributedDataParallel, optimizer: torch.optim.Optimi
 
 def _train(rank: int, world_size: int, scheme: str | None, steps: int, split: int | None,
            directory: str) -> list[torch.Tensor]:
-    model, net, optimizer, scaler, state = _setup(scheme, None)
+    model, net, optimizer, scaler, state = _setup(rank, scheme, None)
     _loop(rank, net, optimizer, scaler, state, range(split or steps))
     if split is not None:
         path = os.path.join(directory, f"{scheme}-{split}-rank{rank}.pt")  # one per rank
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheme": None if state is None else state.state_dict()}, path)
-        model, net, optimizer, scaler, state = _setup(scheme, torch.load(path))
+        model, net, optimizer, scaler, state = _setup(rank, scheme, torch.load(path))
         _loop(rank, net, optimizer, scaler, state, range(split, steps))
     return [p.detach().clone() for p in model.parameters()]
 
