@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from thinwire import schemes
 from thinwire.jobs import local_run, workloads
 from thinwire.jobs.compare import compare, lone_worker, parse_bandwidth, references, split_spelling
 from thinwire.jobs.dataparallel import RunOptions, recipe, same_trajectory
@@ -105,6 +106,37 @@ def codec_ms(run: dict[str, Any], measured: dict[str, float]) -> float | None:
     return measured[inner] / run["local"]["every"] if inner in measured else None
 
 
+def compared(path: Path, own: dict[str, Any], workers: int) -> list[dict[str, Any]]:
+    """The runs in ``path`` (``thinwire compare`` results, any nesting) of ``workers`` workers
+    that trained like ``own``, each local-update run named by its period and the inner
+    scheme's options that differ from today's defaults (:func:`today`)."""
+    def runs(node: Any) -> list[dict[str, Any]]:
+        if isinstance(node, list):
+            return [r for item in node for r in runs(item)]
+        if not isinstance(node, dict):
+            return []
+        if "steps_to_target" in node and "scheme" in node:
+            return [] if node.get("reference") else [node]
+        return [r for value in node.values() for r in runs(value)]
+
+    return [{**run, "scheme": today(run)} for run in runs(json.loads(path.read_text()))
+            if run.get("workers") == workers and same_trajectory(run["recipe"], own)]
+
+
+def today(run: dict[str, Any]) -> str:
+    """A local-update run's name in today's spelling, from what it ran (its ``config``):
+    a period given by ``--option every=H`` and a default changed since are spelled out
+    (``diloco+sparseloco`` at H = 30, run when the mean was over ranks, becomes
+    ``diloco+sparseloco:every=30:aggregate=ranks``)."""
+    name = split_spelling(run["scheme"])[0]
+    if not local_run.is_local(name) or not run.get("local"):
+        return run["scheme"]
+    inner = local_run.inner_scheme(name)
+    defaults = dataclasses.asdict(schemes.config_class(inner)()) if inner != "dense" else {}
+    changed = [f"{k}={v}" for k, v in run["config"].items() if k in defaults and v != defaults[k]]
+    return ":".join([name, f"every={run['local']['every']}", *changed])
+
+
 def break_even(run: dict[str, Any], workers: int, lone_s: float | None,
                delay_s: float) -> float | None:
     """The link rate (bits/s) above which ``run`` reaches the target before the lone worker,
@@ -169,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="add this run's schemes to the cells of this earlier file of the "
                              "same recipe (its dense and lone worker stand; a scheme measured "
                              "again replaces its row), so --schemes need not start with dense")
+    parser.add_argument("--runs-from", type=Path, action="append", default=[],
+                        help="add the runs of this file of thinwire compare results (any "
+                             "nesting of its 'runs' lists) trained with this recipe and seed, "
+                             "instead of training them again; repeatable")
     parser.add_argument("--out", type=Path, default=None,
                         help="default docs/data/linkmodel-WORKLOAD.json, or --add-to's file")
     args = parser.parse_args(argv)
@@ -192,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         pending = None if reuse else pool.submit(lone_worker, options)
         for n in (int(w) for w in args.workers.split(",")):
             measured[n] = compare(names, n, options, parse_bandwidth("100mbit")) if names else []
+            measured[n] += [r for path in args.runs_from
+                            for r in compared(path, recipe(options), n)]
             print(n, [(r["scheme"], r["steps_to_target"]) for r in measured[n]], flush=True)
         lone = (pending.result() if pending is not None else earlier["lone"]
                 if earlier is not None else json.loads(args.lone_from.read_text())["lone"])

@@ -145,6 +145,23 @@ def test_a_later_run_adds_its_schemes_to_an_earlier_file_of_the_same_recipe(
         linkmodel.main(["--workers", "4", "--schemes", "topk", "--add-to", str(path)])
 
 
+def test_runs_of_earlier_compare_files_join_under_todays_names(tmp_path: Path) -> None:
+    local = {"every": 30, "fragments": 1, "delay": 0, "overlap": False}
+    ranks = {**_run("diloco+sparseloco", None, 1e3), "workers": 4, "local": local,
+             "config": {"every": 30, "outer_lr": 1.0, "k": 64, "aggregate": "ranks"}}
+    senders = {**ranks, "scheme": "diloco+sparseloco:aggregate=senders", "steps_to_target": 150,
+               "config": {**ranks["config"], "aggregate": "senders"}}
+    other_seed = {**senders, "recipe": {**RECIPE, "seed": 1}}
+    step = {**_run("topk", 110, 8e4), "workers": 4}
+    bound = {**_run("compute-only bound", 100, 0.0), "workers": 4, "reference": True}
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps({"runs": [{"every": 30, "results": {"runs": [
+        ranks, senders, bound]}}, {"results": {"runs": [other_seed, step]}}]}))
+    assert [r["scheme"] for r in linkmodel.compared(path, RECIPE, 4)] == [
+        "diloco+sparseloco:every=30:aggregate=ranks", "diloco+sparseloco:every=30", "topk"]
+    assert linkmodel.compared(path, RECIPE, 2) == []
+
+
 def test_a_local_update_run_pays_its_inner_schemes_codec_once_per_sync() -> None:
     measured = {"int4": 20.0, "topk:ratio=0.1": 8.0, "dense": 1.0}
     run = {**_run("diloco+int4:every=50:fragments=2", 100, 1e4),
