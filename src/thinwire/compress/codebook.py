@@ -56,8 +56,8 @@ def encode(values: torch.Tensor) -> Codebook:
     scale = RANGE * std / BINS
     scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
     codes = torch.round(centred / scale + BINS // 2).clamp_(0, BINS - 1).to(torch.uint8)
-    table = torch.stack([torch.where(codes == b, work, 0.0).sum() / (codes == b).sum().clamp(min=1)
-                         for b in range(BINS)])
+    bins = codes.unsqueeze(0) == torch.arange(BINS, device=codes.device).unsqueeze(1)
+    table = torch.where(bins, work, 0.0).sum(1) / bins.sum(1).clamp(min=1)
     return Codebook(pack(codes, BITS), table.to(SCALE_DTYPE), numel)
 
 
