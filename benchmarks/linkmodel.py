@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-from", type=Path, action="append", default=[],
                         help="add the runs of this file of thinwire compare results (any "
                              "nesting of its 'runs' lists) trained with this recipe and seed, "
-                             "instead of training them again; repeatable")
+                             "instead of training them again (a row of the same name and a "
+                             "longer budget already in --add-to's file stands); repeatable")
     parser.add_argument("--out", type=Path, default=None,
                         help="default docs/data/linkmodel-WORKLOAD.json, or --add-to's file")
     args = parser.parse_args(argv)
@@ -228,8 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         pending = None if reuse else pool.submit(lone_worker, options)
         for n in (int(w) for w in args.workers.split(",")):
             measured[n] = compare(names, n, options, parse_bandwidth("100mbit")) if names else []
+            # a run read in gives way to a longer one of its name already in the file: the
+            # same trajectory, cut shorter
+            longer = {r["scheme"]: r["recipe"]["steps"] for r in
+                      (earlier or {}).get("cells", {}).get(str(n), {}).get("runs", [])}
             measured[n] += [r for path in args.runs_from
-                            for r in compared(path, recipe(options), n)]
+                            for r in compared(path, recipe(options), n)
+                            if longer.get(r["scheme"], 0) < r["recipe"]["steps"]]
             print(n, [(r["scheme"], r["steps_to_target"]) for r in measured[n]], flush=True)
         lone = (pending.result() if pending is not None else earlier["lone"]
                 if earlier is not None else json.loads(args.lone_from.read_text())["lone"])

@@ -162,6 +162,24 @@ def test_runs_of_earlier_compare_files_join_under_todays_names(tmp_path: Path) -
     assert linkmodel.compared(path, RECIPE, 2) == []
 
 
+def test_runs_read_in_join_an_earlier_file_where_it_has_no_longer_run_of_their_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    earlier = _linkmodel()
+    earlier["lone"] = {**_run("dense", 400, 0.0), "recipe": RECIPE}
+    path = tmp_path / "linkmodel.json"
+    path.write_text(json.dumps(earlier))
+    shorter = {**_run("topk", None, 8e4), "workers": 4, "recipe": {**RECIPE, "steps": 50}}
+    new = {**_run("fp16", 100, 2e6), "workers": 4}
+    compared = tmp_path / "compare.json"
+    compared.write_text(json.dumps({"runs": [shorter, new]}))
+    monkeypatch.setattr(linkmodel, "recipe", lambda options: RECIPE)
+    assert linkmodel.main(["--workers", "4", "--schemes", "", "--add-to", str(path),
+                           "--runs-from", str(compared), "--rates", "100mbit"]) == 0
+    runs = {r["scheme"]: r["steps_to_target"]
+            for r in json.loads(path.read_text())["cells"]["4"]["runs"]}
+    assert runs == {"dense": 100, "clt-k": None, "topk": 110, "fp16": 100}
+
+
 def test_a_local_update_run_pays_its_inner_schemes_codec_once_per_sync() -> None:
     measured = {"int4": 20.0, "topk:ratio=0.1": 8.0, "dense": 1.0}
     run = {**_run("diloco+int4:every=50:fragments=2", 100, 1e4),
