@@ -307,8 +307,8 @@ def _lm_under_adamw(d: Data, scheme: str, claimed: float) -> Verdict:
     fewer = dense["bytes_sent_per_step"] / run["bytes_sent_per_step"]
     reached = (f"target in {run['steps_to_target']:,} steps" if run["steps_to_target"]
                else "target not reached")
-    return (f"{fewer:.0f}× fewer bytes a step, dense warm-up included ({d['defaults']}); {run['test_score']:.3f} "
-            f"bits per byte after {run['steps']:,} steps against dense's "
+    return (f"{fewer:.0f}× fewer bytes a step, dense warm-up included ({d['defaults']}); "
+            f"{run['test_score']:.3f} bits per byte after {run['steps']:,} steps against dense's "
             f"{dense['test_score']:.3f}; {reached} (dense: {dense['steps_to_target']:,})",
             "no", f"neither {claimed:.0f}× nor dense's quality: a 470k-parameter character "
             "model on 4 workers, not the paper's protocol (its compression ratios and "

@@ -110,12 +110,18 @@ def test_an_exchange_a_sync_late_or_a_step_late_hides_behind_the_steps_it_overla
         100 * (0.021 + link / 10))
 
 
-def test_a_later_run_adds_its_schemes_to_an_earlier_file_of_the_same_recipe(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _earlier(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """A linkmodel file with its lone worker, written to ``tmp_path``."""
     earlier = _linkmodel()
     earlier["lone"] = {**_run("dense", 400, 0.0), "recipe": RECIPE}
     path = tmp_path / "linkmodel.json"
     path.write_text(json.dumps(earlier))
+    return earlier, path
+
+
+def test_a_later_run_adds_its_schemes_to_an_earlier_file_of_the_same_recipe(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    earlier, path = _earlier(tmp_path)
     fresh = [_run("topk", 90, 8e4), _run("diloco:every=10", 150, 2e4)]
     monkeypatch.setattr(linkmodel, "recipe", lambda options: RECIPE)
     monkeypatch.setattr(linkmodel, "compare", lambda *args, **kwargs: [dict(r) for r in fresh])
@@ -164,10 +170,7 @@ def test_runs_of_earlier_compare_files_join_under_todays_names(tmp_path: Path) -
 
 def test_runs_read_in_join_an_earlier_file_where_it_has_no_longer_run_of_their_name(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    earlier = _linkmodel()
-    earlier["lone"] = {**_run("dense", 400, 0.0), "recipe": RECIPE}
-    path = tmp_path / "linkmodel.json"
-    path.write_text(json.dumps(earlier))
+    _, path = _earlier(tmp_path)
     shorter = {**_run("topk", None, 8e4), "workers": 4, "recipe": {**RECIPE, "steps": 50}}
     new = {**_run("fp16", 100, 2e6), "workers": 4}
     compared = tmp_path / "compare.json"
