@@ -19,6 +19,7 @@ import torch
 
 from thinwire import schemes
 from thinwire.comm import Meter
+from thinwire.comm.collectives import ALONE
 from thinwire.compress import TensorInfo
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -87,6 +88,15 @@ def _poisoned(grads: dict[str, torch.Tensor], options: Mapping[str, Any], rank: 
     if options.get("nonfinite") == "skip" and (rank, step) == (NAN_RANK, NAN_STEP):
         grads["fc.weight"][3, 4] = float("nan")
     return grads
+
+
+def handed_alone(scheme: schemes.Scheme, grad: torch.Tensor,
+                 infos: list[TensorInfo]) -> int:
+    """Bytes ``scheme`` hands torch.distributed for one bucket, ``grad`` (not modified) laid
+    out as ``infos``, launched over a group of one (its collectives are no-ops)."""
+    scheme.meter = Meter()
+    scheme.launch_flat(grad.clone(), infos, ALONE).wait()
+    return sum(record.nbytes for record in scheme.meter.records)
 
 
 def _records(meter: Meter) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import randomk
+from exchange_cases import handed_alone
 from thinwire import ddp, optim, schemes
 from thinwire.autodiff import DistributedAutodiff
-from thinwire.comm import Meter
 from thinwire.comm.collectives import ALONE
 from thinwire.compress import Cast, Sparsifier, TensorInfo, keep_count
 from thinwire.compress.lowrank import orthonormalize, seeded_normal
@@ -93,9 +93,7 @@ def test_a_push_carries_the_ddp_engines_bytes_and_its_step(options: dict[str, An
     grad = torch.cat([g.reshape(-1) for g in _grads(0).values()])
     infos = [TensorInfo(key, shape) for key, shape in SHAPES.items()]
     engine = schemes.build("topk", **options)
-    engine.meter = Meter()
-    engine.launch_flat(grad.clone(), infos, ALONE).wait()
-    handed = sum(record.nbytes for record in engine.meter.records)
+    handed = handed_alone(engine, grad, infos)
     assert handed == sum(engine.payload_bytes(infos).values())
     layout = Layout(tuple(SHAPES), tuple(SHAPES.values()))
     pushed = PushCodec(layout, "topk", **options).encode(grad).data.numel()

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from exchange_cases import handed_alone
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
-from thinwire.comm.collectives import ALONE
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.compress import Cast, SparseLayout, TensorInfo, TopK, chunk_index, codebook
 from thinwire.compress.chunked import ChunkTopK, chunk_counts, chunk_topk, kept
@@ -238,9 +238,7 @@ def test_a_push_carries_the_ddp_engines_bytes_and_its_step() -> None:
     infos = [TensorInfo(key, shape) for key, shape in SHAPES.items()]
     grad = torch.randn(sum(math.prod(shape) for shape in SHAPES.values()))
     engine = schemes.build("sparseloco", **CONFIG)
-    engine.meter = Meter()
-    engine.launch_flat(grad.clone(), infos, ALONE).wait()
-    handed = sum(record.nbytes for record in engine.meter.records)
+    handed = handed_alone(engine, grad, infos)
     assert handed == sum(engine.payload_bytes(infos).values())
     layout = Layout(tuple(SHAPES), tuple(SHAPES.values()))
     worker, server = PushCodec(layout, "sparseloco", **CONFIG), PushCodec(layout, "sparseloco",
