@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from thinwire.compress import Cast, DCTThreshold, LaplaceThreshold, TopK
+from thinwire.compress import Cast, DCTThreshold, LaplaceThreshold, TopK, value_codec
 from thinwire.compress.pieces import PIECE_ENTRIES, STREAM_RULES
 from thinwire.compress.sparse import CAPACITY, LAPLACE_MIN_NUMEL, MIN_NUMEL
 from thinwire.feedback import Residual
@@ -31,7 +32,8 @@ class DenseConfig:
 class TopKConfig:
     ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
-    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16" or "bf16"
+    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16", "bf16", or codes
+    codes: ClassVar[bool] = True  # values may be "int8", "int4", "int2", "sign" (a scale per 128)
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     error_feedback: bool = True  # keep what was not sent for the next step
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
@@ -51,7 +53,8 @@ class DCTConfig:
     refresh_above: float | None = None  # recompute a stale tau passing > this x target; None: never
     gain: float | None = 0.05  # in (0, 1]: tau *= exp(gain (sent / k - 1)) per step; None: off
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
-    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16" or "bf16"
+    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16", "bf16", or codes
+    codes: ClassVar[bool] = True  # values may be "int8", "int4", "int2", "sign" (a scale per 128)
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     drain_every: int | None = None  # stochastic drain period of the error buffer
     capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
@@ -84,7 +87,8 @@ class DCTConfig:
 class LaplaceConfig:
     ratio: float = 0.01  # target fraction of entries kept, in (0, 1]
     min_numel: int = LAPLACE_MIN_NUMEL  # tensors smaller than this travel dense (1024)
-    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16" or "bf16"
+    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16", "bf16", or codes
+    codes: ClassVar[bool] = True  # values may be "int8", "int4", "int2", "sign" (a scale per 128)
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
@@ -111,7 +115,7 @@ def _fp16(config: DenseConfig) -> Scheme:
 def _topk(config: TopKConfig) -> Scheme:
     selection = TopK(config.ratio, min_numel=config.min_numel, scope=config.scope,
                      exclude=config.exclude)
-    return CompressedScheme(Cast(config.values), selection,
+    return CompressedScheme(value_codec(config.values), selection,
                             Residual() if config.error_feedback else None, config.nonfinite,
                             indices=config.indices)
 
@@ -122,7 +126,7 @@ def _dct_dp(config: DCTConfig) -> Scheme:
                              min_numel=config.min_numel, capacity=config.capacity,
                              exclude=config.exclude, scope=config.scope, piece=config.piece,
                              stream=config.stream)
-    return CompressedScheme(Cast(config.values), selection, Residual(config.drain_every),
+    return CompressedScheme(value_codec(config.values), selection, Residual(config.drain_every),
                             config.nonfinite, indices=config.indices)
 
 
@@ -130,5 +134,5 @@ def _dct_dp(config: DCTConfig) -> Scheme:
 def _laplace(config: LaplaceConfig) -> Scheme:
     selection = LaplaceThreshold(config.ratio, min_numel=config.min_numel,
                                  capacity=config.capacity, exclude=config.exclude)
-    return CompressedScheme(Cast(config.values), selection, Residual(), config.nonfinite,
+    return CompressedScheme(value_codec(config.values), selection, Residual(), config.nonfinite,
                             indices=config.indices)

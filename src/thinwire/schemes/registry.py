@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from thinwire.compress.base import check_fraction
 from thinwire.compress.sparse import SCOPES
+from thinwire.compress.quantise import KINDS
 from thinwire.compress.values import CASTS
 from thinwire.feedback import check_policy
 from thinwire.schemes.base import Scheme
@@ -147,8 +148,10 @@ def validate_common(config: Any) -> None:
     if hasattr(config, "min_numel") and (not isinstance(config.min_numel, int)
                                          or config.min_numel < 0):
         raise ValueError(f"min_numel={config.min_numel!r} must be an integer >= 0")
-    if hasattr(config, "values") and config.values not in CASTS:
-        raise ValueError(f"values={config.values!r} must be one of {list(CASTS)}")
+    if hasattr(config, "values"):
+        allowed = list(CASTS) + (list(KINDS) if getattr(config, "codes", False) else [])
+        if config.values not in allowed:
+            raise ValueError(f"values={config.values!r} must be one of {allowed}")
     if hasattr(config, "indices") and config.indices not in ("int32", "delta16"):
         raise ValueError(f"indices={config.indices!r} must be 'int32' or 'delta16'")
     if hasattr(config, "scope") and config.scope not in SCOPES:

@@ -16,8 +16,9 @@ keys launched together share the step of the first, so they share a leader.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from thinwire.compress import Cast
+from thinwire.compress import Cast, value_codec
 from thinwire.compress.base import check_fraction
 from thinwire.compress.cltk import SELECTIONS
 from thinwire.compress.sparse import MIN_NUMEL, Selection
@@ -66,7 +67,11 @@ class CLTkConfig:
 
 @dataclass(frozen=True)
 class LocalTopKConfig(CLTkConfig):
-    """Options of ``local-topk``: those of ``clt-k``, so the two compare like for like."""
+    """Options of ``local-topk``: those of ``clt-k``, so the two compare like for like, and
+    how its values travel (clt-k's are all-reduced in the gradient's dtype)."""
+
+    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16", "bf16", or codes
+    codes: ClassVar[bool] = True  # values may be "int8", "int4", "int2", "sign" (a scale per 128)
 
 
 def _selection(config: CLTkConfig) -> Selection:
@@ -85,5 +90,5 @@ def _clt_k(config: CLTkConfig) -> Scheme:
 @register("local-topk", LocalTopKConfig)
 def _local_topk(config: LocalTopKConfig) -> Scheme:
     # int32 index lists, as ScaleCom's baseline is measured (the 16-bit code is topk's)
-    return CompressedScheme(Cast("native"), _selection(config), LowPass(config.beta),
+    return CompressedScheme(value_codec(config.values), _selection(config), LowPass(config.beta),
                             config.nonfinite, indices="int32", warmup_steps=config.warmup_steps)
