@@ -109,10 +109,15 @@ def test_unknown_kind_and_bad_chunk_are_refused() -> None:
         schemes.build("topk+int2", ratio=0)
 
 
-_NAMES = [*KINDS, *(f"topk+{kind}" for kind in KINDS)]
+# The other own-index selections with quantised values (a scale per 128 values).
+_SPELLED = ["topk:values=int8", "dct-dp:values=int4", "laplace:values=int8",
+            "local-topk:values=int8"]
+_NAMES = [*KINDS, *(f"topk+{kind}" for kind in KINDS), *_SPELLED]
 
 
 def _config(name: str) -> dict[str, Any]:
+    if name in _SPELLED:
+        return {"ratio": 0.3, "min_numel": 0}
     return {"chunk": 4, **({"ratio": 0.3} if name.startswith("topk") else {})}
 
 
@@ -153,6 +158,21 @@ def test_nonfinite_input_raises_or_skips_without_touching_memory(name: str) -> N
     assert scheme.skipped == 1
     assert torch.equal(out["a"], torch.zeros(4))
     assert torch.equal(scheme.memory.state_dict()["buffers"]["a"], before["buffers"]["a"])
+
+
+def test_topk_with_int8_values_is_topk_plus_int8() -> None:
+    spelled = schemes.build("topk:values=int8", ratio=0.2)
+    chained = schemes.build("topk+int8", ratio=0.2)
+    for step in range(3):
+        torch.manual_seed(step)
+        grads = {"w": torch.randn(40, 30), "b": torch.randn(30)}
+        ours, theirs = spelled.reduce(grads), chained.reduce(grads)
+        assert all(torch.equal(ours[key], theirs[key]) for key in grads)
+
+
+def test_agreed_coordinates_refuse_codes() -> None:
+    with pytest.raises(ValueError, match="values"):
+        schemes.build("clt-k:values=int8")
 
 
 def test_topk_then_quantise_sends_only_the_selected_entries() -> None:
