@@ -438,12 +438,13 @@ def test_timeout_has_one_default_everywhere() -> None:
     assert len(set(defaults.values())) == 1, defaults
 
 
-def test_dct_dp_defaults_are_the_schemes_own() -> None:
-    from thinwire.schemes.builtin import DCTConfig
+def test_ratio_and_life_span_default_to_each_schemes_own() -> None:
+    from thinwire.jobs.compare import scheme_config
 
     for command in ("compare", "train"):
         args = _subcommand(command).parse_args([])
-        assert (args.ratio, args.life_span) == (DCTConfig.ratio, DCTConfig.life_span)
+        assert scheme_config("dct-dp", args.ratio, args.life_span, args.option) == {}
+    assert scheme_config("dct-dp", 0.05, 10, []) == {"ratio": 0.05, "life_span": 10}
 
 
 def _refuse(*args: object, **kwargs: object) -> None:

@@ -60,14 +60,16 @@ def _run(rank: int, scheme: str | None, config: dict[str, Any], optimizer: str,
     model = _model()
     net = DistributedDataParallel(model, bucket_cap_mb=0.0001)  # several buckets
     chosen = _optimizer(optimizer, net.parameters())
-    coupling = None
+    coupling, options = None, None
     if scheme is not None:
         state = ddp.register(net, schemes.build(scheme, **config), optimizer=chosen,
                              warmup=warmup)
         assert state.coupling is not None
         coupling = (state.coupling.rule, state.coupling.coupled, state.coupling.warmup)
+        options = (dict(state.coupling.options), state.scheme.origin[1])
     _train(rank, net, chosen, range(steps))
-    return {"params": [p.detach().clone() for p in model.parameters()], "coupling": coupling}
+    return {"params": [p.detach().clone() for p in model.parameters()], "coupling": coupling,
+            "options": options}
 
 
 def _all(rank: int, world_size: int) -> dict[str, Any]:
@@ -80,6 +82,8 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
             # no warm-up: the coupled path from the first step
             out[f"{name}-{optimizer}"] = _run(rank, name, config, optimizer, warmup=0)
             out[f"{name}-{optimizer}-lossy"] = _run(rank, name, LOSSY[name], optimizer, LONG)
+        for name in optim.ADAM_OPTIONS:  # built with no options: the family's own
+            out[f"{name}-{optimizer}-own"] = _run(rank, name, {}, optimizer, LONG)
     return out
 
 
@@ -116,6 +120,24 @@ def test_nothing_dropped_is_the_users_optimizer(runs: list[dict[str, Any]], name
         for a, b in zip(rank[f"plain-{optimizer}"]["params"],
                         rank[f"{name}-{optimizer}"]["params"]):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("name", list(optim.ADAM_OPTIONS))
+def test_adams_family_sends_its_own_options_and_replicas_agree(
+        runs: list[dict[str, Any]], name: str, optimizer: str) -> None:
+    """A scheme built with none of ADAM_OPTIONS' options sends them under Adam and AdamW
+    (and only there), registered as a scheme built with them; replicas stay bit-identical."""
+    label = f"{name}-{optimizer}-own"
+    chosen, config = runs[0][label]["options"]
+    if optimizer in ("sgd", "nesterov"):
+        assert chosen == {}
+        assert config == schemes.build(name).origin[1]
+    else:
+        assert chosen == optim.ADAM_OPTIONS[name]
+        assert config == schemes.build(name, **chosen).origin[1]
+    for a, b in zip(runs[0][label]["params"], runs[1][label]["params"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
@@ -228,3 +250,25 @@ def test_register_logs_what_it_chose_and_why(caplog: pytest.LogCaptureFixture) -
     assert [r.getMessage() for r in caplog.records] == [
         f"thinwire.ddp: topk coupled by rule 'none': {state.coupling.reason}"]
     assert f"the first {optim.ADAM_WARMUP} steps averaged dense" in state.coupling.reason
+    assert "sends ratio=0.07, values='int8', the AdamW defaults" in state.coupling.reason
+
+
+@pytest.mark.parametrize("spelling", ["topk:ratio=0.01", "topk:values=native",
+                                      "topk:ratio=1.0:values=fp16"])
+def test_an_option_the_user_gave_keeps_the_scheme_as_built(spelling: str) -> None:
+    """Any one of the family's options given: none is chosen, nothing is mixed."""
+    net = nn.Linear(4, 4)
+    scheme = schemes.build(spelling)
+    state = ddp.hook_state(net, scheme, optimizer=torch.optim.AdamW(net.parameters()))
+    assert state.coupling is not None and state.coupling.options == {}
+    assert state.scheme.origin == scheme.origin
+    assert "defaults" not in state.coupling.reason
+
+
+def test_a_scheme_already_warmed_up_or_not_built_by_name_is_kept() -> None:
+    net = nn.Linear(4, 4)
+    adam = torch.optim.Adam(net.parameters())
+    warm = schemes.warm_up(schemes.build("topk"), 3)
+    assert optim.default_options(adam, warm) == {}
+    bare = schemes.CompressedScheme(schemes.build("topk").values)
+    assert optim.follow(adam, bare) == (bare, {})

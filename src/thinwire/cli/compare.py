@@ -9,11 +9,10 @@ to --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 
-from thinwire import optim, schemes
+from thinwire import optim
 from thinwire.jobs import board, common
 from thinwire.jobs.compare import (
     compare,
@@ -32,12 +31,12 @@ from thinwire.launch import add_timeout
 DEFAULT_SCHEMES = ("dense", "fp16", "topk", "dct-dp", "powersgd", "clt-k")
 
 def add_scheme_options(parser: argparse.ArgumentParser) -> None:
-    """``--ratio``, ``--life-span`` (defaults: dct-dp's own) and ``--option KEY=VALUE``."""
-    dct = {f.name: f.default for f in dataclasses.fields(schemes.config_class("dct-dp"))}
-    parser.add_argument("--ratio", type=float, default=dct["ratio"],
-                        help="fraction of the entries a sparsifier keeps, in (0, 1]")
-    parser.add_argument("--life-span", type=int, default=dct["life_span"],
-                        help="dct-dp threshold life-span L in steps")
+    """``--ratio``, ``--life-span`` (defaults: each scheme's own) and ``--option KEY=VALUE``."""
+    parser.add_argument("--ratio", type=float, default=None,
+                        help="fraction of the entries a sparsifier keeps, in (0, 1] (default: "
+                             "each scheme's own, which under Adam follows the optimiser)")
+    parser.add_argument("--life-span", type=int, default=None,
+                        help="dct-dp threshold life-span L in steps (default: its own)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="set KEY on every scheme that has it, e.g. --option values=fp16 "
                              "(thinwire schemes lists them)")
@@ -141,6 +140,10 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       tensorboard=args.tensorboard, **resolved)
 
 
+def _or_own(value: object) -> str:
+    return "each scheme's own" if value is None else str(value)
+
+
 def clipping(options: RunOptions) -> str:
     """How the run clips gradients, in words."""
     if options.max_norm is None:
@@ -175,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         f"{results[0]['target']}; {args.workers} workers"
         f"{'' if args.sites is None else f' in {args.sites} sites (FSDP2 inside each)'}, "
         f"{options.steps} steps, "
-        f"ratio {args.ratio}, life-span {args.life_span}; a step's compute "
+        f"ratio {_or_own(args.ratio)}, life-span {_or_own(args.life_span)}; a step's compute "
         f"{results[0]['compute_ms_per_step']:.2f} ms (one probe for every scheme).\n\n"
         f"{table}\n\nlone worker: dense with the same recipe on one worker, no "
         f"communication; compute-only bound: dense's steps to target at {args.workers} "

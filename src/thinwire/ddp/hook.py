@@ -219,6 +219,9 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
         raise ValueError(f"modules {sparse} have sparse=True: thinwire's hook works on dense "
                          "gradient buckets; build them with sparse=False (a sparse scheme "
                          "sends only the largest entries of the rows a batch touched anyway)")
+    chosen: dict[str, Any] = {}
+    if optimizer is not None:
+        scheme, chosen = optim.follow(optimizer, scheme)
     if warmup is None:
         warmup = 0 if optimizer is None else optim.default_warmup(optimizer, scheme)
     scheme = schemes.warm_up(scheme, warmup)
@@ -242,9 +245,13 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
                       hold=StepHold(stages) if stages else None, guard=guard,
                       delay=OneStepDelay() if delay else None)
     if optimizer is not None:
-        chosen = optim.couple(optimizer, state, rule=coupling, feedback=feedback)
-        state.coupling = dataclasses.replace(chosen, warmup=warmup, reason=chosen.reason + (
-            f"; the first {warmup} steps averaged dense" if warmup else ""))
+        coupled = optim.couple(optimizer, state, rule=coupling, feedback=feedback)
+        spelled = ", ".join(f"{key}={value!r}" for key, value in chosen.items())
+        state.coupling = dataclasses.replace(
+            coupled, warmup=warmup, options=chosen, reason=coupled.reason
+            + (f"; the first {warmup} steps averaged dense" if warmup else "")
+            + (f"; sends {spelled}, the {type(optimizer).__name__} defaults (give any to "
+               "choose them yourself)" if chosen else ""))
         _LOG.info("thinwire.ddp: %s coupled by rule %r: %s", fingerprint(scheme)["scheme"],
-                  chosen.rule, state.coupling.reason)
+                  coupled.rule, state.coupling.reason)
     return state

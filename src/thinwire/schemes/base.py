@@ -31,9 +31,12 @@ class Scheme(ABC):
         overhead_s: seconds spent compressing, decompressing and in memory.
         skipped: rounds whose gradients were non-finite and dropped (``skip``).
         origin: (registered name, config) when built by ``schemes.build``.
+        given: the options ``schemes.build`` was given (the rest are the config's
+            defaults, which :func:`thinwire.ddp.register` may choose per optimiser).
     """
 
     origin: tuple[str, Any] | None = None
+    given: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.meter: Meter | None = None

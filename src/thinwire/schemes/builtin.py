@@ -32,8 +32,8 @@ class DenseConfig:
 class TopKConfig:
     ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
-    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16", "bf16", or codes
-    codes: ClassVar[bool] = True  # values may be "int8", "int4", "int2", "sign" (a scale per 128)
+    values: str = "native"  # the gradient's dtype, fp32, fp16, bf16, or int8/int4/int2/sign codes
+    codes: ClassVar[bool] = True  # values may be codes (one fp32 scale per 128 values)
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     error_feedback: bool = True  # keep what was not sent for the next step
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
@@ -53,8 +53,8 @@ class DCTConfig:
     refresh_above: float | None = None  # recompute a stale tau passing > this x target; None: never
     gain: float | None = 0.05  # in (0, 1]: tau *= exp(gain (sent / k - 1)) per step; None: off
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
-    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16", "bf16", or codes
-    codes: ClassVar[bool] = True  # values may be "int8", "int4", "int2", "sign" (a scale per 128)
+    values: str = "native"  # the gradient's dtype, fp32, fp16, bf16, or int8/int4/int2/sign codes
+    codes: ClassVar[bool] = True  # values may be codes (one fp32 scale per 128 values)
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     drain_every: int | None = None  # stochastic drain period of the error buffer
     capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
@@ -87,8 +87,8 @@ class DCTConfig:
 class LaplaceConfig:
     ratio: float = 0.01  # target fraction of entries kept, in (0, 1]
     min_numel: int = LAPLACE_MIN_NUMEL  # tensors smaller than this travel dense (1024)
-    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16", "bf16", or codes
-    codes: ClassVar[bool] = True  # values may be "int8", "int4", "int2", "sign" (a scale per 128)
+    values: str = "native"  # the gradient's dtype, fp32, fp16, bf16, or int8/int4/int2/sign codes
+    codes: ClassVar[bool] = True  # values may be codes (one fp32 scale per 128 values)
     indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from thinwire.compress.base import check_fraction
-from thinwire.compress.sparse import SCOPES
 from thinwire.compress.quantise import KINDS
+from thinwire.compress.sparse import SCOPES
 from thinwire.compress.values import CASTS
 from thinwire.feedback import check_policy
 from thinwire.schemes.base import Scheme
@@ -71,6 +71,7 @@ def build(name: str, **config: Any) -> Scheme:
     config_instance = config_type(**config)
     scheme = factory(config_instance)
     scheme.origin = (name, config_instance)
+    scheme.given = frozenset(config)
     return scheme
 
 

@@ -70,8 +70,8 @@ class LocalTopKConfig(CLTkConfig):
     """Options of ``local-topk``: those of ``clt-k``, so the two compare like for like, and
     how its values travel (clt-k's are all-reduced in the gradient's dtype)."""
 
-    values: str = "native"  # "native" (the gradient's dtype), "fp32", "fp16", "bf16", or codes
-    codes: ClassVar[bool] = True  # values may be "int8", "int4", "int2", "sign" (a scale per 128)
+    values: str = "native"  # the gradient's dtype, fp32, fp16, bf16, or int8/int4/int2/sign codes
+    codes: ClassVar[bool] = True  # values may be codes (one fp32 scale per 128 values)
 
 
 def _selection(config: CLTkConfig) -> Selection:
