@@ -299,6 +299,9 @@ CONFIGS = {  # name -> (scheme, options)
     # one leader top-k over all three tensors (k = 20 % of them all)
     "bucket": ("clt-k", {"ratio": 0.2, "beta": 0.5, "selection": "exact", "scope": "bucket",
                          **ALL}),
+    # "exact" with its values all-reduced at 16 bits
+    "fp16": ("clt-k", {"ratio": 0.2, "beta": 0.5, "selection": "exact", "values": "fp16",
+                       **LAYER}),
 }
 
 
@@ -448,12 +451,13 @@ def _reference(label: str, world_size: int) -> list[dict[str, object]]:
                 chosen = torch.tensor(_chunk_reference(lead, k))
             else:
                 chosen = torch.tensor(sorted(np.argsort(-np.abs(lead))[:k].tolist()))
-            mean = torch.stack(ps).mean(dim=0)
+            wire = [p.half().to(p.dtype) if options.get("values") == "fp16" else p for p in ps]
+            mean = torch.stack(wire).mean(dim=0)
             expected["result"][key] = sparsify(mean, chosen)  # CLT_k of the mean
             expected["indices"][key] = chosen
             for r in range(world_size):
                 memory[r][key] = (1 - beta) * memory[r][key] + beta * (
-                    ps[r] - sparsify(ps[r], chosen))
+                    ps[r] - sparsify(wire[r], chosen))
                 expected["memory"][r][key] = memory[r][key]
         steps.append(expected)
     return steps
@@ -478,6 +482,26 @@ def test_cltk_result_is_cltk_of_the_mean_at_the_leaders_indices(
                     assert torch.equal(got["result"][key], value), (n, step, rank, key)
                     assert torch.equal(got["indices"][key], expected["indices"][key])
                     assert torch.equal(got["memory"][key], expected["memory"][rank][key])
+
+
+def test_cltk_values_at_16_bits_are_averaged_and_remember_what_the_cast_left_out(
+        runs: dict[int, list[dict[str, object]]]) -> None:
+    """The leader's indices as at full width; the memory keeps ``p - fp16(p)`` there, to the
+    bit; the mean is of the fp16 values, summed at 16 bits (so within their rounding)."""
+    for n, ranks in runs.items():
+        for step, expected in enumerate(_reference("fp16", n)):
+            for rank, run in enumerate(ranks):
+                got = run["trace"]["fp16"][step]
+                for key, value in expected["result"].items():
+                    assert torch.equal(got["indices"][key], expected["indices"][key])
+                    assert torch.equal(got["memory"][key], expected["memory"][rank][key])
+                    rounding = float(value.abs().max()) * 2.0**-8  # a few fp16 ulps of it
+                    torch.testing.assert_close(got["result"][key], value, rtol=0, atol=rounding)
+                    assert torch.equal(got["result"][key], ranks[0]["trace"]["fp16"][step][
+                        "result"][key])
+        for run in ranks:  # the same entries as "exact" (fp64), at a quarter of the bytes
+            exact, half = (run["bytes"][label]["bytes_per_entity"] for label in ("exact", "fp16"))
+            assert half["W_grad"] * 4 == exact["W_grad"] and half["index"] == exact["index"]
 
 
 @pytest.mark.parametrize("label", ["chunk", "exact", "coupled", "bucket"])

@@ -101,8 +101,11 @@ class Agreed(ABC):
         """This rank's values at the agreed coordinates, flat, in round 2's order."""
 
     @abstractmethod
-    def remember(self, proposal: Proposal, memory: Any) -> None:
-        """Tell ``memory`` what this rank sent (not called where :attr:`errors_from_mean`)."""
+    def remember(self, proposal: Proposal, memory: Any,
+                 sent: Sequence[torch.Tensor] | None) -> None:
+        """Tell ``memory`` what this rank sent (not called where :attr:`errors_from_mean`):
+        :meth:`project`'s values as they are (``sent`` None), or ``sent``, those values as
+        the wire carries them (cast to fewer bits)."""
 
     @abstractmethod
     def place(self, proposal: Proposal, mean: torch.Tensor,
@@ -206,12 +209,19 @@ class LeaderIndices(Agreed):
             out.append(values)
         return out
 
-    def remember(self, proposal: Proposal, memory: Any) -> None:
+    def remember(self, proposal: Proposal, memory: Any,
+                 sent: Sequence[torch.Tensor] | None) -> None:
         launch: _Leading = proposal.launch
-        for group, p in zip(launch.groups, launch.joined):
+        for number, (group, p) in enumerate(zip(launch.groups, launch.joined)):
             parts = p.split([info.numel for info in group]) if len(group) > 1 else [p]
-            for info, part in zip(group, parts):
-                memory.update_selected_(info.key, part, launch.keyed[info.key])
+            counts = [launch.keyed[info.key].numel() for info in group]  # place's order
+            wire = [None] * len(group) if sent is None else sent[number].split(counts)
+            for info, part, values in zip(group, parts, wire):
+                chosen = launch.keyed[info.key]
+                if values is None:
+                    memory.update_selected_(info.key, part, chosen)
+                else:
+                    memory.update_sparse(info.key, part, chosen, values)
 
     def place(self, proposal: Proposal, mean: torch.Tensor,
               views: Mapping[str, torch.Tensor], memory: Any, remember: bool) -> None:
@@ -317,7 +327,8 @@ class LowRankBasis(Agreed):
         return [right(launch["matrices"][info.key], launch["p_hats"][info.key]).t().reshape(-1)
                 for info in launch["infos"]]
 
-    def remember(self, proposal: Proposal, memory: Any) -> None:
+    def remember(self, proposal: Proposal, memory: Any,
+                 sent: Sequence[torch.Tensor] | None) -> None:
         raise NotImplementedError("PowerSGD's error is the mean's (errors_from_mean)")
 
     def place(self, proposal: Proposal, mean: torch.Tensor,

@@ -261,7 +261,8 @@ class CompressedScheme(Scheme):
             collective, first, counts = selection.sizes(selected)
             if selected:
                 out[collective] = out.get(collective, 0) + first
-                out[ALL_REDUCE] = out.get(ALL_REDUCE, 0) + sum(counts) * selected[0].dtype.itemsize
+                out[ALL_REDUCE] = out.get(ALL_REDUCE, 0) + values.entry_bytes(
+                    sum(counts), selected[0].dtype)
             return out
         gathered = sum(values.nbytes(info.numel, info.dtype) for info in whole
                        if not values.summable)
@@ -645,19 +646,22 @@ class CompressedScheme(Scheme):
             if selected else None
         self._charge(time.perf_counter() - start)
 
+        values, dtype = self.values, launch.buffer.dtype
+        exact = values.exact(dtype)
+
         def second(received: Any) -> torch.Tensor:
             parts: list[torch.Tensor] = []
             if proposal is not None:
                 selection.agree(proposal, received)
                 selection.energy = self.energy
-                parts = selection.project(proposal)
+                parts = [values.cast(part) for part in selection.project(proposal)]
                 if launch.finite and memory is not None and not selection.errors_from_mean:
-                    selection.remember(proposal, memory)
+                    selection.remember(proposal, memory, None if exact else parts)
             if launch.whole:
                 parts.append(self._wire_whole(launch))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-        size = launch.buffer.element_size()
+        size = values.width(dtype)
         segments = ([(name, count * size) for name, count in proposal.values]
                     if proposal is not None else [])
         segments += [(info.key, info.numel * size) for info in launch.whole]
@@ -667,7 +671,7 @@ class CompressedScheme(Scheme):
             segments=segments)
 
         def finish(fut: Future[Any]) -> torch.Tensor:
-            mean = fut.value()
+            mean = fut.value().to(dtype)  # from the wire's dtype (a no-op if it is the same)
             if proposal is not None:
                 selection.place(proposal, mean, views, memory, launch.finite)
             offset = mean.numel() - sum(info.numel for info in launch.whole)

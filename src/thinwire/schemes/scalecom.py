@@ -47,6 +47,7 @@ class CLTkConfig:
     min_numel: int = MIN_NUMEL  # tensors with fewer entries are sent dense (as topk, dct-dp)
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     scope: str = "bucket"  # "bucket": one selection over the launch (a DDP bucket); "layer": k each
+    values: str = "native"  # the gradient's dtype, fp32, fp16 or bf16 (local-topk: or codes)
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)
@@ -67,11 +68,10 @@ class CLTkConfig:
 
 @dataclass(frozen=True)
 class LocalTopKConfig(CLTkConfig):
-    """Options of ``local-topk``: those of ``clt-k``, so the two compare like for like, and
-    how its values travel (clt-k's are all-reduced in the gradient's dtype)."""
+    """Options of ``local-topk``: those of ``clt-k``, so the two compare like for like; its
+    values may also be codes, which clt-k's all-reduce cannot sum."""
 
-    values: str = "native"  # the gradient's dtype, fp32, fp16, bf16, or int8/int4/int2/sign codes
-    codes: ClassVar[bool] = True  # values may be codes (one fp32 scale per 128 values)
+    codes: ClassVar[bool] = True  # values may be int8/int4/int2/sign (one fp32 scale per 128)
 
 
 def _selection(config: CLTkConfig) -> Selection:
@@ -82,7 +82,7 @@ def _selection(config: CLTkConfig) -> Selection:
 
 @register("clt-k", CLTkConfig)
 def _clt_k(config: CLTkConfig) -> Scheme:
-    return CompressedScheme(Cast("native"), LeaderIndices(_selection(config)),
+    return CompressedScheme(Cast(config.values), LeaderIndices(_selection(config)),
                             LowPass(config.beta), config.nonfinite,
                             warmup_steps=config.warmup_steps)
 
