@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from thinwire import schemes
 from thinwire.compress import (
     Cast,
     DCTThreshold,
@@ -152,6 +153,19 @@ def test_laplace_records_achieved_density() -> None:
     assert density == payload.count / grad.numel()
     assert tau == pytest.approx(math.log(100), rel=0.02)  # b = 1, eta = 0.99
     assert density == pytest.approx(0.01, rel=0.1)  # the fit is right for Laplace data
+
+
+def test_laplace_over_a_bucket_fits_one_law_to_its_tensors() -> None:
+    """scope="bucket": one tau, b = mean |p| over every tensor of the launch, so a tensor
+    of small entries sends none of them while per layer it sends its share."""
+    torch.manual_seed(0)
+    grads = {"large": torch.randn(4000), "small": torch.randn(4000) * 1e-3}
+    tau = float(torch.cat(list(grads.values())).abs().mean()) * math.log(10)
+    bucket = schemes.build("laplace", ratio=0.1, scope="bucket", capacity=4.0).reduce(grads)
+    layer = schemes.build("laplace", ratio=0.1).reduce(grads)
+    assert torch.equal(bucket["large"], torch.where(grads["large"].abs() > tau,
+                                                    grads["large"], 0.0))
+    assert not bucket["small"].any() and layer["small"].any()
 
 
 def test_fp16_values_halve_value_bytes() -> None:

@@ -93,6 +93,7 @@ class LaplaceConfig:
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
+    scope: str = "layer"  # "layer": a fit per tensor (App. B); "bucket": one over the bucket
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)
@@ -133,6 +134,7 @@ def _dct_dp(config: DCTConfig) -> Scheme:
 @register("laplace", LaplaceConfig)
 def _laplace(config: LaplaceConfig) -> Scheme:
     selection = LaplaceThreshold(config.ratio, min_numel=config.min_numel,
-                                 capacity=config.capacity, exclude=config.exclude)
+                                 capacity=config.capacity, exclude=config.exclude,
+                                 scope=config.scope)
     return CompressedScheme(value_codec(config.values), selection, Residual(), config.nonfinite,
                             indices=config.indices)
