@@ -44,7 +44,7 @@ def _grads(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Ten
             for key, shape in SHAPES.items()}
 
 
-@pytest.mark.parametrize("indices", ["delta16", "int32"])
+@pytest.mark.parametrize("indices", ["delta16", "delta8", "int32"])
 @pytest.mark.parametrize("ratio", [0.05, 0.5])  # 0.5: a bitmap is smaller
 def test_an_unordered_selection_decodes_where_it_was_taken(indices: str, ratio: float) -> None:
     """Random-k's indices come unordered; the 16-bit code and the bitmap need them
@@ -66,6 +66,21 @@ def test_an_unordered_selection_decodes_where_it_was_taken(indices: str, ratio: 
             assert torch.equal(sent[key].reshape(-1)[nonzero], p[nonzero])
             assert torch.equal(grad.reshape(-1) + old[key].reshape(-1),
                                sent[key].reshape(-1) + new)
+
+
+def test_the_8_bit_gap_code_sends_the_same_entries_in_fewer_bytes() -> None:
+    """topk at 5 % with 8-bit index offsets: the results of the 16-bit code to the bit, and
+    the bytes handed smaller by a byte an index less the 8-bit code's block counts."""
+    grads = _grads(0)
+    infos = [TensorInfo.of(key, grad) for key, grad in grads.items()]
+    flat = torch.cat([grad.reshape(-1) for grad in grads.values()])
+    wide, narrow = (schemes.build("topk", ratio=0.05, indices=code)
+                    for code in ("delta16", "delta8"))
+    ours, theirs = narrow.reduce(grads, ALONE), wide.reduce(grads, ALONE)
+    assert all(torch.equal(ours[key], theirs[key]) for key in grads)
+    k, numel = keep_count(flat.numel(), 0.05), flat.numel()
+    saved = (k * 2 + 3) // 4 * 4 - (k + 3) // 4 * 4 - 4 * (numel // 256)
+    assert handed_alone(wide, flat, infos) - handed_alone(narrow, flat, infos) == saved > 0
 
 
 class _Twice(Sparsifier):

@@ -69,7 +69,7 @@ def test_bits_round_trip(numel: int) -> None:
 @pytest.mark.parametrize("numel,capacity,count", [(1000, 10, 7), (1000, 10, 0), (1000, 200, 200),
                                                   (37, 37, 5), (0, 0, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-@pytest.mark.parametrize("formats", ["int32", "delta16"])
+@pytest.mark.parametrize("formats", ["int32", "delta16", "delta8"])
 def test_fixed_capacity_layout_round_trips_and_has_its_declared_size(
         numel: int, capacity: int, count: int, dtype: torch.dtype, formats: str) -> None:
     layout = SparseLayout(numel, capacity, dtype, formats)
@@ -80,7 +80,7 @@ def test_fixed_capacity_layout_round_trips_and_has_its_declared_size(
     assert layout.nbytes % max(4, values.element_size()) == 0  # rows of a gather stay aligned
     got_indices, got_values = layout.decode(wire)
     order = torch.argsort(indices)
-    if layout.uses_bitmap or formats == "delta16":  # ascending order on the wire
+    if layout.uses_bitmap or formats != "int32":  # ascending order on the wire
         assert torch.equal(got_indices, indices[order]) and torch.equal(got_values, values[order])
     else:
         assert torch.equal(got_indices, indices) and torch.equal(got_values, values)
@@ -107,7 +107,22 @@ def test_16_bit_code_spans_blocks_of_65536_and_halves_index_bytes() -> None:
     assert wide.index_bytes == 8000
 
 
-@pytest.mark.parametrize("indices", ["delta16", "int32"])
+def test_8_bit_code_spans_blocks_of_256_and_beats_the_bitmap_below_about_11_percent() -> None:
+    numel = 100_000
+    # gaps of 0, 1, 255, 256, thousands (empty blocks between), and both ends
+    indices = torch.tensor([0, 1, 256, 511, 767, 5_000, 99_999, 255])
+    layout = SparseLayout(numel, 10, torch.float32, "delta8")
+    assert not layout.uses_bitmap and layout.index_bytes == 12 + 4 * (numel // 256 + 1)
+    values = torch.arange(8.0)
+    got_indices, got_values = layout.decode(layout.encode(indices, values))
+    order = torch.argsort(indices)
+    assert torch.equal(got_indices, indices[order]) and torch.equal(got_values, values[order])
+    seven = SparseLayout(numel, 7_000, torch.float32, "delta8")  # 7 %: a byte an index
+    assert not seven.uses_bitmap and seven.index_bytes == 7_000 + 4 * 391
+    assert SparseLayout(numel, 12_000, torch.float32, "delta8").uses_bitmap  # 12 %
+
+
+@pytest.mark.parametrize("indices", ["delta16", "delta8", "int32"])
 def test_layout_bytes_do_not_depend_on_the_order_entries_come_in(indices: str) -> None:
     """Ascending indices skip the sort; shuffled ones are sorted: the same payload."""
     numel = 300_000
@@ -117,14 +132,14 @@ def test_layout_bytes_do_not_depend_on_the_order_entries_come_in(indices: str) -
     shuffle = torch.randperm(900)
     ascending = layout.encode(chosen, values)
     shuffled = layout.encode(chosen[shuffle], values[shuffle])
-    if indices == "delta16":
+    if indices != "int32":
         assert torch.equal(ascending, shuffled)
     got_indices, got_values = layout.decode(shuffled)
     order = torch.argsort(got_indices)
     assert torch.equal(got_indices[order], chosen) and torch.equal(got_values[order], values)
 
 
-@pytest.mark.parametrize("indices", ["delta16", "int32"])
+@pytest.mark.parametrize("indices", ["delta16", "delta8", "int32"])
 def test_vouched_ascending_indices_make_the_same_payload_and_counts_read_every_header(
         indices: str) -> None:
     numel = 300_000

@@ -28,8 +28,12 @@ from thinwire.compress.base import TensorInfo
 from thinwire.compress.values import Cast, ValueCodec, align
 
 HEADER_BYTES = 4
-BLOCK = 1 << 16  # entries per block of the 16-bit index code
-INDEX_FORMATS = ("int32", "delta16")  # index lists of a SparseLayout (a bitmap when smaller)
+# The index codes of an offset per index within blocks of 2**bits entries: 16 bits, or 8
+# (smaller than 16 above about 1.6 % of the entries, than a bitmap below about 11 %).
+GAP_CODES = {"delta16": 16, "delta8": 8}
+_OFFSETS = {16: torch.uint16, 8: torch.uint8}  # how an offset is read back
+# index lists of a SparseLayout (a bitmap when smaller); "delta8" only when asked for
+INDEX_FORMATS = ("int32", "delta16", "delta8")
 CHUNK_FORMATS = chunk_index.FORMATS  # positions of a fixed count per chunk (a chunk plan's)
 Plan = tuple[tuple[int, int], ...]  # (entries, positions sent) of each chunk, in order
 _BITMAP = -1
@@ -55,37 +59,41 @@ def _padded(part: torch.Tensor) -> torch.Tensor:
 
 
 def _ascending(indices: torch.Tensor) -> bool:
-    """Whether ``indices`` (1-D) are strictly ascending, as the 16-bit code needs them."""
+    """Whether ``indices`` (1-D) are strictly ascending, as the gap codes need them."""
     return indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
 
 
-def index16_bytes(capacity: int, numel: int) -> int:
-    """Bytes of up to ``capacity`` ascending indices into ``numel`` entries in the 16-bit
-    index code: each index's offset in its block of :data:`BLOCK` entries (its low 16
-    bits), padded to 4, then one int32 per block: how many indices lie before its end."""
-    return _pad4(2 * capacity) + 4 * (numel // BLOCK + 1)
+def gap_bytes(capacity: int, numel: int, bits: int = 16) -> int:
+    """Bytes of up to ``capacity`` ascending indices into ``numel`` entries in the ``bits``
+    index code (:data:`GAP_CODES`): each index's offset in its block of ``2**bits``
+    entries (its low ``bits`` bits), padded to 4, then one int32 per block: how many
+    indices lie before its end."""
+    return _pad4(capacity * bits // 8) + 4 * (numel >> bits) + 4
 
 
-def encode_index16(indices: torch.Tensor, capacity: int, numel: int,
-                   area: torch.Tensor) -> None:
+def encode_gaps(indices: torch.Tensor, capacity: int, numel: int, area: torch.Tensor,
+                bits: int = 16) -> None:
     """Write distinct ascending ``indices`` into ``area`` (zeroed uint8 of
-    :func:`index16_bytes`). Fixed sizes only, so nothing waits on a GPU."""
-    area[: 2 * indices.numel()].view(torch.int16).copy_(indices)  # copy_ keeps the low 16 bits
-    start, blocks = _pad4(2 * capacity), numel // BLOCK + 1
-    ends = torch.arange(BLOCK, BLOCK * (blocks + 1), BLOCK, device=indices.device)
+    :func:`gap_bytes`). Fixed sizes only, so nothing waits on a GPU."""
+    width, block = bits // 8, 1 << bits
+    # copy_ into the narrower integer keeps the low bits
+    area[: width * indices.numel()].view(_OFFSETS[bits]).copy_(indices)
+    start, blocks = _pad4(width * capacity), (numel >> bits) + 1
+    ends = torch.arange(block, block * (blocks + 1), block, device=indices.device)
     torch.searchsorted(indices, ends, out_int32=True,
                        out=area[start: start + 4 * blocks].view(torch.int32))
 
 
-def decode_index16(area: torch.Tensor, count: int, capacity: int,
-                   numel: int) -> torch.Tensor:
-    """The ``count`` int64 indices, ascending, that :func:`encode_index16` wrote into ``area``."""
-    offsets = area[: 2 * count].view(torch.uint16).to(torch.int64)
-    start = _pad4(2 * capacity)
-    ends = area[start: start + 4 * (numel // BLOCK + 1)].view(torch.int32)
+def decode_gaps(area: torch.Tensor, count: int, capacity: int, numel: int,
+                bits: int = 16) -> torch.Tensor:
+    """The ``count`` int64 indices, ascending, that :func:`encode_gaps` wrote into ``area``."""
+    width = bits // 8
+    offsets = area[: width * count].view(_OFFSETS[bits]).to(torch.int64)
+    start = _pad4(width * capacity)
+    ends = area[start: start + 4 * ((numel >> bits) + 1)].view(torch.int32)
     # Entry j lies in the first block whose end is above j.
     positions = torch.arange(count, dtype=torch.int32, device=area.device)
-    return offsets.add_(torch.searchsorted(ends, positions, side="right"), alpha=BLOCK)
+    return offsets.add_(torch.searchsorted(ends, positions, side="right"), alpha=1 << bits)
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -201,16 +209,16 @@ class LowRankPayload:
 class IndexCodec:
     """Up to ``capacity`` distinct indices into ``numel`` entries, in an area of fixed size.
 
-    Formats: ``"int32"`` (4 bytes an index), ``"delta16"`` (the 16-bit code,
-    :func:`index16_bytes`), ``"bitmap"`` (a bit per entry), and the chunk codes
+    Formats: ``"int32"`` (4 bytes an index), ``"delta16"`` and ``"delta8"`` (the 16- and
+    8-bit gap codes, :func:`gap_bytes`), ``"bitmap"`` (a bit per entry), and the chunk codes
     ``"elias-fano"`` and ``"fixed"`` (:mod:`~thinwire.compress.chunk_index`) of
     a selection that sends a fixed count of each chunk (``plan``): they carry all
-    ``capacity`` positions or none. The 16-bit code, the bitmap and the chunk codes
+    ``capacity`` positions or none. The gap codes, the bitmap and the chunk codes
     need ascending indices; :meth:`encode` sorts them when they are not, with their
     values, so no order decodes wrong.
     """
 
-    format: str  # "int32", "delta16", "bitmap", "elias-fano" or "fixed"
+    format: str  # "int32", "delta16", "delta8", "bitmap", "elias-fano" or "fixed"
     capacity: int
     numel: int
     plan: Plan = ()  # a chunk code's chunks, covering numel and counting capacity
@@ -234,7 +242,7 @@ class IndexCodec:
             raise ValueError(f"indices={preferred!r} needs the plan of a selection that sends "
                              f"a fixed count of each chunk, covering {numel} entries and "
                              f"counting {capacity}")
-        candidates = [preferred] if preferred is not None else list(INDEX_FORMATS)
+        candidates = [preferred] if preferred is not None else ["int32", "delta16"]
         codecs = [IndexCodec(name, capacity, numel, plan if name in CHUNK_FORMATS else ())
                   for name in (*candidates, "bitmap")]
         return min(codecs, key=lambda codec: codec.nbytes)  # min keeps the first of equals
@@ -243,8 +251,8 @@ class IndexCodec:
     def nbytes(self) -> int:
         if self.format == "bitmap":
             return bitmap_bytes(self.numel)
-        if self.format == "delta16":
-            return index16_bytes(self.capacity, self.numel)
+        if self.format in GAP_CODES:
+            return gap_bytes(self.capacity, self.numel, GAP_CODES[self.format])
         if self.format in CHUNK_FORMATS:
             return chunk_index.nbytes(self.plan, self.format)
         return 4 * self.capacity
@@ -252,7 +260,7 @@ class IndexCodec:
     @property
     def entry_bytes(self) -> int:
         """Bytes that grow with each valid index (the rest are fixed)."""
-        return {"delta16": 2, "int32": 4}.get(self.format, 0)
+        return {"delta16": 2, "delta8": 1, "int32": 4}.get(self.format, 0)
 
     @property
     def ordered(self) -> bool:
@@ -267,8 +275,8 @@ class IndexCodec:
             mask[indices] = True
             bits = pack_bits(mask)
             area[: bits.numel()] = bits
-        elif self.format == "delta16":
-            encode_index16(indices, self.capacity, self.numel, area)
+        elif self.format in GAP_CODES:
+            encode_gaps(indices, self.capacity, self.numel, area, GAP_CODES[self.format])
         elif self.format in CHUNK_FORMATS:
             if indices.numel():  # all or nothing: none leaves the area zero
                 code = chunk_index.encode(indices, self.plan, self.format)
@@ -290,8 +298,8 @@ class IndexCodec:
                     else area.new_zeros(0, dtype=torch.int64))
         if self.format == "bitmap":
             return unpack_bits(area[: math.ceil(self.numel / 8)], self.numel).nonzero().squeeze(1)
-        if self.format == "delta16":
-            return decode_index16(area, count, self.capacity, self.numel)
+        if self.format in GAP_CODES:
+            return decode_gaps(area, count, self.capacity, self.numel, GAP_CODES[self.format])
         return area[: 4 * count].view(torch.int32).long()
 
 
@@ -305,14 +313,14 @@ class SparseLayout:
 
         int32 header        valid count c <= capacity
         indices             the index codec's area (:class:`IndexCodec`):
-                            ``indices`` ("int32", "delta16", or a chunk code), or a
+                            ``indices`` ("int32", a gap code, or a chunk code), or a
                             bitmap when that is smaller (the same choice on every rank)
         values              the value codec's area (:mod:`thinwire.compress.values`):
                             capacity values as floats, or codes and their scales;
                             starting and ending aligned to 4 bytes and to a float's
                             width (fp64: 8); with ``groups``, one area per group
 
-    Unused slots and alignment bytes are zero. With a bitmap, the 16-bit code or a chunk
+    Unused slots and alignment bytes are zero. With a bitmap, a gap code or a chunk
     code, values are in ascending index order. A layout with a ``plan`` or ``groups``
     carries all ``capacity`` entries or none (a round skipped).
     """
@@ -320,7 +328,7 @@ class SparseLayout:
     numel: int  # entries of the region the indices point into, < 2**31
     capacity: int  # most entries carried, in [0, numel]
     value_dtype: torch.dtype = torch.float32  # the dtype of the values encoded (a tensor's)
-    indices: str = "int32"  # the index list format when no bitmap: "int32" or "delta16"
+    indices: str = "int32"  # the index list format when no bitmap: "int32" or a gap code
     values: ValueCodec = field(default_factory=lambda: Cast("native"))  # how values travel
     plan: Plan = ()  # the chunks of a selection sending a fixed count of each (chunk codes)
     groups: tuple[int, ...] = ()  # values of each tensor, coded apart (a per-tensor codec)
@@ -390,7 +398,7 @@ class SparseLayout:
         Args:
             ascending: the caller vouches that ``indices`` ascend strictly (a
                 sparsifier's selection does, :meth:`~thinwire.compress.Sparsifier.select_all`),
-                so the 16-bit code and the bitmap skip the check, a pass and a wait on a
+                so the gap codes and the bitmap skip the check, a pass and a wait on a
                 GPU; else they sort when needed.
 
         Returns:
@@ -461,7 +469,7 @@ class SparseLayout:
         bitmap or a chunk code); the header, the bitmap and a chunk code are charged
         as ``"(header)"``, ``"(bitmap)"`` and ``"(positions)"``, a codec's fixed parts
         as it names them (``"(scales)"``, ``"(tables)"``), the unused capacity (and
-        the 16-bit code's block ends) as ``"(padding)"``.
+        a gap code's block ends) as ``"(padding)"``.
 
         Args:
             counts: ``(layer, valid entries)`` of the payload.

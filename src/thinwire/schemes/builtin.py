@@ -34,7 +34,7 @@ class TopKConfig:
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
     values: str = "native"  # the gradient's dtype, fp32, fp16, bf16, or int8/int4/int2/sign codes
     codes: ClassVar[bool] = True  # values may be codes (one fp32 scale per 128 values)
-    indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
+    indices: str = "delta16"  # index list on the wire: "delta16", "delta8" (bits an index), "int32"
     error_feedback: bool = True  # keep what was not sent for the next step
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
@@ -55,7 +55,7 @@ class DCTConfig:
     min_numel: int = MIN_NUMEL  # tensors smaller than this travel dense (0: none)
     values: str = "native"  # the gradient's dtype, fp32, fp16, bf16, or int8/int4/int2/sign codes
     codes: ClassVar[bool] = True  # values may be codes (one fp32 scale per 128 values)
-    indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
+    indices: str = "delta16"  # index list on the wire: "delta16", "delta8" (bits an index), "int32"
     drain_every: int | None = None  # stochastic drain period of the error buffer
     capacity: float = 1.0  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
@@ -89,7 +89,7 @@ class LaplaceConfig:
     min_numel: int = LAPLACE_MIN_NUMEL  # tensors smaller than this travel dense (1024)
     values: str = "native"  # the gradient's dtype, fp32, fp16, bf16, or int8/int4/int2/sign codes
     codes: ClassVar[bool] = True  # values may be codes (one fp32 scale per 128 values)
-    indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
+    indices: str = "delta16"  # index list on the wire: "delta16", "delta8" (bits an index), "int32"
     capacity: float = CAPACITY  # payload room, multiples of k (>= 1); the excess waits in memory
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense

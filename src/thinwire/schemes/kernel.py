@@ -119,8 +119,8 @@ class CompressedScheme(Scheme):
             :class:`~thinwire.schemes.agreed.Agreed` selection (a first round).
         memory: error feedback, or None for none.
         nonfinite: ``"raise"`` or ``"skip"`` (see :func:`thinwire.feedback.all_finite`).
-        indices: the index list of own selections' payloads, ``"delta16"`` or ``"int32"``
-            (a bitmap where smaller), or a chunk code (``"elias-fano"``, ``"fixed"``)
+        indices: the index list of own selections' payloads, ``"delta16"``, ``"delta8"``
+            or ``"int32"`` (a bitmap where smaller), or a chunk code (``"elias-fano"``, ``"fixed"``)
             of a selection that sends a fixed count of each chunk
             (:meth:`~thinwire.compress.Sparsifier.plan`).
         warmup_steps: launches of a tensor sent whole before its selection starts.

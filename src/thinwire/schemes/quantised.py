@@ -45,7 +45,7 @@ class TopKQuantConfig:
     ratio: float = 0.01  # fraction of each tensor's entries sent, in (0, 1]
     chunk: int = CHUNK  # selected values sharing one fp32 scale, >= 1
     min_numel: int = MIN_NUMEL  # tensors smaller than this are quantised whole (0: none)
-    indices: str = "delta16"  # index list on the wire: "delta16" (16 bits an index) or "int32"
+    indices: str = "delta16"  # index list on the wire: "delta16", "delta8" (bits an index), "int32"
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
     error_feedback: bool = True  # keep what was not sent, or sent coarsely, for the next round
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from thinwire.compress.base import check_fraction
+from thinwire.compress.payload import INDEX_FORMATS
 from thinwire.compress.quantise import KINDS
 from thinwire.compress.sparse import SCOPES
 from thinwire.compress.values import CASTS
@@ -153,8 +154,8 @@ def validate_common(config: Any) -> None:
         allowed = list(CASTS) + (list(KINDS) if getattr(config, "codes", False) else [])
         if config.values not in allowed:
             raise ValueError(f"values={config.values!r} must be one of {allowed}")
-    if hasattr(config, "indices") and config.indices not in ("int32", "delta16"):
-        raise ValueError(f"indices={config.indices!r} must be 'int32' or 'delta16'")
+    if hasattr(config, "indices") and config.indices not in INDEX_FORMATS:
+        raise ValueError(f"indices={config.indices!r} must be one of {list(INDEX_FORMATS)}")
     if hasattr(config, "scope") and config.scope not in SCOPES:
         raise ValueError(f"scope={config.scope!r} must be one of {SCOPES}")
 
