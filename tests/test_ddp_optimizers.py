@@ -250,7 +250,8 @@ def test_register_logs_what_it_chose_and_why(caplog: pytest.LogCaptureFixture) -
     assert [r.getMessage() for r in caplog.records] == [
         f"thinwire.ddp: topk coupled by rule 'none': {state.coupling.reason}"]
     assert f"the first {optim.ADAM_WARMUP} steps averaged dense" in state.coupling.reason
-    assert "sends ratio=0.07, values='int8', the AdamW defaults" in state.coupling.reason
+    assert "sends ratio=0.07, values='int8', indices='delta8', the AdamW defaults" in (
+        state.coupling.reason)
 
 
 @pytest.mark.parametrize("spelling", ["topk:ratio=0.01", "topk:values=native",

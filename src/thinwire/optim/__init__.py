@@ -61,8 +61,10 @@ class Coupling:
 
 
 # Steps Adam and AdamW average dense before a compressing scheme starts (ScaleCom App. E's
-# compression warm-up; measured: docs/convergence.md).
-ADAM_WARMUP = 50
+# compression warm-up). On the language model at ADAM_OPTIONS, 20 steps took 1.27x dense's
+# steps, 30 1.19x; 50 cost a third more bytes for no fewer steps
+# (docs/record/adamw-screening.md, "How long a warm-up").
+ADAM_WARMUP = 30
 
 
 def default_warmup(optimizer: torch.optim.Optimizer, scheme: Scheme) -> int:
@@ -76,12 +78,13 @@ def default_warmup(optimizer: torch.optim.Optimizer, scheme: Scheme) -> int:
 
 
 # What a scheme sends under Adam and AdamW where its user chose none of these options: more
-# entries at 8 bits. At the defaults for SGD (1 %, full-width values) the language model
-# missed its target; these reached it in 1.16x and 1.22x dense's steps (two seeds) at 1/10.8
-# of its bytes (docs/record/adamw-screening.md, "Sending more, at fewer bits").
+# entries at 8 bits, a byte an index. At the defaults for SGD (1 %, full-width values) the
+# language model missed its target in 1,500 steps; 7 % at 8 bits reached it within 1.25x
+# dense's steps and 1/10 of its bytes (docs/record/adamw-screening.md).
 ADAM_OPTIONS: dict[str, dict[str, Any]] = {
-    "topk": {"ratio": 0.07, "values": "int8"},
-    "topk+int8": {"ratio": 0.07},
+    "topk": {"ratio": 0.07, "values": "int8", "indices": "delta8"},
+    "topk+int8": {"ratio": 0.07, "indices": "delta8"},
+    "local-topk": {"ratio": 0.07, "values": "int8"},  # its index list is a bitmap at 7 %
 }
 
 
