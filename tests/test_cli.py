@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import thinwire
 from thinwire.cli import COMMANDS, build_parser, main
 from thinwire.cli import async_ as async_cli
 from thinwire.cli import dad as dad_cli
@@ -184,6 +185,18 @@ def test_a_scheme_spelled_with_its_own_options_runs_with_them_under_its_spelling
     assert seen == [("powersgd", {"rank": 3}), ("powersgd", {"rank": 4}),
                     ("topk", {"ratio": 0.05})]
     assert [r["scheme"] for r in results] == ["powersgd", "powersgd:rank=4", "topk:ratio=0.05"]
+
+
+def test_a_run_records_the_scheme_as_registered(tmp_path: Path) -> None:
+    """Under AdamW register chooses topk's options (ADAM_OPTIONS): the run says so."""
+    code = main(["compare", "--schemes", "topk,topk:ratio=0.02", "--workers", "2", "--steps",
+                 "4", "--optimizer", "adamw", "--hidden", "16", "--no-lone",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    chosen, given = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert {key: chosen["config"][key] for key in ("ratio", "values", "indices")} == (
+        thinwire.optim.ADAM_OPTIONS["topk"])
+    assert (given["config"]["ratio"], given["config"]["values"]) == (0.02, "native")
 
 
 @pytest.mark.parametrize("seconds", ["0", "-5", "nan", "soon"])

@@ -304,8 +304,11 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
     wall_s = time.perf_counter() - start
     if board is not None:
         board.close()
+    # the scheme as registered: under Adam, register may have chosen options (ADAM_OPTIONS)
+    registered = (scheme.origin[1] if scheme.origin is not None
+                  else schemes.config_class(name)(**config))
     result = run_record(name, work, options, model, device=device, coupled=coupled,
-                        config=asdict(schemes.config_class(name)(**config)),
+                        config=asdict(registered),
                         steps_to_target=steps_to_target, losses=losses, meter=meter,
                         scheme=scheme, compute_s=compute_s, wall_s=wall_s, curve=curve)
     result.update({
