@@ -28,7 +28,7 @@ from typing import Any
 DATA = Path("docs/data")
 PAGE = Path("docs/papers.md")
 Data = dict[str, Any]
-Verdict = tuple[str, str, str]  # (our number, yes / partly / no, why)
+Verdict = tuple[str, str, str]  # (our number, yes / partly / no / not claimed, why)
 
 
 def _fig5_final(summary: Data) -> Data:
@@ -300,19 +300,67 @@ def _scalecom_time(d: Data) -> Verdict:
             "accuracy is the convergence work's")
 
 
-def _lm_under_adamw(d: Data, scheme: str, claimed: float) -> Verdict:
-    """A scheme at its defaults on text-lm under AdamW against dense at the same steps."""
-    runs = {r["scheme"]: r for r in d["results"]["runs"]}
-    run, dense = runs[scheme], runs["dense"]
-    fewer = dense["bytes_sent_per_step"] / run["bytes_sent_per_step"]
-    reached = (f"target in {run['steps_to_target']:,} steps" if run["steps_to_target"]
-               else "target not reached")
-    return (f"{fewer:.0f}× fewer bytes a step, dense warm-up included ({d['defaults']}); "
-            f"{run['test_score']:.3f} bits per byte after {run['steps']:,} steps against dense's "
-            f"{dense['test_score']:.3f}; {reached} (dense: {dense['steps_to_target']:,})",
-            "no", f"neither {claimed:.0f}× nor dense's quality: a 470k-parameter character "
-            "model on 4 workers, not the paper's protocol (its compression ratios and "
-            "warm-up length are not run yet)")
+def _run(d: Data, label: str) -> Data | None:
+    """The run labelled ``label`` in a file of labelled ``thinwire compare`` results."""
+    return next((r["results"]["runs"][0] for r in d["runs"] if r["label"] == label), None)
+
+
+def _reached(run: Data, dense_steps: int) -> str:
+    steps = run["steps_to_target"]
+    return (f"target in {steps:,} steps ({steps / dense_steps:.2f}× dense's)" if steps
+            else f"target not reached ({run['test_score']:.3f} bits per byte at "
+                 f"{run['steps']:,})")
+
+
+def _until_target(run: Data, dense: Data) -> float:
+    """Dense's bytes per worker until its target over the run's until its own."""
+    def spent(r: Data) -> float:
+        return next(b for step, b, _ in r["curve"] if step == r["steps_to_target"])
+    return spent(dense) / spent(run)
+
+
+def _scalecom_lm(d: Data) -> Verdict:
+    """CLT-k at the paper's compression rates after a compression warm-up, and at 8 workers
+    with and without the low-pass filter."""
+    dense = _run(d, "dense, 4 workers")
+    parts = []
+    for rate in (47, 65):
+        run = _run(d, f"clt-k at 1/{rate} of the entries, 4 workers")
+        if run is not None:
+            parts.append(f"{rate}× (k = 1/{rate}, {d['warmup']} dense steps first): "
+                         f"{_reached(run, dense['steps_to_target'])}, "
+                         f"{run['dense_bytes_per_step'] / run['bytes_sent_per_step']:.0f}× "
+                         "fewer bytes a step")
+    eight = {beta: _run(d, f"clt-k at 1/47 of the entries, 8 workers, beta {beta}")
+             for beta in ("1", "0.1")}
+    dense8 = _run(d, "dense, 8 workers")
+    if dense8 is not None and all(eight.values()):
+        parts.append("8 workers: " + "; ".join(
+            f"β = {beta}: {_reached(run, dense8['steps_to_target'])}"
+            for beta, run in eight.items()))
+    reached = [run for rate in (47, 65)
+               if (run := _run(d, f"clt-k at 1/{rate} of the entries, 4 workers"))
+               and run["steps_to_target"]]
+    return ("; ".join(parts), "partly" if reached else "no",
+            "the compression rates train the language model only as far as the steps say: "
+            "CLT-k's one leader chooses for all under AdamW (a 470k-parameter character "
+            "model, not Transformer-base on WMT14; the paper's warm-up length for E.4 is not "
+            "given, so 5 % of the run, as its ImageNet runs)")
+
+
+def _dct_lm(d: Data) -> Verdict:
+    """DCT-DP on the language model: the abstract's 100× is not claimed for it."""
+    dense = _run(d, "dense, seed 0")
+    runs = [(r["label"], r["results"]["runs"][0]) for r in d["runs"]
+            if r["label"].startswith("dct-dp at the AdamW defaults")]
+    parts = [f"{label.split(', ')[-1]}: {_reached(run, dense_steps)}, "
+             f"1/{_until_target(run, dense):.1f} of dense's bytes until the target"
+             for (label, run), dense_steps in zip(runs, (925, 900))]
+    return ("dct-dp at the AdamW defaults (7 % in int8, one threshold over the bucket): "
+            + "; ".join(parts), "not claimed",
+            "§3.2: “we do not consider DCT-DP” on the NLP model (DCT-MP only); the 100× of "
+            "the abstract is DP on recommendation models. At 1 % (67×) it missed the "
+            "target under AdamW")
 
 
 CLAIMS = [
@@ -322,11 +370,12 @@ CLAIMS = [
     Claim("DCT KDD'21", "Abstract / §3.3 (DP)", "at least 100× during DP",
           "digits MLP on a shaped link, sparsity 0.99", "sudo python -m benchmarks.netem",
           "netem", _dp_bytes),
-    Claim("DCT KDD'21", "Abstract / §3.3 (DP), language model", "at least 100× during DP "
-          "on NLP models", "text-lm (character LM, 4 workers, AdamW), dct-dp at its defaults",
-          "thinwire compare --workload text-lm --workers 4 --no-lone --schemes "
-          "dense,topk,dct-dp,clt-k,powersgd --steps 1500 --eval-every 50",
-          "adamw-defaults-text-lm", lambda d: _lm_under_adamw(d, "dct-dp", 100)),
+    Claim("DCT KDD'21", "Abstract, §3.2 (language model)", "at least 100× during DP "
+          "(abstract; §3.2 evaluates only DCT-MP on the Transformer)",
+          "text-lm (character LM, 4 workers, AdamW), dct-dp at the AdamW defaults, two seeds",
+          "thinwire compare --workload text-lm --workers 4 --no-lone --schemes dct-dp "
+          "--steps 1500 --eval-every 25 [--seed 1]",
+          "adamw-schemes-text-lm", _dct_lm),
     Claim("DCT KDD'21", "Table 1, §3.2", "even with 95 % sparsity ... better than baseline; "
           "tangible loss at 98 %; two splits: +0.18 % test loss at 95 %",
           "synthetic Criteo-shaped data, small DLRM, 1 epoch", "python benchmarks/dct_mp.py "
@@ -373,10 +422,13 @@ CLAIMS = [
     Claim("ScaleCom", "App. E.4", "Transformer-base on WMT14 with Adam: 47× compression "
           "BLEU 27.27 against 27.64 uncompressed, 65× 27.24, after a compression warm-up; "
           "at 64 workers the low-pass filter keeps BLEU (25.65 without, 28.03 with)",
-          "text-lm (character LM, 4 workers, AdamW), clt-k at its defaults",
+          "text-lm (character LM, AdamW), clt-k at k = 1/47 and 1/65 of the entries "
+          "after 75 dense steps (5 % of the run), 4 workers; 1/47 at 8 workers with β = 1 "
+          "and 0.1",
           "thinwire compare --workload text-lm --workers 4 --no-lone --schemes "
-          "dense,topk,dct-dp,clt-k,powersgd --steps 1500 --eval-every 50",
-          "adamw-defaults-text-lm", lambda d: _lm_under_adamw(d, "clt-k", 47)),
+          "clt-k:ratio=0.021 --warmup 75 --steps 1500 --eval-every 50 (ratio=0.015; "
+          "--workers 8, beta=0.1)",
+          "scalecom-protocol-text-lm", _scalecom_lm),
     Claim("ScaleCom", "App. F.1", "about 1.35× end-to-end improvement over uncompressed",
           "digits MLP on a shaped link (tbf), 2 and 4 workers",
           "sudo python -m benchmarks.netem", "netem", _scalecom_time),
