@@ -114,8 +114,9 @@ def follow(optimizer: torch.optim.Optimizer, scheme: Scheme) -> tuple[Scheme, di
     if not options:
         return scheme, {}
     name, config = scheme.origin  # type: ignore[misc]  # default_options checked it
-    given = {key: getattr(config, key) for key in scheme.given}
-    return build(name, **given, **options), options
+    rebuilt = build(name, **{key: getattr(config, key) for key in scheme.given}, **options)
+    rebuilt.meter = scheme.meter
+    return rebuilt, options
 
 
 def default_rule(optimizer: torch.optim.Optimizer) -> str:
