@@ -338,8 +338,8 @@ def _scalecom_lm(d: Data) -> Verdict:
         parts.append("8 workers: " + "; ".join(
             f"β = {beta}: {_reached(run, dense8['steps_to_target'])}"
             for beta, run in eight.items()))
-    parts.append(f"dense, 4 workers: {dense['test_score']:.3f} at {dense['steps']:,}, the target in "
-                 f"{dense['steps_to_target']:,}")
+    parts.append(f"dense, 4 workers: {dense['test_score']:.3f} at {dense['steps']:,}, the "
+                 f"target in {dense['steps_to_target']:,}")
     filtered = eight["0.1"] is not None and eight["0.1"]["steps_to_target"] is not None and (
         eight["1"] is None or eight["1"]["steps_to_target"] is None)
     return ("; ".join(parts), "partly" if filtered else "no",
