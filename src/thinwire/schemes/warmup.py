@@ -61,7 +61,7 @@ class Warmup(Scheme):
         own = getattr(scheme.origin[1], "nonfinite", None) if scheme.origin else None
         self.nonfinite = check_policy(nonfinite or own or "raise")
         self.step = 0  # steps seen so far
-        self.origin, self.given = scheme.origin, scheme.given
+        self.origin = scheme.origin
 
     @property
     def meter(self) -> Meter | None:
