@@ -266,10 +266,17 @@ def test_an_option_the_user_gave_keeps_the_scheme_as_built(spelling: str) -> Non
     assert "defaults" not in state.coupling.reason
 
 
-def test_a_scheme_already_warmed_up_or_not_built_by_name_is_kept() -> None:
-    net = nn.Linear(4, 4)
-    adam = torch.optim.Adam(net.parameters())
-    warm = schemes.warm_up(schemes.build("topk"), 3)
-    assert optim.default_options(adam, warm) == {}
+def test_a_scheme_not_built_by_name_is_kept() -> None:
+    adam = torch.optim.Adam(nn.Linear(4, 4).parameters())
     bare = schemes.CompressedScheme(schemes.build("topk").values)
     assert optim.follow(adam, bare) == (bare, {})
+
+
+@pytest.mark.parametrize("spelling", ["clt-k:warmup_steps=3", "topk"])
+def test_a_warm_up_of_the_users_own_is_kept(spelling: str) -> None:
+    """Given (an option, or warm_up), a warm-up stays what it was; the options still follow."""
+    net = nn.Linear(4, 4)
+    scheme = schemes.warm_up(schemes.build(spelling), 3)
+    state = ddp.hook_state(net, scheme, optimizer=torch.optim.AdamW(net.parameters()))
+    assert state.scheme.warmup_steps == 3 and state.coupling.warmup == 3
+    assert state.coupling.options == optim.ADAM_OPTIONS[spelling.split(":")[0]]

@@ -31,6 +31,7 @@ from thinwire.schemes import build
 
 SITES, SHARDS = 2, 2
 STEPS = 4
+WARM = 2  # steps of a warm-up
 TOPK = ("topk", {"ratio": 0.2, "min_numel": 0})
 DCT = ("dct-dp", {"life_span": 2, "min_numel": 0, "piece": 0})
 LOSSY = {"topk": TOPK, "dct-dp": DCT, "fp16": ("fp16", {}),
@@ -69,10 +70,11 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: i
     optimizer.step()
 
 
-def _native(rank: int, mesh: Any) -> list[list[torch.Tensor]]:
+def _native(rank: int, mesh: Any, adamw: bool = False) -> list[list[torch.Tensor]]:
     """Native HSDP on the 2-D mesh: each step's local shards."""
     model = _shard(_model(), mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=0.01) if adamw
+                 else torch.optim.SGD(model.parameters(), lr=0.1))
     history = []
     for step in range(STEPS):
         _step(model, optimizer, rank, step)
@@ -98,6 +100,20 @@ def _thinwire(rank: int, mesh: Any, name: str, config: dict[str, Any],
         _step(model, optimizer, rank, step)
         history.append(_local(model))
     return {"history": history, "calls": calls, "hook_calls": state.calls}
+
+
+def _adamw(rank: int, mesh: Any, warmup: int | None) -> dict[str, Any]:
+    """``topk`` registered with AdamW, as a user would: the family's options and warm-up."""
+    model = _shard(_model(), mesh["shard"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = fsdp.register(model, build("topk", min_numel=0), mesh["site"].get_group(),
+                          optimizer=optimizer, warmup=warmup)
+    history = []
+    for step in range(STEPS):
+        _step(model, optimizer, rank, step)
+        history.append(_local(model))
+    return {"history": history, "coupling": state.coupling,
+            "config": state.scheme.origin[1], "warmup": state.scheme.warmup_steps}
 
 
 def _watched(exchange: Any, calls: list[dict[str, Any]]) -> Any:
@@ -285,6 +301,9 @@ def _all_scenarios(rank: int, world_size: int, directory: str) -> dict[str, Any]
     watched = {name: _thinwire(rank, mesh, *LOSSY[name], watch=True) for name in WATCHED}
     return {
         "native": _native(rank, mesh),
+        "native adamw": _native(rank, mesh, adamw=True),
+        "adamw": _adamw(rank, mesh, WARM),
+        "adamw default": _adamw(rank, mesh, None),
         "dense": _thinwire(rank, mesh, "dense", {}),
         **{name: _thinwire(rank, mesh, *LOSSY[name]) for name in ("fp16", "powersgd", "clt-k")},
         **{name: {**run, "calls": len(run["calls"]),
@@ -323,7 +342,24 @@ def test_dense_is_bit_identical_to_native_hsdp(runs: list[dict[str, Any]]) -> No
     assert not torch.equal(runs[0]["native"][0][0], runs[0]["native"][-1][0])  # it trained
 
 
-@pytest.mark.parametrize("name", LOSSY)
+def test_register_with_adamw_chooses_its_options_and_warms_up_per_launch(
+        runs: list[dict[str, Any]]) -> None:
+    """Each sharded Linear is launched on its own (FSDP); a shard's warm-up counts its own
+    launches, so the first steps are native HSDP's to the bit, and the options follow."""
+    for rank in runs:
+        run = rank["adamw"]
+        for step, (native, warmed) in enumerate(zip(rank["native adamw"], run["history"])):
+            same = all(torch.equal(a, b) for a, b in zip(native, warmed))
+            assert same == (step < WARM), step
+        assert run["coupling"].warmup == run["warmup"] == WARM
+        assert run["coupling"].options == optim.ADAM_OPTIONS["topk"]
+        assert run["config"].ratio == optim.ADAM_OPTIONS["topk"]["ratio"]
+        assert run["config"].min_numel == 0  # what the user gave stays
+        assert rank["adamw default"]["warmup"] == optim.ADAM_WARMUP
+        assert "averaged dense" in rank["adamw default"]["coupling"].reason
+
+
+@pytest.mark.parametrize("name", ["adamw", *LOSSY])
 def test_replicas_across_sites_stay_identical(runs: list[dict[str, Any]], name: str) -> None:
     for shard in range(SHARDS):
         first, second = runs[shard][name]["history"], runs[SHARDS + shard][name]["history"]

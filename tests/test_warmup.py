@@ -1,5 +1,5 @@
-"""The compression warm-up (thinwire.schemes.warmup): dense bit for bit while it lasts, the
-wrapped scheme after, resumed exactly across the switch, a coupled memory carried through."""
+"""The compression warm-up (thinwire.schemes.warm_up): dense bit for bit while it lasts, the
+scheme after, resumed exactly across the switch, a coupled memory carried through."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.launch import spawn
-from thinwire.schemes.warmup import Warmup, warm_up
+from thinwire.schemes import warm_up
 
 STEPS, WARM = 6, 3
 
@@ -108,7 +108,7 @@ def test_warm_up_steps_are_bit_identical_to_dense_and_then_compressed(
         assert all("all_gather" in step for step in collectives[WARM:])
 
 
-def test_after_the_warm_up_the_wrapped_scheme_starts_afresh(
+def test_after_the_warm_up_the_scheme_sends_what_it_sends_alone(
         runs: list[dict[str, Any]]) -> None:
     # the same bytes a step as the scheme alone from its own first step on
     for rank in runs:
@@ -145,17 +145,34 @@ def test_replicas_stay_identical(runs: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("steps", [-1, 1.5, True])
 def test_a_warm_up_length_must_be_a_count_of_steps(steps: Any) -> None:
     with pytest.raises(ValueError, match="steps="):
-        Warmup(schemes.build("topk"), steps)
+        warm_up(schemes.build("topk"), steps)
 
 
-def test_loading_a_cold_schemes_state_names_the_mismatch() -> None:
-    with pytest.raises(ValueError, match="without a warm-up"):
-        Warmup(schemes.build("topk"), 2).load_state_dict(schemes.build("topk").state_dict())
-
-
-def test_no_warm_up_is_the_scheme_itself() -> None:
+def test_a_warm_up_is_given_before_the_first_launch() -> None:
     scheme = schemes.build("topk")
-    assert warm_up(scheme, 0) is scheme
-    wrapped = warm_up(scheme, 5)
-    assert isinstance(wrapped, Warmup) and wrapped.traits == scheme.traits
-    assert wrapped.origin == scheme.origin
+    scheme.launch({"w": torch.ones(4)})
+    with pytest.raises(ValueError, match="launched already"):
+        warm_up(scheme, 2)
+
+
+def test_only_a_built_scheme_warms_up() -> None:
+    with pytest.raises(TypeError, match="expected a scheme"):
+        warm_up(object(), 2)  # type: ignore[arg-type]
+
+
+def test_a_warm_up_is_the_schemes_own_option() -> None:
+    scheme = schemes.build("topk")
+    assert warm_up(scheme, 5) is scheme and scheme.warmup_steps == 5
+    assert schemes.build("powersgd", warmup_steps=5).warmup_steps == 5
+
+
+def test_each_tensor_counts_its_own_launches() -> None:
+    """FSDP launches each module's shards on its own: a tensor warms up over its own
+    launches, whatever else is launched between them."""
+    scheme = warm_up(schemes.build("topk", ratio=0.25), 1)
+    grad = torch.arange(1.0, 65.0)
+    sent = []
+    for _ in range(2):  # two steps, two launches each
+        for key in ("a", "b"):
+            sent.append(scheme.launch({key: grad}).wait()[key].count_nonzero().item())
+    assert sent == [64, 64, 16, 16]

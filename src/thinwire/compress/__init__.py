@@ -14,9 +14,17 @@ from thinwire.compress.payload import (
     decode,
 )
 from thinwire.compress.sparse import DCTThreshold, LaplaceThreshold, Sparsifier, TopK
-from thinwire.compress.values import Binned, Cast, Quantised, ValueCodec, value_codec
+from thinwire.compress.values import (
+    FULL_WIDTH,
+    Binned,
+    Cast,
+    Quantised,
+    ValueCodec,
+    value_codec,
+)
 
 __all__ = [
+    "FULL_WIDTH",
     "Binned",
     "Cast",
     "DCTThreshold",

@@ -243,6 +243,10 @@ class Binned(ValueCodec):
                                                  count), dtype)
 
 
+# Each value in the tensor's own dtype: what a dense all-reduce sends (a warm-up's values).
+FULL_WIDTH = Cast("native")
+
+
 def value_codec(name: str, chunk: int = 128) -> ValueCodec:
     """The codec called ``name`` (:data:`CODECS`); ``chunk`` is a quantiser's.
 

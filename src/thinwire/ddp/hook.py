@@ -2,7 +2,6 @@
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire import optim, schemes
+from thinwire import optim
 from thinwire._version import __version__
 from thinwire.comm import Meter, world
 from thinwire.comm.collectives import Future, Group
@@ -158,7 +157,9 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
         coupling: the rule, one of :data:`thinwire.optim.RULES` (``"auto"``: the
             optimiser family's).
         warmup: steps averaged dense before the scheme compresses
-            (:class:`thinwire.schemes.Warmup`); None: the optimiser family's.
+            (:func:`thinwire.schemes.warm_up`); None: the optimiser family's
+            (:func:`thinwire.optim.default_warmup`), or the scheme's own without an
+            optimiser.
         feedback: what a coupled clt-k keeps the velocity in (``couple``'s ``feedback``).
         delay: apply each step's mean one step later, its exchange overlapping the next
             step (:mod:`thinwire.ddp.delayed`; the state's ``state_dict`` holds the mean
@@ -166,7 +167,8 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
 
     Returns:
         The hook state; its ``state_dict`` checkpoints this rank's scheme (one file per
-        rank), its ``scheme`` is the one registered (the warm-up around yours, if any).
+        rank), its ``scheme`` is the one registered (yours, or rebuilt with the
+        optimiser family's options: :func:`thinwire.optim.follow`).
 
     Raises:
         TypeError: ``ddp_model`` is not DistributedDataParallel.
@@ -219,12 +221,7 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
         raise ValueError(f"modules {sparse} have sparse=True: thinwire's hook works on dense "
                          "gradient buckets; build them with sparse=False (a sparse scheme "
                          "sends only the largest entries of the rows a batch touched anyway)")
-    chosen: dict[str, Any] = {}
-    if optimizer is not None:
-        scheme, chosen = optim.follow(optimizer, scheme)
-    if warmup is None:
-        warmup = 0 if optimizer is None else optim.default_warmup(optimizer, scheme)
-    scheme = schemes.warm_up(scheme, warmup)
+    scheme, chosen, warmup = optim.prepare(optimizer, scheme, warmup)
     if meter is not None:
         scheme.meter = meter
     named = list(module.named_parameters())
@@ -245,13 +242,6 @@ def hook_state(module: torch.nn.Module, scheme: Scheme, group: Group = None,
                       hold=StepHold(stages) if stages else None, guard=guard,
                       delay=OneStepDelay() if delay else None)
     if optimizer is not None:
-        coupled = optim.couple(optimizer, state, rule=coupling, feedback=feedback)
-        spelled = ", ".join(f"{key}={value!r}" for key, value in chosen.items())
-        state.coupling = dataclasses.replace(
-            coupled, warmup=warmup, options=chosen, reason=coupled.reason
-            + (f"; the first {warmup} steps averaged dense" if warmup else "")
-            + (f"; sends {spelled}, the {type(optimizer).__name__} defaults (give any to "
-               "choose them yourself)" if chosen else ""))
-        _LOG.info("thinwire.ddp: %s coupled by rule %r: %s", fingerprint(scheme)["scheme"],
-                  coupled.rule, state.coupling.reason)
+        state.coupling = optim.announce(optimizer, state, chosen, warmup, _LOG,
+                                        rule=coupling, feedback=feedback)
     return state

@@ -19,6 +19,7 @@ after the collectives rather than blocking the default stream.
 from __future__ import annotations
 
 import io
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from thinwire.comm.fingerprint import (
 from thinwire.compress import TensorInfo
 from thinwire.schemes.base import Scheme
 from thinwire.schemes.registry import fingerprint
+
+_LOG = logging.getLogger("thinwire.fsdp")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class FSDPState:
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> name
     module: nn.Module | None = None  # no virtual iterate: see register
     calls: int = 0  # hook calls so far (each a parameter group's exchange)
+    coupling: optim.Coupling | None = None  # what register(..., optimizer=) chose, and why
 
     def state_dict(self) -> dict[str, Any]:
         """The scheme's state and the shard layout it belongs to (this rank's alone)."""
@@ -140,7 +144,9 @@ def fsdp_modules(module: nn.Module) -> Iterator[FSDPModule]:
 
 
 def register(module: nn.Module, scheme: Scheme, group: Group, meter: Meter | None = None,
-             stream: torch.cuda.Stream | None = None) -> FSDPState:
+             stream: torch.cuda.Stream | None = None, *,
+             optimizer: torch.optim.Optimizer | None = None, coupling: str = "auto",
+             warmup: int | None = None, feedback: str = "auto") -> FSDPState:
     """Send every FSDP gradient shard of ``module`` across sites through ``scheme``.
 
     A collective over all ranks of the sites: it checks that they agree first.
@@ -152,12 +158,22 @@ def register(module: nn.Module, scheme: Scheme, group: Group, meter: Meter | Non
         group: the process group across sites: the ranks that hold the same shard.
         meter: records the bytes handed to torch.distributed; attached to the scheme.
         stream: on CUDA, the stream the hooks run on (FSDP's all-reduce stream if None).
+        optimizer: the user's optimiser (built on the sharded parameters), coupled in the
+            same call with its family's options and warm-up, as
+            :func:`thinwire.ddp.register` does (the state's ``coupling`` and one log line
+            say what was chosen). None: couple later with :func:`thinwire.optim.couple`
+            if at all; no warm-up unless asked for.
+        coupling: the rule, one of :data:`thinwire.optim.RULES`.
+        feedback: what a coupled clt-k keeps the velocity in (``couple``'s ``feedback``).
+        warmup: launches of each shard averaged dense before the scheme compresses
+            (:func:`thinwire.schemes.warm_up`); None: the optimiser family's.
 
     Returns:
         The state; its ``state_dict`` (or :meth:`FSDPState.checkpoint` for
-        ``torch.distributed.checkpoint``) checkpoints the scheme. The virtual iterate
-        of :func:`thinwire.optim.couple` is not installed (its move would act on the
-        gathered parameters FSDP builds in forward): coupling moves the momentum only.
+        ``torch.distributed.checkpoint``) checkpoints the scheme, its ``scheme`` is the
+        one registered. The virtual iterate of :func:`thinwire.optim.couple` is not
+        installed (its move would act on the gathered parameters FSDP builds in forward):
+        coupling moves the momentum only.
 
     Raises:
         ValueError: no parameter was sharded with ``fully_shard``, a module is sharded
@@ -187,12 +203,13 @@ def register(module: nn.Module, scheme: Scheme, group: Group, meter: Meter | Non
                          "hook expects one intra-site mesh for the whole model")
     site, sites = world(group)
     shard, shards = world(shard_groups[0])
+    scheme, chosen, warmup = optim.prepare(optimizer, scheme, warmup)
     if meter is not None:
         scheme.meter = meter
     state = FSDPState(scheme, group, site, sites, shard, shards,
                       {s.name: s for layout in layouts for s in layout}, names)
     device = next(module.parameters()).device
-    fields = {**fingerprint(scheme), "thinwire": __version__, "shards": shards,
+    fields = {**fingerprint(scheme), "thinwire": __version__, "shards": shards, "warmup": warmup,
               "sites": sites, "parameters": {name: f"{tuple(p.shape)} {p.dtype}"
                                              for name, p in module.named_parameters()
                                              if p.requires_grad}}
@@ -201,6 +218,9 @@ def register(module: nn.Module, scheme: Scheme, group: Group, meter: Meter | Non
                 "the FSDP hook (shard layout)", group, device)
     for sub, layout in zip(modules, layouts):
         sub.set_all_reduce_hook(Exchange(state, layout), stream=stream)
+    if optimizer is not None:
+        state.coupling = optim.announce(optimizer, state, chosen, warmup, _LOG,
+                                        rule=coupling, feedback=feedback)
     optim.watch(scheme, module.parameters())  # warns if SGD momentum is not coupled
     return state
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from thinwire import fsdp, optim, schemes
+from thinwire import fsdp, schemes
 from thinwire.comm import Meter
 from thinwire.data.digits import batches
 from thinwire.jobs import workloads
@@ -75,13 +75,9 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
     device = torch.device(options.device)
     work, local, model, compute_s = prepare(options, device, rank, world_size, compute_s)
     meter = Meter(rank, world_size)
-    sharded = shard_model(name, config, model, sites, meter, device.type)
-    scheme, state = sharded.scheme, sharded.state
-    config = {} if scheme is None else config
-    optimizer = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
-                                    options.momentum, options.weight_decay)
-    coupled = (state is not None and optim.couple(
-        optimizer, state, rule=options.coupling, feedback=options.feedback).coupled)
+    sharded = shard_model(name, config, model, sites, meter, device.type, options)
+    scheme, state, optimizer = sharded.scheme, sharded.state, sharded.optimizer
+    coupled = state is not None and state.coupling is not None and state.coupling.coupled
     shard_bytes = sharded.shard_bytes
     dtype = PRECISIONS[options.precision]
     stream = batches(local, options.batch_size, seed=options.seed * 1000 + rank)
@@ -106,7 +102,9 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
         if progress is not None:
             progress(1)
     wall_s = time.perf_counter() - start
-    config = asdict(schemes.config_class(name)(**config)) if scheme is not None else {}
+    # the scheme as registered: under Adam, register may have chosen options (ADAM_OPTIONS)
+    config = {} if scheme is None else asdict(scheme.origin[1] if scheme.origin is not None
+                                              else schemes.config_class(name)(**config))
     result = run_record(name, work, options, model, device=device, coupled=coupled,
                         config=config, steps_to_target=steps_to_target, losses=losses,
                         meter=meter, scheme=scheme, compute_s=compute_s, wall_s=wall_s,
@@ -121,14 +119,17 @@ class Sharded:
     """A model sharded inside each site, with what carries its gradient shards across sites."""
 
     scheme: schemes.Scheme | None  # thinwire's cross-site exchange; None for native HSDP
-    state: fsdp.FSDPState | None  # the hook's state (what optim.couple takes); None for native
+    state: fsdp.FSDPState | None  # the hook's state (its coupling); None for native
+    optimizer: torch.optim.Optimizer  # the run's, on the sharded parameters
     shard_bytes: int  # this rank's gradient shards, padding included: a dense exchange's bytes
     after_step: Callable[[], None]  # meters native HSDP's all-reduce (no hook to live in)
 
 
 def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int, meter: Meter,
-                device_type: str = "cpu") -> Sharded:
-    """``fully_shard`` ``model`` over each site's ranks and connect the sites.
+                device_type: str, options: RunOptions) -> Sharded:
+    """``fully_shard`` ``model`` over each site's ranks, build the run's optimiser on the
+    shards, and connect the sites, coupled as :func:`thinwire.fsdp.register` couples it
+    (``options.coupling``, ``options.warmup``, ``options.feedback``).
 
     A collective over the default group: every rank calls it with the same arguments.
 
@@ -139,22 +140,26 @@ def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int,
         config: the scheme's options (ignored for :data:`NATIVE`).
         sites: sites; each holds world size / sites shards (:func:`check_sites`).
         meter: records the bytes handed to torch.distributed across sites.
+        options: the run's optimiser and its coupling.
 
     Returns:
-        The scheme, the hook's state and the shard bytes; ``model`` is sharded in place.
+        The scheme as registered, the hook's state, the optimiser and the shard bytes;
+        ``model`` is sharded in place.
 
     Raises:
         ValueError: ``sites`` does not divide the world size, or a bad scheme name or option.
     """
     check_sites(sites, dist.get_world_size())
     mesh = fsdp.site_mesh(sites, device_type)
-    if name == NATIVE:
-        fully_shard(model, mesh=mesh)
-        scheme, state = None, None
-    else:
-        fully_shard(model, mesh=mesh["shard"])
-        scheme = schemes.build(name, **config)
-        state = fsdp.register(model, scheme, mesh["site"].get_group(), meter=meter)
+    fully_shard(model, mesh=mesh if name == NATIVE else mesh["shard"])
+    optimizer = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
+                                    options.momentum, options.weight_decay)
+    scheme, state = None, None
+    if name != NATIVE:
+        state = fsdp.register(model, schemes.build(name, **config), mesh["site"].get_group(),
+                              meter=meter, optimizer=optimizer, coupling=options.coupling,
+                              warmup=options.warmup, feedback=options.feedback)
+        scheme = state.scheme
     element = next(model.parameters()).element_size()
     shard_bytes = sum(math.prod(s.shape) for s in fsdp.shards(model)) * element
 
@@ -163,7 +168,7 @@ def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int,
             meter.record("W_grad", "(all parameters)", "all_reduce", shard_bytes,
                          world_size=sites)
 
-    return Sharded(scheme, state, shard_bytes, after_step)
+    return Sharded(scheme, state, optimizer, shard_bytes, after_step)
 
 
 def full_weights(model: nn.Module) -> list[torch.Tensor]:

@@ -20,6 +20,8 @@ Floor: above schemes, below the front doors (the DDP hook couples through it).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -33,11 +35,12 @@ from thinwire.feedback import Estimate, Memory, MomentumCorrection
 from thinwire.optim.adam import AgedAdam, look_ahead, refuses
 from thinwire.optim.virtual import VirtualIterate
 from thinwire.schemes.base import Scheme
-from thinwire.schemes.registry import build
-from thinwire.schemes.warmup import Warmup
+from thinwire.schemes.kernel import warm_up
+from thinwire.schemes.registry import build, fingerprint
 
 __all__ = ["ADAM_OPTIONS", "ADAM_WARMUP", "FEEDBACKS", "MARK", "RULES", "Coupling", "couple",
-           "default_options", "default_rule", "default_warmup", "follow", "watch"]
+           "announce", "default_options", "default_rule", "default_warmup", "follow", "prepare",
+           "watch"]
 
 RULES = ("auto", "momentum", "none")
 FEEDBACKS = ("auto", "ef21", "error")
@@ -69,12 +72,13 @@ ADAM_WARMUP = 30
 
 def default_warmup(optimizer: torch.optim.Optimizer, scheme: Scheme) -> int:
     """Steps :func:`thinwire.ddp.register` averages dense before ``scheme`` compresses:
-    :data:`ADAM_WARMUP` under Adam and AdamW for a scheme with error feedback (one that
-    compresses), else 0; 0 for a scheme that is a warm-up already."""
-    if (isinstance(optimizer, _ADAMS) and scheme.traits.memory is not None
-            and not isinstance(scheme, Warmup)):
-        return ADAM_WARMUP
-    return 0
+    the scheme's own warm-up where it has one (``warmup_steps``, given or set by
+    :func:`~thinwire.schemes.warm_up`), else :data:`ADAM_WARMUP` under Adam and AdamW for a
+    scheme with error feedback (one that compresses), else 0."""
+    own = scheme.warmup_steps
+    if own or not (isinstance(optimizer, _ADAMS) and scheme.traits.memory is not None):
+        return own
+    return ADAM_WARMUP
 
 
 # What a scheme sends under Adam and AdamW where its user chose none of these options: more
@@ -98,9 +102,9 @@ ADAM_OPTIONS: dict[str, dict[str, Any]] = {
 def default_options(optimizer: torch.optim.Optimizer, scheme: Scheme) -> dict[str, Any]:
     """The options ``scheme`` takes under ``optimizer``'s family (:data:`ADAM_OPTIONS`):
     all of them where ``schemes.build`` was given none of them, else none (what a user
-    chose is never mixed with what is chosen for them). Empty for other optimisers, for a
-    scheme not built by name and for a warm-up (built around a scheme already chosen)."""
-    if not isinstance(optimizer, _ADAMS) or scheme.origin is None or isinstance(scheme, Warmup):
+    chose is never mixed with what is chosen for them). Empty for other optimisers and for
+    a scheme not built by name."""
+    if not isinstance(optimizer, _ADAMS) or scheme.origin is None:
         return {}
     options = ADAM_OPTIONS.get(scheme.origin[0], {})
     return {} if scheme.given & options.keys() else dict(options)
@@ -108,15 +112,47 @@ def default_options(optimizer: torch.optim.Optimizer, scheme: Scheme) -> dict[st
 
 def follow(optimizer: torch.optim.Optimizer, scheme: Scheme) -> tuple[Scheme, dict[str, Any]]:
     """``scheme`` rebuilt with :func:`default_options`, and those options; ``scheme`` itself
-    and ``{}`` where there are none. Rebuilt from its name and the options it was given,
-    so call it before the scheme has run or loaded state (``register`` does)."""
+    and ``{}`` where there are none. Rebuilt from its name and the options it was given
+    (and its warm-up), so call it before the scheme has run or loaded state (``register``
+    does)."""
     options = default_options(optimizer, scheme)
     if not options:
         return scheme, {}
     name, config = scheme.origin  # type: ignore[misc]  # default_options checked it
     rebuilt = build(name, **{key: getattr(config, key) for key in scheme.given}, **options)
     rebuilt.meter = scheme.meter
-    return rebuilt, options
+    return warm_up(rebuilt, scheme.warmup_steps), options
+
+
+def prepare(optimizer: torch.optim.Optimizer | None, scheme: Scheme,
+            warmup: int | None) -> tuple[Scheme, dict[str, Any], int]:
+    """What a front door (``thinwire.ddp.register``, ``thinwire.fsdp.register``) installs:
+    ``scheme`` with the optimiser family's options (:func:`follow`) and warm-up
+    (:func:`default_warmup`, unless ``warmup`` is given), the options chosen and the
+    warm-up's length."""
+    chosen: dict[str, Any] = {}
+    if optimizer is not None:
+        scheme, chosen = follow(optimizer, scheme)
+    if warmup is None:
+        warmup = scheme.warmup_steps if optimizer is None else default_warmup(optimizer, scheme)
+    return warm_up(scheme, warmup), chosen, warmup
+
+
+def announce(optimizer: torch.optim.Optimizer, target: Any, chosen: Mapping[str, Any],
+             warmup: int, logger: logging.Logger, *, rule: str = "auto", feedback: str = "auto",
+             virtual: bool = True) -> Coupling:
+    """:func:`couple`, with what :func:`prepare` chose in the result's ``reason``, logged in
+    one line to ``logger``."""
+    coupled = couple(optimizer, target, rule=rule, feedback=feedback, virtual=virtual)
+    spelled = ", ".join(f"{key}={value!r}" for key, value in chosen.items())
+    coupling = dataclasses.replace(
+        coupled, warmup=warmup, options=dict(chosen), reason=coupled.reason
+        + (f"; the first {warmup} steps averaged dense" if warmup else "")
+        + (f"; sends {spelled}, the {type(optimizer).__name__} defaults (give any to "
+           "choose them yourself)" if chosen else ""))
+    logger.info("%s: %s coupled by rule %r: %s", logger.name,
+                fingerprint(_scheme_of(target))["scheme"], coupled.rule, coupling.reason)
+    return coupling
 
 
 def default_rule(optimizer: torch.optim.Optimizer) -> str:

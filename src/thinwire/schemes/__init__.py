@@ -9,7 +9,7 @@ from thinwire.schemes import quantised as _quantised  # noqa: F401
 from thinwire.schemes import scalecom as _scalecom  # noqa: F401
 from thinwire.schemes import sparseloco as _sparseloco  # noqa: F401
 from thinwire.schemes.base import Scheme
-from thinwire.schemes.kernel import CompressedScheme
+from thinwire.schemes.kernel import CompressedScheme, warm_up
 from thinwire.schemes.registry import (
     build,
     config_class,
@@ -19,7 +19,6 @@ from thinwire.schemes.registry import (
     register,
 )
 from thinwire.schemes.traits import Traits
-from thinwire.schemes.warmup import Warmup, warm_up
 
-__all__ = ["CompressedScheme", "Scheme", "Traits", "Warmup", "build", "config_class", "fingerprint",
+__all__ = ["CompressedScheme", "Scheme", "Traits", "build", "config_class", "fingerprint",
            "names", "parse_spelling", "register", "warm_up"]

@@ -33,10 +33,13 @@ class Scheme(ABC):
         origin: (registered name, config) when built by ``schemes.build``.
         given: the options ``schemes.build`` was given (the rest are the config's
             defaults, which :func:`thinwire.ddp.register` may choose per optimiser).
+        warmup_steps: launches of each tensor averaged dense before the scheme
+            compresses it (:func:`thinwire.schemes.warm_up`).
     """
 
     origin: tuple[str, Any] | None = None
     given: frozenset[str] = frozenset()
+    warmup_steps = 0
 
     def __init__(self) -> None:
         self.meter: Meter | None = None

@@ -2,7 +2,9 @@
 
 One launch of a flat bucket (:meth:`CompressedScheme.launch_flat`):
 
-1. route: tensors the selection keeps whole (small, excluded, in warm-up) and the rest;
+1. route: tensors the selection keeps whole (small, excluded) and the rest; in a
+   tensor's warm-up (its first ``warmup_steps`` launches) every tensor travels whole at
+   its own width, bit for bit what ``dense`` sends (:func:`warm_up`);
 2. compensate: the error memory adds what it held back, ``p = g + e`` (DCT Alg. 1 line 3);
 3. select: each rank's own indices (a :class:`~thinwire.compress.Sparsifier`: top-k,
    a reused threshold, a Laplace fit, chunks), or coordinates agreed in a first round
@@ -38,7 +40,7 @@ from thinwire.comm._metered import record_segments
 from thinwire.comm.collectives import Future, Group, all_gather_fixed, collect, split_flat
 from thinwire.comm.rounds import TwoRounds, all_reduce_round
 from thinwire.comm.shared_index import broadcast_indices
-from thinwire.compress import SparseLayout, Sparsifier, TensorInfo, ValueCodec
+from thinwire.compress import FULL_WIDTH, SparseLayout, Sparsifier, TensorInfo, ValueCodec
 from thinwire.compress.payload import CHUNK_FORMATS
 from thinwire.compress.pieces import Part, Streams
 from thinwire.feedback import Memory
@@ -74,6 +76,7 @@ class _Launch:
     selected: list[TensorInfo]
     finite: bool
     n: int
+    values: ValueCodec  # of the tensors sent whole: the scheme's, or full width in warm-up
 
     @functools.cached_property
     def offsets(self) -> dict[str, int]:
@@ -123,7 +126,8 @@ class CompressedScheme(Scheme):
             or ``"int32"`` (a bitmap where smaller), or a chunk code (``"elias-fano"``, ``"fixed"``)
             of a selection that sends a fixed count of each chunk
             (:meth:`~thinwire.compress.Sparsifier.plan`).
-        warmup_steps: launches of a tensor sent whole before its selection starts.
+        warmup_steps: launches of a tensor sent whole, at its own width (dense), before
+            the scheme compresses it (:func:`warm_up`).
         mean: what the sum of the entries gathered from every rank's payload is divided
             by: ``"ranks"``, or ``"senders"`` (at each entry, the ranks that sent it).
 
@@ -253,7 +257,7 @@ class CompressedScheme(Scheme):
         step = self.warmup_steps if step is None else step
         selected = [info for info in infos if self.selects(info, step)]
         whole = [info for info in infos if info not in selected]
-        values, selection = self.values, self.selection
+        values, selection = self._whole_values(step), self.selection
         out: dict[str, int] = {}
         if whole and values.summable:
             out[ALL_REDUCE] = sum(values.entry_bytes(info.numel, info.dtype) for info in whole)
@@ -306,7 +310,7 @@ class CompressedScheme(Scheme):
                                          for info in launch.whole})
         parts = [_step_header(step, buffer.device)]
         segments: list[Segment] = [(ROW, "(step)", STEP_BYTES)]
-        values = self.values
+        values = launch.values
         for info in launch.whole:
             area, _ = self._encode_whole(launch, info)
             parts.append(area)
@@ -345,7 +349,7 @@ class CompressedScheme(Scheme):
         buffer = torch.zeros(sum(info.numel for info in infos), dtype=dtype, device=device)
         launch = self._bucket(buffer, infos, step, True, len(rows))
         layout = self._layout(launch, None)
-        whole = sum(self.values.nbytes(info.numel, info.dtype) for info in launch.whole)
+        whole = sum(launch.values.nbytes(info.numel, info.dtype) for info in launch.whole)
         expected = STEP_BYTES + whole + (0 if layout is None else layout.nbytes)
         bodies = [row[STEP_BYTES:] for row in rows]
         for row in rows:
@@ -357,7 +361,7 @@ class CompressedScheme(Scheme):
                 if not 0 <= count <= layout.capacity:
                     raise ValueError(f"a row holds {count} entries, outside [0, "
                                      f"{layout.capacity}]")
-        summed = launch.whole if not self.values.summable else []
+        summed = launch.whole if not launch.values.summable else []
         try:
             self._add_rows(launch, layout, launch.whole, summed, None, bodies)
         except (IndexError, RuntimeError) as error:
@@ -372,7 +376,11 @@ class CompressedScheme(Scheme):
         selected = [info for info in infos if self.selects(info, step)]
         chosen = {info.key for info in selected}
         return _Launch(buffer, infos, views, [info for info in infos if info.key not in chosen],
-                       selected, finite, n)
+                       selected, finite, n, self._whole_values(step))
+
+    def _whole_values(self, step: int) -> ValueCodec:
+        """How tensors sent whole travel at ``step``: at their own width in warm-up."""
+        return FULL_WIDTH if step < self.warmup_steps else self.values
 
     def _compensated(self, launch: _Launch, infos: Sequence[TensorInfo]) -> dict[str, torch.Tensor]:
         """``p = g + e`` of each of ``infos`` (flat): in the memory's own buffer where it
@@ -398,10 +406,10 @@ class CompressedScheme(Scheme):
                             else views)
             memory.compensate_all_({info.key: views[info.key] for info in launch.whole})
         futures = []
-        if launch.whole and self.values.summable:
+        if launch.whole and launch.values.summable:
             futures.append(self._launch_whole(launch, group))
         rows: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
-        if launch.whole and not self.values.summable:  # codes do not sum: they go with the rest
+        if launch.whole and not launch.values.summable:  # codes do not sum: they go with the rest
             rows = [self._encode_whole(launch, info) for info in launch.whole]
         if selected or rows:
             if stream is not None and pieces is not None:
@@ -523,7 +531,7 @@ class CompressedScheme(Scheme):
         dividing the whole buffer, without a pass over it; under ``mean="senders"`` a
         selected entry by the ranks that sent it.
         """
-        buffer, views, n, values = launch.buffer, launch.views, launch.n, self.values
+        buffer, views, n, values = launch.buffer, launch.views, launch.n, launch.values
         if ranges is None:
             buffer.zero_()
         for begin, end in ranges or ():
@@ -567,7 +575,7 @@ class CompressedScheme(Scheme):
     def _launch_whole(self, launch: _Launch, group: Group) -> Future[Any]:
         """All-reduce the tensors sent whole (summable values), in one concatenation; their
         memory keeps what the cast left out (nothing, where exact)."""
-        memory, values = self.memory, self.values
+        memory, values = self.memory, launch.values
         whole = launch.whole
         exact = all(values.exact(info.dtype) for info in whole)
         n = launch.n
@@ -585,7 +593,7 @@ class CompressedScheme(Scheme):
     def _wire_whole(self, launch: _Launch) -> torch.Tensor:
         """The tensors sent whole, cast for the wire, back to back (a new tensor): zeros
         where the round is not finite; the memory remembers what the cast left out."""
-        views, memory, values = launch.views, self.memory, self.values
+        views, memory, values = launch.views, self.memory, launch.values
         whole = launch.whole
         wire = values.wire_dtype(whole[0].dtype)
         if not launch.finite:
@@ -606,7 +614,7 @@ class CompressedScheme(Scheme):
         """A tensor sent whole in a payload's row (codes, or cast values padded to 4): its
         area, zeros where the round is not finite, and its metered part. The memory keeps
         what the codec left out."""
-        values, view, memory = self.values, launch.views[info.key], self.memory
+        values, view, memory = launch.values, launch.views[info.key], self.memory
         area = torch.zeros(values.nbytes(info.numel, info.dtype), dtype=torch.uint8,
                            device=view.device)
         if launch.finite:
@@ -619,7 +627,7 @@ class CompressedScheme(Scheme):
 
     def _finish_whole(self, launch: _Launch, futures: Sequence[Future[Any]]) -> torch.Tensor:
         """Copy the all-reduced mean of the tensors sent whole into their views."""
-        if launch.whole and self.values.summable:
+        if launch.whole and launch.values.summable:
             mean = futures[0].value()
             if mean.data_ptr() != launch.buffer.data_ptr():
                 torch._foreach_copy_([launch.views[info.key] for info in launch.whole],
@@ -646,7 +654,8 @@ class CompressedScheme(Scheme):
             if selected else None
         self._charge(time.perf_counter() - start)
 
-        values, dtype = self.values, launch.buffer.dtype
+        # agreed coordinates travel at the scheme's width; in warm-up there are none
+        values, dtype = launch.values, launch.buffer.dtype
         exact = values.exact(dtype)
 
         def second(received: Any) -> torch.Tensor:
@@ -713,3 +722,33 @@ class CompressedScheme(Scheme):
             self.pieces.load_state_dict(state.get("streaming", []))
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
+
+
+def warm_up(scheme: Scheme, steps: int) -> Scheme:
+    """``scheme``, each tensor's first ``steps`` launches averaged dense: a compression
+    warm-up. Sets ``scheme.warmup_steps`` and returns ``scheme``.
+
+    ScaleCom trains its first epochs uncompressed (App. E.4) and Deep Gradient Compression
+    ramps its sparsity up over the first epochs (§3.3): the early gradients change
+    fastest, when an error memory lags them most. While a tensor warms up it travels whole
+    at its own width, one all-reduce, bit for bit what ``dense`` sends; then the scheme
+    compresses it. Each tensor counts its own launches, so DDP's buckets and FSDP's
+    per-module launches count alike, and the counts are in ``state_dict``: a resume on
+    either side of the switch is exact. A coupled memory is carried through the dense
+    steps by its own contract (compensate, everything sent, settle), so the optimiser
+    steps as it would with nothing dropped.
+
+    Raises:
+        TypeError: ``scheme`` is not a :class:`CompressedScheme`.
+        ValueError: ``steps`` is not an integer >= 0, or the scheme has launched already.
+    """
+    if not isinstance(scheme, CompressedScheme):
+        raise TypeError(f"expected a scheme from thinwire.schemes.build to warm up, got "
+                        f"{type(scheme).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps={steps!r} must be an integer >= 0 (launches sent dense)")
+    if scheme.steps and steps != scheme.warmup_steps:
+        raise ValueError("the scheme has launched already: give it a warm-up before its "
+                         "first launch (register does)")
+    scheme.warmup_steps = steps
+    return scheme
