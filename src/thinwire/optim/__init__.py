@@ -59,7 +59,7 @@ class Coupling:
     reason: str  # why, in a sentence
     virtual: VirtualIterate | None = None  # gradients at x - lr e (its remove() undoes it)
     adam: AgedAdam | None = None  # Adam's step for the scheme's parameters (remove() too)
-    warmup: int = 0  # steps the scheme averages dense first (thinwire.ddp.register's choice)
+    warmup: int = 0  # steps the scheme averages dense first (register's choice)
     options: Mapping[str, Any] = field(default_factory=dict)  # scheme options register chose
 
 
