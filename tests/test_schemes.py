@@ -30,6 +30,7 @@ def test_foundation_schemes_are_registered() -> None:
     ("dct-dp", {"scope": ""}, "scope=''"),
     ("dct-dp", {"capacity": 0.5}, "capacity=0.5"),
     ("laplace", {"min_numel": -1}, "min_numel=-1"),
+    ("laplace", {"gain": 1.5}, "gain=1.5"),
     ("dense", {"nonfinite": "ignore"}, "nonfinite='ignore'"),
 ])
 def test_invalid_config_names_the_value(name: str, config: dict[str, object], bad: str) -> None:

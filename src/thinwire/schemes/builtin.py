@@ -94,9 +94,12 @@ class LaplaceConfig:
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
     scope: str = "layer"  # "layer": a fit per tensor (App. B); "bucket": one over the bucket
+    gain: float | None = None  # in (0, 1]: the fit's tau *= exp(gain (sent / k - 1)); None: off
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)
+        if self.gain is not None and not 0.0 < self.gain <= 1.0:
+            raise ValueError(f"gain={self.gain!r} must be None or in (0, 1]")
         validate_patterns(self)
         validate_capacity(self.capacity)
         validate_common(self)
@@ -133,7 +136,7 @@ def _dct_dp(config: DCTConfig) -> Scheme:
 
 @register("laplace", LaplaceConfig)
 def _laplace(config: LaplaceConfig) -> Scheme:
-    selection = LaplaceThreshold(config.ratio, min_numel=config.min_numel,
+    selection = LaplaceThreshold(config.ratio, config.gain, min_numel=config.min_numel,
                                  capacity=config.capacity, exclude=config.exclude,
                                  scope=config.scope)
     return CompressedScheme(value_codec(config.values), selection, Residual(), config.nonfinite,
