@@ -77,6 +77,7 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
     meter = Meter(rank, world_size)
     sharded = shard_model(name, config, model, sites, meter, device.type, options)
     scheme, state, optimizer = sharded.scheme, sharded.state, sharded.optimizer
+    assert optimizer is not None  # options given
     coupled = state is not None and state.coupling is not None and state.coupling.coupled
     shard_bytes = sharded.shard_bytes
     dtype = PRECISIONS[options.precision]
@@ -120,16 +121,17 @@ class Sharded:
 
     scheme: schemes.Scheme | None  # thinwire's cross-site exchange; None for native HSDP
     state: fsdp.FSDPState | None  # the hook's state (its coupling); None for native
-    optimizer: torch.optim.Optimizer  # the run's, on the sharded parameters
+    optimizer: torch.optim.Optimizer | None  # the run's, on the sharded parameters
     shard_bytes: int  # this rank's gradient shards, padding included: a dense exchange's bytes
     after_step: Callable[[], None]  # meters native HSDP's all-reduce (no hook to live in)
 
 
 def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int, meter: Meter,
-                device_type: str, options: RunOptions) -> Sharded:
+                device_type: str = "cpu", options: RunOptions | None = None) -> Sharded:
     """``fully_shard`` ``model`` over each site's ranks, build the run's optimiser on the
-    shards, and connect the sites, coupled as :func:`thinwire.fsdp.register` couples it
-    (``options.coupling``, ``options.warmup``, ``options.feedback``).
+    shards (with ``options``), and connect the sites, coupled as
+    :func:`thinwire.fsdp.register` couples it (``options.coupling``, ``options.warmup``,
+    ``options.feedback``).
 
     A collective over the default group: every rank calls it with the same arguments.
 
@@ -140,7 +142,8 @@ def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int,
         config: the scheme's options (ignored for :data:`NATIVE`).
         sites: sites; each holds world size / sites shards (:func:`check_sites`).
         meter: records the bytes handed to torch.distributed across sites.
-        options: the run's optimiser and its coupling.
+        options: the run's optimiser and its coupling; None: no optimiser (the caller
+            builds one on the sharded parameters and couples it).
 
     Returns:
         The scheme as registered, the hook's state, the optimiser and the shard bytes;
@@ -152,13 +155,16 @@ def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int,
     check_sites(sites, dist.get_world_size())
     mesh = fsdp.site_mesh(sites, device_type)
     fully_shard(model, mesh=mesh if name == NATIVE else mesh["shard"])
-    optimizer = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
-                                    options.momentum, options.weight_decay)
+    optimizer = None if options is None else workloads.optimizer(
+        options.optimizer, model.parameters(), options.lr, options.momentum,
+        options.weight_decay)
     scheme, state = None, None
     if name != NATIVE:
         state = fsdp.register(model, schemes.build(name, **config), mesh["site"].get_group(),
-                              meter=meter, optimizer=optimizer, coupling=options.coupling,
-                              warmup=options.warmup, feedback=options.feedback)
+                              meter=meter, optimizer=optimizer,
+                              coupling=options.coupling if options else "auto",
+                              warmup=options.warmup if options else None,
+                              feedback=options.feedback if options else "auto")
         scheme = state.scheme
     element = next(model.parameters()).element_size()
     shard_bytes = sum(math.prod(s.shape) for s in fsdp.shards(model)) * element
