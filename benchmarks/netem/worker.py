@@ -117,17 +117,21 @@ def label_of(entry: dict[str, Any]) -> str:
 
 
 def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int,
-            sites: int | None = None) -> Installed:
-    """PyTorch's own anchor, or DDP with a thinwire scheme's hook; with ``sites``, the
-    model sharded inside each site and native HSDP or the scheme across sites."""
+            sites: int | None = None,
+            optimizer: torch.optim.Optimizer | None = None) -> Installed:
+    """PyTorch's own anchor, or DDP with a thinwire scheme's hook, registered with
+    ``optimizer`` as a user's script registers it (its family's coupling and defaults);
+    with ``sites``, the model sharded inside each site and native HSDP or the scheme
+    across sites (coupled by the caller: the optimiser needs the sharded parameters)."""
     if sites is not None:
         return install_sharded(entry, model, meter, sites)
     if entry["name"] in ANCHORS:
         return ANCHORS[entry["name"]](model, meter, rank)
     net = DistributedDataParallel(model)
     step, scheme_config = local_run.step_parts(entry["config"])
-    scheme = schemes.build(entry["name"], **scheme_config)
-    hook = ddp.register(net, scheme, meter=meter, delay=step.delayed)
+    hook = ddp.register(net, schemes.build(entry["name"], **scheme_config), meter=meter,
+                        delay=step.delayed, optimizer=optimizer)
+    scheme = hook.scheme  # rebuilt with the optimiser family's options, if any
 
     def details() -> dict[str, Any]:
         # Threshold recomputations (DCT-DP's selections) per tensor, and the buckets dct-dp
@@ -257,15 +261,23 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     meter = Meter(rank, world_size, window=None)  # window_traffic reads every record
     sites = options.get("sites")
     local = local_run.is_local(entry["name"])
-    installed = (Installed(model, lambda: None, lambda: 0.0) if local
-                 else install(entry, model, meter, options["rank"], sites))
-    optimizer = workloads.optimizer(options.get("optimizer", "sgd"), installed.net.parameters(),
-                                    options["lr"], options["momentum"])
+
+    def optimizer_of(parameters: Any) -> torch.optim.Optimizer:
+        return workloads.optimizer(options.get("optimizer", "sgd"), parameters, options["lr"],
+                                   options["momentum"])
+
     updates = None
     if local:  # the workers' own replicas, synced every H steps
+        optimizer = optimizer_of(model.parameters())
         installed, updates = install_local(entry, model, optimizer, meter)
-    if installed.hook is not None:  # as the README's quick start: momentum into the workers
-        optim.couple(optimizer, installed.hook)
+    elif sites is None:  # registered with the optimiser, as the README's quick start does
+        optimizer = optimizer_of(model.parameters())  # DDP keeps the model's parameters
+        installed = install(entry, model, meter, options["rank"], optimizer=optimizer)
+    else:  # the optimiser steps FSDP's sharded parameters, so it comes after sharding
+        installed = install(entry, model, meter, options["rank"], sites)
+        optimizer = optimizer_of(installed.net.parameters())
+        if installed.hook is not None:
+            optim.couple(optimizer, installed.hook)
     wire = WireMeter(options["interface"], options.get("bridge_namespace"),
                      host_of(rank, world_size, sites), WORKER if sites is None else SITE)
     warmup, target = options["warmup"], options["target"]
