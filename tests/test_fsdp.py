@@ -159,13 +159,21 @@ def _ef_invariant(calls: list[dict[str, Any]], group: Any) -> list[str]:
     return failures
 
 
-def _resume(rank: int, mesh: Any, split: int, directory: str) -> list[torch.Tensor]:
-    """dct-dp coupled to SGD momentum; after ``split`` steps everything goes through a
-    distributed checkpoint and is rebuilt."""
+def _resume(rank: int, mesh: Any, split: int, directory: str,
+            adamw: bool = False) -> list[torch.Tensor]:
+    """dct-dp coupled to SGD momentum (``adamw``: registered with AdamW, its options and a
+    warm-up of WARM steps); after ``split`` steps everything goes through a distributed
+    checkpoint and is rebuilt."""
 
     def build_all() -> tuple[nn.Module, Any, torch.optim.Optimizer]:
         model = _shard(_model(), mesh["shard"])
-        state = fsdp.register(model, build(*DCT[:1], **DCT[1]), mesh["site"].get_group())
+        group = mesh["site"].get_group()
+        if adamw:
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+            state = fsdp.register(model, build(*DCT[:1], **DCT[1]), group,
+                                  optimizer=optimizer, warmup=WARM)
+            return model, state, optimizer
+        state = fsdp.register(model, build(*DCT[:1], **DCT[1]), group)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         assert optim.couple(optimizer, state).coupled
         return model, state, optimizer
@@ -311,6 +319,8 @@ def _all_scenarios(rank: int, world_size: int, directory: str) -> dict[str, Any]
            for name, run in watched.items()},
         "straight": _resume(rank, mesh, STEPS, directory),
         "resumed": _resume(rank, mesh, 2, directory),
+        **{f"adamw resumed {split}": _resume(rank, mesh, split, f"{directory}/adamw-{split}",
+                                             adamw=True) for split in (WARM - 1, WARM + 1, STEPS)},
         "mismatch-site": _mismatch(rank, mesh, -1),
         "mismatch-rank": _mismatch(rank, mesh, 1),
         "refusals": _refusals(rank, mesh),
@@ -383,6 +393,15 @@ def test_resume_through_distributed_checkpoint_is_bit_identical(
         runs: list[dict[str, Any]]) -> None:
     for rank in runs:
         for a, b in zip(rank["straight"], rank["resumed"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("split", [WARM - 1, WARM + 1])
+def test_resume_on_either_side_of_the_warm_up_is_bit_identical(
+        runs: list[dict[str, Any]], split: int) -> None:
+    """Registered with AdamW: the shards' warm-up counts and the options' state resume."""
+    for rank in runs:
+        for a, b in zip(rank[f"adamw resumed {STEPS}"], rank[f"adamw resumed {split}"]):
             assert torch.equal(a, b)
 
 
