@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.netem.anchors import ANCHORS, Installed
 from benchmarks.netem.net import SITE, WORKER, host_of, port
-from thinwire import ddp, optim, schemes
+from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.data.digits import batches, load_digits, shard
 from thinwire.jobs import local_run, workloads
@@ -117,14 +117,9 @@ def label_of(entry: dict[str, Any]) -> str:
 
 
 def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int,
-            sites: int | None = None,
-            optimizer: torch.optim.Optimizer | None = None) -> Installed:
+            optimizer: torch.optim.Optimizer) -> Installed:
     """PyTorch's own anchor, or DDP with a thinwire scheme's hook, registered with
-    ``optimizer`` as a user's script registers it (its family's coupling and defaults);
-    with ``sites``, the model sharded inside each site and native HSDP or the scheme
-    across sites (coupled by the caller: the optimiser needs the sharded parameters)."""
-    if sites is not None:
-        return install_sharded(entry, model, meter, sites)
+    ``optimizer`` as a user's script registers it (its family's coupling and defaults)."""
     if entry["name"] in ANCHORS:
         return ANCHORS[entry["name"]](model, meter, rank)
     net = DistributedDataParallel(model)
@@ -141,11 +136,14 @@ def install(entry: dict[str, Any], model: nn.Module, meter: Meter, rank: int,
     return Installed(net, lambda: None, lambda: scheme.overhead_s, details, scheme, hook)
 
 
-def install_sharded(entry: dict[str, Any], model: nn.Module, meter: Meter,
-                    sites: int) -> Installed:
+def install_sharded(entry: dict[str, Any], model: nn.Module, meter: Meter, sites: int,
+                    optimizer_of: Callable[[Any], torch.optim.Optimizer]
+                    ) -> tuple[Installed, torch.optim.Optimizer]:
     """``model`` sharded as ``thinwire compare --sites`` shards it: FSDP2 over each site's
-    ranks, native HSDP (``native-hsdp``) or ``thinwire.fsdp`` with the scheme across sites."""
-    sharded = shard_model(entry["name"], entry["config"], model, sites, meter)
+    ranks, native HSDP (``native-hsdp``) or ``thinwire.fsdp`` with the scheme across sites,
+    registered with the optimiser built on the shards; and that optimiser."""
+    sharded = shard_model(entry["name"], entry["config"], model, sites, meter, "cpu",
+                          optimizer_of)
     scheme = sharded.scheme
 
     def details() -> dict[str, Any]:
@@ -154,7 +152,7 @@ def install_sharded(entry: dict[str, Any], model: nn.Module, meter: Meter,
 
     return Installed(model, sharded.after_step,
                      lambda: 0.0 if scheme is None else scheme.overhead_s, details, scheme,
-                     sharded.state)
+                     sharded.state), sharded.optimizer
 
 
 def install_local(entry: dict[str, Any], model: nn.Module, inner: torch.optim.Optimizer,
@@ -272,12 +270,9 @@ def train(entry: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         installed, updates = install_local(entry, model, optimizer, meter)
     elif sites is None:  # registered with the optimiser, as the README's quick start does
         optimizer = optimizer_of(model.parameters())  # DDP keeps the model's parameters
-        installed = install(entry, model, meter, options["rank"], optimizer=optimizer)
-    else:  # the optimiser steps FSDP's sharded parameters, so it comes after sharding
-        installed = install(entry, model, meter, options["rank"], sites)
-        optimizer = optimizer_of(installed.net.parameters())
-        if installed.hook is not None:
-            optim.couple(optimizer, installed.hook)
+        installed = install(entry, model, meter, options["rank"], optimizer)
+    else:  # the optimiser steps FSDP's sharded parameters: built once they are
+        installed, optimizer = install_sharded(entry, model, meter, sites, optimizer_of)
     wire = WireMeter(options["interface"], options.get("bridge_namespace"),
                      host_of(rank, world_size, sites), WORKER if sites is None else SITE)
     warmup, target = options["warmup"], options["target"]

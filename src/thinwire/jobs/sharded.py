@@ -75,9 +75,12 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
     device = torch.device(options.device)
     work, local, model, compute_s = prepare(options, device, rank, world_size, compute_s)
     meter = Meter(rank, world_size)
-    sharded = shard_model(name, config, model, sites, meter, device.type, options)
+    sharded = shard_model(
+        name, config, model, sites, meter, device.type,
+        lambda parameters: workloads.optimizer(options.optimizer, parameters, options.lr,
+                                               options.momentum, options.weight_decay),
+        coupling=options.coupling, warmup=options.warmup, feedback=options.feedback)
     scheme, state, optimizer = sharded.scheme, sharded.state, sharded.optimizer
-    assert optimizer is not None  # options given
     coupled = state is not None and state.coupling is not None and state.coupling.coupled
     shard_bytes = sharded.shard_bytes
     dtype = PRECISIONS[options.precision]
@@ -121,17 +124,18 @@ class Sharded:
 
     scheme: schemes.Scheme | None  # thinwire's cross-site exchange; None for native HSDP
     state: fsdp.FSDPState | None  # the hook's state (its coupling); None for native
-    optimizer: torch.optim.Optimizer | None  # the run's, on the sharded parameters
+    optimizer: torch.optim.Optimizer  # on the sharded parameters
     shard_bytes: int  # this rank's gradient shards, padding included: a dense exchange's bytes
     after_step: Callable[[], None]  # meters native HSDP's all-reduce (no hook to live in)
 
 
 def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int, meter: Meter,
-                device_type: str = "cpu", options: RunOptions | None = None) -> Sharded:
-    """``fully_shard`` ``model`` over each site's ranks, build the run's optimiser on the
-    shards (with ``options``), and connect the sites, coupled as
-    :func:`thinwire.fsdp.register` couples it (``options.coupling``, ``options.warmup``,
-    ``options.feedback``).
+                device_type: str, optimizer_of: Callable[[Any], torch.optim.Optimizer], *,
+                coupling: str = "auto", warmup: int | None = None,
+                feedback: str = "auto") -> Sharded:
+    """``fully_shard`` ``model`` over each site's ranks, build the optimiser on the shards,
+    and connect the sites, the optimiser registered with the scheme as
+    :func:`thinwire.fsdp.register` registers it.
 
     A collective over the default group: every rank calls it with the same arguments.
 
@@ -142,8 +146,8 @@ def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int,
         config: the scheme's options (ignored for :data:`NATIVE`).
         sites: sites; each holds world size / sites shards (:func:`check_sites`).
         meter: records the bytes handed to torch.distributed across sites.
-        options: the run's optimiser and its coupling; None: no optimiser (the caller
-            builds one on the sharded parameters and couples it).
+        optimizer_of: builds the optimiser from the sharded parameters.
+        coupling, warmup, feedback: as for :func:`thinwire.fsdp.register`.
 
     Returns:
         The scheme as registered, the hook's state, the optimiser and the shard bytes;
@@ -155,16 +159,12 @@ def shard_model(name: str, config: dict[str, Any], model: nn.Module, sites: int,
     check_sites(sites, dist.get_world_size())
     mesh = fsdp.site_mesh(sites, device_type)
     fully_shard(model, mesh=mesh if name == NATIVE else mesh["shard"])
-    optimizer = None if options is None else workloads.optimizer(
-        options.optimizer, model.parameters(), options.lr, options.momentum,
-        options.weight_decay)
+    optimizer = optimizer_of(model.parameters())
     scheme, state = None, None
     if name != NATIVE:
         state = fsdp.register(model, schemes.build(name, **config), mesh["site"].get_group(),
-                              meter=meter, optimizer=optimizer,
-                              coupling=options.coupling if options else "auto",
-                              warmup=options.warmup if options else None,
-                              feedback=options.feedback if options else "auto")
+                              meter=meter, optimizer=optimizer, coupling=coupling,
+                              warmup=warmup, feedback=feedback)
         scheme = state.scheme
     element = next(model.parameters()).element_size()
     shard_bytes = sum(math.prod(s.shape) for s in fsdp.shards(model)) * element
