@@ -280,6 +280,8 @@ def test_largest_in_order_keeps_the_top_k_values_ascending_with_lowest_ties(
 def test_sparse_nonzero_equals_nonzero(numel: int, density: float) -> None:
     mask = torch.rand(numel) < density
     assert torch.equal(sparse_nonzero(mask), mask.nonzero().squeeze(1))
+    for expected in (0.001, 0.5):  # a caller's expected density picks the pass, not the result
+        assert torch.equal(sparse_nonzero(mask, expected), mask.nonzero().squeeze(1))
     if numel > 16:  # a view that starts off the 8-byte grid, and one that is not contiguous
         assert torch.equal(sparse_nonzero(mask[3:]), mask[3:].nonzero().squeeze(1))
         assert torch.equal(sparse_nonzero(mask[::2]), mask[::2].nonzero().squeeze(1))

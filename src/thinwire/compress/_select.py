@@ -23,12 +23,15 @@ import torch
 SAMPLE = 4096  # entries sampled to place the lower bound
 MAX_FRACTION = 0.1  # above k / N this, torch.topk on everything is as cheap
 WORD = 8  # mask bytes read as one int64 word by sparse_nonzero
+# Above this expected fraction of true entries plain ``nonzero`` is the faster on one CPU
+# thread (470,784 entries: at 5 % 0.59 ms against 0.65, at 10 % 0.80 against 1.11).
+WORDWISE_BELOW = 0.03
 # Up to this many entries a GPU selects by torch.topk and a sort of the positions: on one
 # H100 that was the faster of the two at 1M and 4M entries, the candidates at 25M.
 GPU_DIRECT = 1 << 23
 
 
-def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
+def sparse_nonzero(mask: torch.Tensor, density: float | None = None) -> torch.Tensor:
     """The indices of the true entries of a 1-D bool mask, ascending (``mask.nonzero()``).
 
     A mask that is mostly false (a threshold passing about 1 % of a layer) is
@@ -43,6 +46,8 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
 
     Args:
         mask: 1-D bool, contiguous; not modified.
+        density: the fraction of true entries expected, if the caller knows it: at
+            :data:`WORDWISE_BELOW` or more, plain ``nonzero`` without the word pass.
 
     Returns:
         int64 indices of shape ``(count,)`` on ``mask``'s device.
@@ -50,7 +55,8 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     numel = mask.numel()
     whole = numel // WORD * WORD
     if (whole < 4 * SAMPLE or mask.device.type != "cpu" or not mask.is_contiguous()
-            or mask.storage_offset() % WORD):
+            or mask.storage_offset() % WORD
+            or (density is not None and density >= WORDWISE_BELOW)):
         return mask.nonzero().squeeze(1)
     words = mask[:whole].view(torch.int64)
     hot = words.nonzero().squeeze(1)
@@ -81,7 +87,7 @@ def _candidates(magnitudes: torch.Tensor, k: int) -> torch.Tensor | None:
     bound = _lower_bound(magnitudes, k)
     if bound is None:
         return None
-    candidates = sparse_nonzero(magnitudes >= bound)
+    candidates = sparse_nonzero(magnitudes >= bound, density=2 * k / magnitudes.numel())
     return candidates if candidates.numel() >= k else None
 
 

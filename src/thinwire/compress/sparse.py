@@ -250,9 +250,10 @@ class Sparsifier(ABC):
         self.groups = dict(state.get("groups", {}))  # a checkpoint without groups: none yet
 
 
-def _above(magnitudes: torch.Tensor, tau: float) -> torch.Tensor:
-    """Ascending indices of the entries at or above ``tau`` (above 0 when ``tau`` is 0)."""
-    return sparse_nonzero(magnitudes >= tau if tau > 0 else magnitudes > 0)
+def _above(magnitudes: torch.Tensor, tau: float, density: float | None = None) -> torch.Tensor:
+    """Ascending indices of the entries at or above ``tau`` (above 0 when ``tau`` is 0);
+    ``density``: the fraction expected to pass (:func:`sparse_nonzero`)."""
+    return sparse_nonzero(magnitudes >= tau if tau > 0 else magnitudes > 0, density)
 
 
 class TopK(Sparsifier):
@@ -360,10 +361,10 @@ class DCTThreshold(Sparsifier):
         fresh = call % self.life_span == 0 or key not in self.tau
         if fresh:
             self._refresh(magnitudes, key, k)
-        indices = _above(magnitudes, self.tau[key])
+        indices = _above(magnitudes, self.tau[key], self.density)
         if not fresh and self._stale(self.tau[key], indices.numel(), k):
             self._refresh(magnitudes, key, k)
-            indices = _above(magnitudes, self.tau[key])
+            indices = _above(magnitudes, self.tau[key], self.density)
         tau = self.tau[key]
         if self.gain is not None and tau > 0:
             room = self.capacity(magnitudes.numel())
@@ -400,7 +401,7 @@ class DCTThreshold(Sparsifier):
              room: int) -> tuple[torch.Tensor, int]:
         """Ascending indices of a part's entries at or above ``tau`` (line 9), at most
         ``room`` of them (the largest); and how many passed before that cut."""
-        indices = _above(magnitudes, tau)
+        indices = _above(magnitudes, tau, self.density)
         passed = indices.numel()
         if passed > room:
             indices = indices.index_select(
@@ -578,7 +579,7 @@ class LaplaceThreshold(Sparsifier):
     ) -> tuple[torch.Tensor, float]:
         scale = self.scale.get(info.key, 1.0)
         tau = self.threshold(magnitudes) * scale
-        indices = _above(magnitudes, tau)
+        indices = _above(magnitudes, tau, self.density)
         if self.gain is not None and tau > 0:
             k = keep_count(magnitudes.numel(), self.density)
             room = self.capacity(magnitudes.numel())
