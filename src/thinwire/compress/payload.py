@@ -260,7 +260,9 @@ class IndexCodec:
     @property
     def entry_bytes(self) -> int:
         """Bytes that grow with each valid index (the rest are fixed)."""
-        return {"delta16": 2, "delta8": 1, "int32": 4}.get(self.format, 0)
+        if self.format in GAP_CODES:
+            return GAP_CODES[self.format] // 8
+        return 4 if self.format == "int32" else 0
 
     @property
     def ordered(self) -> bool:

@@ -144,11 +144,11 @@ def prepare(optimizer: torch.optim.Optimizer | None, scheme: Scheme,
 
 
 def announce(optimizer: torch.optim.Optimizer, target: Any, chosen: Mapping[str, Any],
-             warmup: int, logger: logging.Logger, *, rule: str = "auto", feedback: str = "auto",
-             virtual: bool = True) -> Coupling:
+             warmup: int, logger: logging.Logger, *, rule: str = "auto",
+             feedback: str = "auto") -> Coupling:
     """:func:`couple`, with what :func:`prepare` chose in the result's ``reason``, logged in
     one line to ``logger``."""
-    coupled = couple(optimizer, target, rule=rule, feedback=feedback, virtual=virtual)
+    coupled = couple(optimizer, target, rule=rule, feedback=feedback)
     spelled = ", ".join(f"{key}={value!r}" for key, value in chosen.items())
     coupling = dataclasses.replace(
         coupled, warmup=warmup, options=dict(chosen), reason=coupled.reason

@@ -15,6 +15,7 @@ from thinwire.schemes.registry import (
     register,
     validate_capacity,
     validate_common,
+    validate_gain,
     validate_patterns,
     validate_ratio,
 )
@@ -71,8 +72,7 @@ class DCTConfig:
             raise ValueError(f"life_span={self.life_span!r} must be an integer >= 1")
         if self.refresh_above is not None and not self.refresh_above > 1.0:
             raise ValueError(f"refresh_above={self.refresh_above!r} must be None or > 1")
-        if self.gain is not None and not 0.0 < self.gain <= 1.0:
-            raise ValueError(f"gain={self.gain!r} must be None or in (0, 1]")
+        validate_gain(self.gain)
         if isinstance(self.piece, bool) or not isinstance(self.piece, int) or self.piece < 0:
             raise ValueError(f"piece={self.piece!r} must be an integer >= 0 (0: one payload)")
         if self.stream not in STREAM_RULES:
@@ -98,8 +98,7 @@ class LaplaceConfig:
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)
-        if self.gain is not None and not 0.0 < self.gain <= 1.0:
-            raise ValueError(f"gain={self.gain!r} must be None or in (0, 1]")
+        validate_gain(self.gain)
         validate_patterns(self)
         validate_capacity(self.capacity)
         validate_common(self)

@@ -173,6 +173,12 @@ def validate_ratio(ratio: float) -> None:
     check_fraction("ratio", ratio, 0.0, 1.0, closed_low=False, closed_high=True)
 
 
+def validate_gain(gain: float | None) -> None:
+    """A density control's gain: None (off) or in (0, 1]."""
+    if gain is not None and not 0.0 < gain <= 1.0:
+        raise ValueError(f"gain={gain!r} must be None or in (0, 1]")
+
+
 def validate_capacity(capacity: float) -> None:
     if not (isinstance(capacity, (int, float)) and not isinstance(capacity, bool)
             and math.isfinite(capacity) and capacity >= 1.0):
