@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from thinwire.cli import compare
-from thinwire.data import criteo
+from thinwire.data import criteo, pysource
 from thinwire.data.imagesets import FASHION_MNIST_DIR
 from thinwire.jobs import workloads
 from thinwire.jobs.dataparallel import RunOptions
@@ -173,7 +173,7 @@ def test_dlrm_reference_init_keeps_the_logit_alive() -> None:
 
 def test_a_short_dense_run_lowers_text_lm_validation_bits_per_byte() -> None:
     work = _loaded("text-lm")
-    assert work.train.inputs.shape[1] == work.train.targets.shape[1] == workloads.TEXT_CONTEXT
+    assert work.train.inputs.shape[1] == work.train.targets.shape[1] == workloads.LMShape().context
     assert torch.equal(work.train.inputs[:, 1:], work.train.targets[:, :-1])  # the next byte
     assert torch.equal(work.test.inputs, workloads.load("text-lm", seed=1).test.inputs)
     recipe = workloads.RECIPES["text-lm"]
@@ -261,3 +261,75 @@ def test_the_teachers_spread_sets_its_log_loss() -> None:
     for bad in (0.0, 0.6):  # the constant 25 % answer scores 0.562
         with pytest.raises(ValueError, match=f"bayes_loss={bad} must be None or in"):
             criteo.synthetic_criteo(10, 10, bayes_loss=bad)
+
+
+def test_code_lm_reads_the_standard_library_split_by_file(tmp_path: pytest.TempPathFactory
+                                                          ) -> None:
+    root = tmp_path / "lib"  # type: ignore[operator]
+    for index in range(12):
+        folder = root / ("test" if index == 5 else "pkg")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"m{index:02d}.py").write_text(f"x = {index}\n")
+    files = pysource.source_files(root)
+    assert [path.name for path in files] == [f"m{i:02d}.py" for i in range(12) if i != 5]
+    corpus = pysource.corpus(root)
+    assert corpus.validation_plays == ("pkg/m10.py",)  # the tenth file, path order
+    assert b"x = 10\n" == corpus.validation and b"x = 10" not in corpus.train
+    assert corpus == pysource.corpus(root)  # the same bytes on every call
+    with pytest.raises(FileNotFoundError, match="fewer than 10"):
+        pysource.corpus(root / "pkg" / "nothing")
+    real = pysource.corpus()  # this interpreter's own library: megabytes of code
+    assert len(real.train) > 2_000_000 and len(real.validation) > 200_000
+    assert not set(real.train_plays) & set(real.validation_plays)
+
+
+def test_language_models_take_a_shape_and_other_workloads_refuse_one() -> None:
+    small = workloads.LMShape(width=64, layers=2, context=32, tied=True)
+    work = workloads.load("code-lm", seed=0, shape=small)
+    model = work.model(0)
+    assert model.head.weight is model.embed.weight  # tied, as nanoGPT
+    assert work.train.inputs.shape[1] == 32 and model.position.shape == (32, 64)
+    assert torch.equal(work.train.inputs, workloads.load("code-lm", seed=0,
+                                                         shape=small).train.inputs)
+    assert not torch.equal(work.train.inputs[:64],
+                           workloads.load("code-lm", seed=1, shape=small).train.inputs[:64])
+    sizes = [sum(p.numel() for p in workloads.load("text-lm", shape=workloads.LMShape(
+        width=w, layers=l, tied=True)).model(0).parameters()) for w, l in ((64, 2), (256, 4))]
+    assert sizes[1] > 3_000_000 and sizes[1] > 10 * sizes[0]  # the family spans 10x
+    for bad, match in (({"width": 40}, "multiple of 16"), ({"layers": 0}, "layers=0"),
+                       ({"context": 5000}, "context=5000"), ({"tied": 1}, "tied=1")):
+        with pytest.raises(ValueError, match=match):
+            workloads.LMShape(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="takes no model shape"):
+        workloads.load("digits-mlp", shape=small)
+    with pytest.raises(ValueError, match="takes no width"):
+        RunOptions(workload="digits-mlp", width=64)
+    assert RunOptions(workload="text-lm").shape() is None
+    assert RunOptions(workload="text-lm", layers=3).shape() == workloads.LMShape(layers=3)
+
+
+def test_the_schedule_rises_then_decays_as_nanogpts() -> None:
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = workloads.optimizer("adamw", [param], 1e-3, 0.9, beta2=0.95)
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    schedule = workloads.schedule(optimizer, "cosine", steps=110, warmup=10, min_lr=0.1)
+    rates = []
+    for _ in range(110):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates[0] == pytest.approx(1e-3 / 11) and rates[9] == pytest.approx(1e-3 * 10 / 11)
+    assert rates[10] == pytest.approx(1e-3) and rates[60] == pytest.approx(0.55e-3)
+    assert rates[109] == pytest.approx(1e-4, rel=1e-2)  # min_lr x lr at the last step
+    assert all(a >= b for a, b in zip(rates[10:], rates[11:]))
+    constant = workloads.schedule(workloads.optimizer("sgd", [param], 0.1, 0.9), "constant",
+                                  steps=5)
+    assert constant.get_last_lr() == [0.1]
+    for kwargs, match in (({"name": "linear"}, "schedule='linear'"),
+                          ({"warmup": 5}, r"in \[0, 5\)"), ({"min_lr": 2.0}, "min_lr=2.0")):
+        with pytest.raises(ValueError, match=match):
+            workloads.schedule(optimizer, **{"name": "cosine", "steps": 5, **kwargs})
+    with pytest.raises(ValueError, match="lr_warmup=500"):
+        RunOptions(lr_warmup=500, steps=500)
+    with pytest.raises(ValueError, match="beta2=1.0"):
+        RunOptions(beta2=1.0)

@@ -24,7 +24,7 @@ from thinwire.jobs.compare import (
     table_rows,
 )
 from thinwire.jobs.dataparallel import CLIP_AT, PRECISIONS, RUN_FEEDBACKS, RunOptions
-from thinwire.jobs.workloads import OPTIMIZERS, RECIPES, WORKLOADS
+from thinwire.jobs.workloads import CORPORA, OPTIMIZERS, RECIPES, SCHEDULES, WORKLOADS, LMShape
 from thinwire.launch import add_timeout
 
 # What `thinwire compare` runs when --schemes is not given (every name in --schemes works).
@@ -53,6 +53,17 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-decay", type=float, default=None,
                         help="SGD's weight decay, or AdamW's decoupled one (default: torch's: "
                              "0 for SGD, 0.01 for AdamW)")
+    parser.add_argument("--beta2", type=float, default=RunOptions.beta2,
+                        help="AdamW's second-moment decay (nanoGPT: 0.99 or 0.95)")
+    parser.add_argument("--schedule", default=RunOptions.schedule, choices=SCHEDULES,
+                        help="the learning rate over the run: constant, or a cosine decay to "
+                             "--min-lr x --lr at the last step (nanoGPT's); both after "
+                             "--lr-warmup")
+    parser.add_argument("--lr-warmup", type=int, default=RunOptions.lr_warmup, metavar="STEPS",
+                        help="steps the learning rate rises linearly to --lr first")
+    parser.add_argument("--min-lr", type=float, default=RunOptions.min_lr, metavar="FRACTION",
+                        help="--schedule cosine: the rate at the last step, as a fraction of "
+                             "--lr (nanoGPT: 0.1)")
     parser.add_argument("--max-norm", type=float, default=None,
                         help="clip gradients at this norm, as clip_grad_norm_ (default: no "
                              "clipping); see --clip-at")
@@ -90,6 +101,16 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
                              "counted at these points)")
     parser.add_argument("--hidden", type=int, default=RunOptions.hidden,
                         help="width of the MLP's hidden layers")
+    parser.add_argument("--width", type=int, default=None,
+                        help=f"a language model's width, for {' and '.join(sorted(CORPORA))} "
+                             f"(default: {LMShape.width})")
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"a language model's transformer blocks (default: {LMShape.layers})")
+    parser.add_argument("--context", type=int, default=None,
+                        help=f"a language model's window in bytes (default: {LMShape.context})")
+    parser.add_argument("--tied", action="store_true",
+                        help="a language model shares its embedding with its output layer, "
+                             "as GPT-2 and nanoGPT do")
     parser.add_argument("--seed", type=int, default=RunOptions.seed,
                         help="model initialisation, data order and split")
     parser.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -133,7 +154,9 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                                                   "batch_size")}
     resolved = {key: recipe[key] if value is None else value for key, value in chosen.items()}
     return RunOptions(hidden=args.hidden, seed=args.seed, workload=args.workload,
-                      eval_every=args.eval_every,
+                      eval_every=args.eval_every, beta2=args.beta2, schedule=args.schedule,
+                      lr_warmup=args.lr_warmup, min_lr=args.min_lr, width=args.width,
+                      layers=args.layers, context=args.context, tied=args.tied,
                       coupling=args.coupling, warmup=args.warmup, feedback=args.feedback,
                       weight_decay=args.weight_decay, max_norm=args.max_norm,
                       clip_at=args.clip_at, precision=args.precision,
@@ -142,6 +165,23 @@ def run_options(args: argparse.Namespace) -> RunOptions:
 
 def _or_own(value: object) -> str:
     return "each scheme's own" if value is None else str(value)
+
+
+def schedule_words(options: RunOptions) -> str:
+    """The learning rate's schedule, in words."""
+    rise = f"{options.lr_warmup} warm-up steps, then " if options.lr_warmup else ""
+    decay = (f"cosine decay to {options.min_lr} x lr" if options.schedule == "cosine"
+             else "constant")
+    return rise + decay
+
+
+def shape_words(options: RunOptions) -> str:
+    """A language model's shape where options set it, e.g. `` (width 256, layers 4)``."""
+    shape = options.shape()
+    if shape is None:
+        return ""
+    return (f" (width {shape.width}, layers {shape.layers}, context {shape.context}"
+            f"{', tied' if shape.tied else ''})")
 
 
 def clipping(options: RunOptions) -> str:
@@ -169,8 +209,9 @@ def run(args: argparse.Namespace) -> int:
     table = common.markdown_table(header(args.bandwidth, metric), rows)
     common.write_results(
         out, "compare", args, results,
-        f"# thinwire compare\n\n{options.workload}, {options.optimizer} (lr {options.lr}, "
-        f"momentum {options.momentum}, weight decay "
+        f"# thinwire compare\n\n{options.workload}{shape_words(options)}, {options.optimizer} "
+        f"(lr {options.lr}, {schedule_words(options)}, "
+        f"momentum {options.momentum}, beta2 {options.beta2}, weight decay "
         f"{'default' if options.weight_decay is None else options.weight_decay}, "
         f"{clipping(options)}, {options.precision}, "
         f"coupling {options.coupling}, warm-up "

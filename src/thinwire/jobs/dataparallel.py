@@ -45,10 +45,18 @@ class RunOptions:
     lr: float = 0.05  # SGD learning rate
     momentum: float = 0.9  # SGD momentum
     weight_decay: float | None = None  # the optimiser's; None: torch's default (SGD 0, AdamW 0.01)
+    beta2: float = 0.999  # AdamW's second-moment decay (nanoGPT: 0.99 or 0.95)
+    schedule: str = "constant"  # the learning rate's, one of workloads.SCHEDULES
+    lr_warmup: int = 0  # steps the learning rate rises linearly to lr first
+    min_lr: float = 0.1  # "cosine": the rate at the last step, as a fraction of lr
     max_norm: float | None = None  # gradient clipping threshold; None: no clipping
     clip_at: str = "worker"  # where max_norm clips, one of CLIP_AT
     precision: str = "fp32"  # autocast of the forward and loss, one of PRECISIONS
     hidden: int = 256  # width of the MLP's two hidden layers
+    width: int | None = None  # a language model's width; None: its own (workloads.LMShape)
+    layers: int | None = None  # a language model's blocks; None: its own
+    context: int | None = None  # a language model's window in bytes; None: its own
+    tied: bool = False  # a language model shares its embedding with its head (nanoGPT)
     seed: int = 0  # model initialisation, data order and split
     eval_every: int = 25  # steps between test-metric points of the curves
     workload: str = "digits-mlp"  # a name of thinwire.jobs.workloads.WORKLOADS
@@ -88,6 +96,18 @@ class RunOptions:
             raise ValueError(f"warmup={self.warmup!r} must be None or an integer >= 0")
         if self.feedback not in RUN_FEEDBACKS:
             raise ValueError(f"feedback={self.feedback!r} must be one of {RUN_FEEDBACKS}")
+        if not 0 <= self.beta2 < 1:
+            raise ValueError(f"beta2={self.beta2!r} must be in [0, 1)")
+        if self.schedule not in workloads.SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} must be one of "
+                             f"{list(workloads.SCHEDULES)}")
+        if (isinstance(self.lr_warmup, bool) or not isinstance(self.lr_warmup, int)
+                or not 0 <= self.lr_warmup < self.steps):
+            raise ValueError(f"lr_warmup={self.lr_warmup!r} must be an integer in "
+                             f"[0, {self.steps}) (the steps)")
+        if not 0 <= self.min_lr <= 1:
+            raise ValueError(f"min_lr={self.min_lr!r} must be in [0, 1] (a fraction of lr)")
+        self.shape()  # a shape out of range, or one for a workload with none, fails here
         if self.optimizer not in workloads.OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} must be one of "
                              f"{list(workloads.OPTIMIZERS)}")
@@ -98,9 +118,48 @@ class RunOptions:
                              f"'cpu', 'cuda' or 'cuda:1'") from error
 
 
+    def shape(self) -> workloads.LMShape | None:
+        """The language model's shape these options give (None: no shape option is set).
+
+        Raises:
+            ValueError: a shape option out of range, or one set for a workload that is
+                no language model.
+        """
+        given = {key: value for key, value in (("width", self.width), ("layers", self.layers),
+                                               ("context", self.context))
+                 if value is not None}
+        if self.tied:
+            given["tied"] = True
+        if not given:
+            return None
+        if self.workload not in workloads.CORPORA:
+            raise ValueError(f"workload={self.workload!r} takes no {', '.join(given)}: only "
+                             f"the language models {sorted(workloads.CORPORA)} do")
+        return workloads.LMShape(**given)
+
+    def load(self, device: torch.device | str = "cpu") -> workloads.Workload:
+        """The workload these options name, at their seed and shape, on ``device``."""
+        return workloads.load(self.workload, seed=self.seed, hidden=self.hidden,
+                              shape=self.shape()).to(device)
+
+    def build_optimizer(self, params: Any) -> tuple[torch.optim.Optimizer,
+                                              torch.optim.lr_scheduler.LambdaLR]:
+        """The user's optimiser on ``params`` and its learning-rate schedule (step it after
+        each optimiser step)."""
+        built = workloads.optimizer(self.optimizer, params, self.lr, self.momentum,
+                                    self.weight_decay, self.beta2)
+        return built, self.schedule_of(built)
+
+    def schedule_of(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """``optimizer``'s learning-rate schedule under these options."""
+        return workloads.schedule(optimizer, self.schedule, self.steps, self.lr_warmup,
+                                  self.min_lr)
+
+
 # What makes two runs the same recipe: rows compared in one table must agree on all of these.
-RECIPE_FIELDS = ("workload", "optimizer", "lr", "momentum", "weight_decay", "batch_size",
-                 "steps", "seed", "precision", "max_norm", "hidden")
+RECIPE_FIELDS = ("workload", "optimizer", "lr", "momentum", "weight_decay", "beta2", "schedule",
+                 "lr_warmup", "min_lr", "batch_size", "steps", "seed", "precision", "max_norm",
+                 "hidden", "width", "layers", "context", "tied")
 
 
 def recipe(options: RunOptions) -> dict[str, Any]:
@@ -121,9 +180,11 @@ def evaluation_point(step: int, score: float, work: workloads.Workload, meter: M
 
 def same_trajectory(first: dict[str, Any], second: dict[str, Any]) -> bool:
     """Whether two recipes train alike, step for step: all fields but the step budget,
-    which only cuts a run short (no schedule depends on it, the batch stream is endless)."""
-    return ({k: v for k, v in first.items() if k != "steps"}
-            == {k: v for k, v in second.items() if k != "steps"})
+    which only cuts a run short where the learning rate is constant (the batch stream is
+    endless); a decaying schedule depends on it."""
+    budget = () if first.get("schedule", "constant") != "constant" else ("steps",)
+    return ({k: v for k, v in first.items() if k not in budget}
+            == {k: v for k, v in second.items() if k not in budget})
 
 
 def accuracy(model: nn.Module, split: Split) -> float:
@@ -184,8 +245,7 @@ def shared_compute_seconds(options: RunOptions, group: dist.ProcessGroup | None 
     dist.barrier(group=group)
     seconds = [0.0]
     if rank == 0:
-        work = workloads.load(options.workload, seed=options.seed,
-                              hidden=options.hidden).to(options.device)
+        work = options.load(options.device)
         seconds[0] = step_seconds(work.model(options.seed), work,
                                   work.train.shard(rank, world_size), options.batch_size)
     dist.broadcast_object_list(seconds, src=0, group=group)
@@ -196,8 +256,7 @@ def prepare(options: RunOptions, device: torch.device, rank: int, world_size: in
             compute_s: float | None) -> tuple[workloads.Workload, workloads.Data, nn.Module, float]:
     """The workload on ``device``, this rank's shard of it, the fresh model and the compute
     step (``compute_s``, else probed here on this model)."""
-    work = workloads.load(options.workload, seed=options.seed,
-                          hidden=options.hidden).to(device)
+    work = options.load(device)
     local = work.train.shard(rank, world_size)
     model = work.model(options.seed)
     if compute_s is None:
@@ -256,8 +315,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
                and scheme.traits.clips_in_hook)
     dtype = PRECISIONS[options.precision]
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    optimizer = workloads.optimizer(options.optimizer, net.parameters(), options.lr,
-                                    options.momentum, options.weight_decay)
+    optimizer, schedule = options.build_optimizer(net.parameters())
     state = ddp.register(net, scheme, meter=meter,
                          max_norm=options.max_norm if in_hook else None, scaler=scaler,
                          optimizer=optimizer, coupling=options.coupling, warmup=options.warmup,
@@ -288,6 +346,7 @@ def run_scheme(name: str, config: dict[str, Any], options: RunOptions,
         else:
             scaler.step(optimizer)
             scaler.update()
+        schedule.step()
         meter.next_step()
         losses.append(float(loss.detach()))
         if board is not None:

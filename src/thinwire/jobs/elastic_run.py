@@ -77,11 +77,14 @@ def run_elastic(name: str, config: dict[str, Any], options: RunOptions,
     if options.precision == "fp16":
         raise ValueError("--precision fp16 is not supported with --fault-tolerant "
                          "(its loss scale is a per-step vote of its own); use bf16 or fp32")
-    work = workloads.load(options.workload, seed=options.seed,
-                          hidden=options.hidden).to(options.device)
+    if options.schedule != "constant" or options.lr_warmup:
+        raise ValueError(f"--schedule {options.schedule} with --lr-warmup {options.lr_warmup} "
+                         "is not supported with --fault-tolerant (a schedule would follow "
+                         "each worker's own step count, not the job's committed one); use "
+                         "--schedule constant --lr-warmup 0")
+    work = options.load(options.device)
     model = work.model(options.seed)
-    inner = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
-                                options.momentum, options.weight_decay)
+    inner, _ = options.build_optimizer(model.parameters())
     stream = batches(work.train, options.batch_size, seed=options.seed * 1000 + replica)
     run = _Run(name, options, work, model, inner, stream, Meter(replica, 1), on_step, progress)
     manager = connect()

@@ -31,7 +31,6 @@ from torch import nn
 from thinwire import schemes
 from thinwire.comm import Meter
 from thinwire.data.digits import batches
-from thinwire.jobs import workloads
 from thinwire.jobs.board import MeterBoard
 from thinwire.jobs.dataparallel import (
     PRECISIONS,
@@ -191,8 +190,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     scheme = schemes.build(inner_scheme(name), **scheme_config)
     local_options = local_options.resolved(scheme)
     assert local_options.outer_lr is not None and local_options.outer_momentum is not None
-    inner = workloads.optimizer(options.optimizer, model.parameters(), options.lr,
-                                options.momentum, options.weight_decay)
+    inner, schedule = options.build_optimizer(model.parameters())
     updates = LocalUpdates(model, inner, scheme, every=local_options.every,
                            fragments=local_options.fragments, delay=local_options.delay,
                            mix=local_options.mix, overlap=local_options.overlap,
@@ -219,6 +217,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
         else:
             scaler.step(inner)
             scaler.update()
+        schedule.step()
         landed = updates.step()
         syncs += len(landed)
         moved = moved or bool(landed)

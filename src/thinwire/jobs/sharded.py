@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor
 from thinwire import fsdp, schemes
 from thinwire.comm import Meter
 from thinwire.data.digits import batches
-from thinwire.jobs import workloads
 from thinwire.jobs.dataparallel import (
     PRECISIONS,
     RunOptions,
@@ -77,10 +76,10 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
     meter = Meter(rank, world_size)
     sharded = shard_model(
         name, config, model, sites, meter, device.type,
-        lambda parameters: workloads.optimizer(options.optimizer, parameters, options.lr,
-                                               options.momentum, options.weight_decay),
+        lambda parameters: options.build_optimizer(parameters)[0],
         coupling=options.coupling, warmup=options.warmup, feedback=options.feedback)
     scheme, state, optimizer = sharded.scheme, sharded.state, sharded.optimizer
+    schedule = options.schedule_of(optimizer)
     coupled = state is not None and state.coupling is not None and state.coupling.coupled
     shard_bytes = sharded.shard_bytes
     dtype = PRECISIONS[options.precision]
@@ -93,6 +92,7 @@ def run_sharded(name: str, config: dict[str, Any], options: RunOptions, sites: i
         phase(f"{name} step {step}")
         loss = backward(work, model, local.rows(next(stream)), optimizer, dtype)
         optimizer.step()
+        schedule.step()
         sharded.after_step()
         meter.next_step()
         losses.append(float(loss.detach()))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from thinwire.data import criteo, imagesets, shakespeare
+from thinwire.data import criteo, imagesets, pysource, shakespeare
 from thinwire.data.digits import load_digits
 from thinwire.models import convnet, dlrm, lm, transformer
 from thinwire.models.mlp import mlp
@@ -226,22 +226,73 @@ def _next_byte_correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return (logits.argmax(dim=-1) == targets).to(torch.float32).mean(dim=1).sum()
 
 
-TEXT_CONTEXT = 64  # bytes a text-lm window predicts (and the model's context)
-TEXT_WIDTH = 128  # the model's width
-TEXT_EVAL_WINDOWS = 256  # validation windows, spread evenly over the validation plays
+TEXT_EVAL_WINDOWS = 256  # validation windows, spread evenly over the validation text
 
 
-def text_lm(seed: int, hidden: int = 256) -> Workload:
-    corpus = shakespeare.corpus()
-    train = shakespeare.windows(corpus.train, TEXT_CONTEXT)
+@dataclasses.dataclass(frozen=True)
+class LMShape:
+    """The size of a language-model workload's model and windows (``--width`` and friends)."""
+
+    width: int = 128  # the model's width (heads of 32 dimensions where it divides)
+    layers: int = 2  # transformer blocks
+    context: int = 64  # bytes a window predicts (and the model's context)
+    tied: bool = False  # share the embedding with the head's weight (GPT-2, nanoGPT)
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("width", 16, 4096), ("layers", 1, 48), ("context", 8, 4096)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}]")
+        if self.width % 16:
+            raise ValueError(f"width={self.width!r} must be a multiple of 16 (heads of 16 "
+                             "or 32 dimensions)")
+        if not isinstance(self.tied, bool):
+            raise ValueError(f"tied={self.tied!r} must be True or False")
+
+    @property
+    def heads(self) -> int:
+        """Heads of 32 dimensions, or of 16 where the width is not a multiple of 32."""
+        return self.width // 32 if self.width % 32 == 0 else self.width // 16
+
+
+# Each language model's corpus: train and validation bytes, split by play or file.
+CORPORA: dict[str, Callable[[], shakespeare.Corpus]] = {
+    "text-lm": shakespeare.corpus,
+    "code-lm": pysource.corpus,
+}
+
+
+def language_model(name: str, seed: int, shape: LMShape) -> Workload:
+    """A byte-level causal transformer of ``shape`` on corpus ``name`` (:data:`CORPORA`).
+
+    Training windows are shuffled by ``seed``; validation is :data:`TEXT_EVAL_WINDOWS`
+    windows spread evenly over the validation text, the same for every seed. The
+    target (bits per byte) belongs to the default shape at the recipe: other shapes
+    and recipes are compared at equal steps (``thinwire compare``'s ``vs dense``).
+    """
+    corpus = CORPORA[name]()
+    train = shakespeare.windows(corpus.train, shape.context)
     train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))]
-    spread = (len(corpus.validation) - TEXT_CONTEXT - 1) // (TEXT_EVAL_WINDOWS - 1)
-    test = shakespeare.windows(corpus.validation, TEXT_CONTEXT, stride=spread)
+    spread = (len(corpus.validation) - shape.context - 1) // (TEXT_EVAL_WINDOWS - 1)
+    test = shakespeare.windows(corpus.validation, shape.context, stride=spread)
     test = test[:TEXT_EVAL_WINDOWS]
-    return Workload("text-lm", lambda s: lm.byte_lm(TEXT_CONTEXT, TEXT_WIDTH, seed=s),
+    return Workload(name, lambda s: lm.byte_lm(shape.context, shape.width, shape.heads,
+                                               shape.layers, seed=s, tied=shape.tied),
                     Data(train[:, :-1], {}, train[:, 1:]), Data(test[:, :-1], {}, test[:, 1:]),
-                    _next_byte_loss, _next_byte_correct, 2.58, metric="bits per byte",
+                    _next_byte_loss, _next_byte_correct, LM_TARGETS[name], metric="bits per byte",
                     lower_is_better=True)
+
+
+# Bits per byte dense reaches well inside the recipe at the default shape (LMShape()).
+LM_TARGETS = {"text-lm": 2.58, "code-lm": 2.0}
+
+
+def text_lm(seed: int, hidden: int = 256, shape: LMShape | None = None) -> Workload:
+    return language_model("text-lm", seed, shape or LMShape())
+
+
+def code_lm(seed: int, hidden: int = 256, shape: LMShape | None = None) -> Workload:
+    return language_model("code-lm", seed, shape or LMShape())
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -251,6 +302,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "dlrm-large": dlrm_large,
     "transformer-digits": transformer_digits,
     "text-lm": text_lm,
+    "code-lm": code_lm,
 }
 
 
@@ -266,18 +318,28 @@ RECIPES: dict[str, dict[str, Any]] = {
                            "batch_size": 32, "steps": 600},
     "text-lm": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3, "batch_size": 8,
                 "steps": 4000},
+    "code-lm": {"optimizer": "adamw", "momentum": 0.9, "lr": 1e-3, "batch_size": 8,
+                "steps": 4000},
 }
 
 
-def load(name: str, seed: int = 0, hidden: int = 256) -> Workload:
+def load(name: str, seed: int = 0, hidden: int = 256, shape: LMShape | None = None) -> Workload:
     """Workload ``name`` with data split and shuffled by ``seed``.
 
+    Args:
+        shape: a language model's size (:data:`CORPORA`' workloads only); None: its own.
+
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name, or a ``shape`` for a workload that is no language model.
         FileNotFoundError: its data set is not installed (Fashion-MNIST).
     """
     if name not in WORKLOADS:
         raise ValueError(f"workload={name!r} must be one of {sorted(WORKLOADS)}")
+    if name in CORPORA:
+        return WORKLOADS[name](seed, hidden, shape)
+    if shape is not None:
+        raise ValueError(f"workload={name!r} takes no model shape (width, layers, context, "
+                         f"tied): only the language models {sorted(CORPORA)} do")
     return WORKLOADS[name](seed, hidden)
 
 
@@ -285,12 +347,13 @@ OPTIMIZERS = ("sgd", "nesterov", "adamw")
 
 
 def optimizer(name: str, params: Any, lr: float, momentum: float,
-              weight_decay: float | None = None) -> torch.optim.Optimizer:
+              weight_decay: float | None = None, beta2: float = 0.999) -> torch.optim.Optimizer:
     """``torch.optim.SGD`` (``"sgd"``, ``"nesterov"``) or ``AdamW`` (beta1 = ``momentum``).
 
     Args:
         weight_decay: SGD's L2 decay or AdamW's decoupled one; None: torch's default
             (0 for SGD, 0.01 for AdamW).
+        beta2: AdamW's second-moment decay (torch's 0.999; nanoGPT's 0.99 or 0.95).
 
     Raises:
         ValueError: unknown ``name``.
@@ -299,6 +362,37 @@ def optimizer(name: str, params: Any, lr: float, momentum: float,
         return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nesterov",
                                weight_decay=0.0 if weight_decay is None else weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=(momentum, 0.999),
+        return torch.optim.AdamW(params, lr=lr, betas=(momentum, beta2),
                                  weight_decay=0.01 if weight_decay is None else weight_decay)
     raise ValueError(f"optimizer={name!r} must be one of {list(OPTIMIZERS)}")
+
+
+SCHEDULES = ("constant", "cosine")
+
+
+def schedule(optimizer: torch.optim.Optimizer, name: str, steps: int, warmup: int = 0,
+             min_lr: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate's schedule over ``steps`` steps, as nanoGPT's ``get_lr``: a linear
+    rise over the first ``warmup`` steps, then constant (``"constant"``) or a cosine decay
+    to ``min_lr`` x the rate at ``steps`` (``"cosine"``). Call its ``step()`` after each
+    optimiser step.
+
+    Raises:
+        ValueError: unknown ``name``, ``warmup`` outside [0, steps) or ``min_lr`` outside [0, 1].
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} must be one of {list(SCHEDULES)}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < steps:
+        raise ValueError(f"lr warm-up={warmup!r} must be an integer in [0, {steps}) (the steps)")
+    if not 0.0 <= min_lr <= 1.0:
+        raise ValueError(f"min_lr={min_lr!r} must be in [0, 1] (a fraction of the rate)")
+
+    def factor(step: int) -> float:  # step: optimiser steps taken so far
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if name == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return min_lr + (1.0 - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

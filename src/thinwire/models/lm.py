@@ -7,7 +7,8 @@ and a linear head over the 256 byte values. Attention is
 only the bytes before it and the model is trained on every position of a
 window at once. Weights start from N(0, 0.02) with the residual projections
 scaled by 1 / sqrt(2 layers), as GPT-2 does, so the residual stream keeps
-its scale through the depth.
+its scale through the depth. ``tied=True`` shares the embedding with the head's
+weight, as GPT-2 and nanoGPT do.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class ByteLM(nn.Module):
     logits (B, T, 256)."""
 
     def __init__(self, context: int = 64, width: int = 128, heads: int = 4,
-                 layers: int = 2) -> None:
+                 layers: int = 2, tied: bool = False) -> None:
         super().__init__()
         for name, value in (("context", context), ("width", width), ("heads", heads),
                             ("layers", layers)):
@@ -74,6 +75,8 @@ class ByteLM(nn.Module):
         self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, VOCAB)
+        if tied:  # GPT-2 and nanoGPT: one matrix embeds a byte and scores it
+            self.head.weight = self.embed.weight
         for name, param in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(param)
@@ -89,11 +92,11 @@ class ByteLM(nn.Module):
 
 
 def byte_lm(context: int = 64, width: int = 128, heads: int = 4, layers: int = 2,
-            seed: int = 0) -> ByteLM:
+            seed: int = 0, tied: bool = False) -> ByteLM:
     """:class:`ByteLM` initialised from ``seed`` (the global RNG is left as it was)."""
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        return ByteLM(context, width, heads, layers)
+        return ByteLM(context, width, heads, layers, tied)
     finally:
         torch.random.set_rng_state(state)
