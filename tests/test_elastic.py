@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire import ddp, schemes
+from thinwire import ddp, optim, schemes
 from thinwire.comm import Meter, fingerprint
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.launch import spawn
@@ -359,6 +359,30 @@ def test_a_rolled_back_scheme_keeps_its_warm_up() -> None:
         assert all(torch.equal(sent[key], grads[key]) for key in grads)
     sent = restored.reduce(_grads(0, 3))  # then it compresses
     assert int((sent["w"] != 0).sum()) < sent["w"].numel()
+
+
+def _coupled(name: str) -> schemes.Scheme:
+    scheme = schemes.build(name, ratio=0.1, min_numel=0)
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+    assert optim.couple(sgd, scheme).coupled
+    return scheme
+
+
+@pytest.mark.parametrize("name", ["topk", "clt-k"])
+def test_a_rolled_back_coupled_scheme_keeps_its_coupling(name: str) -> None:
+    """SGD's momentum coupled into the scheme (thinwire.optim.couple) stays in the memory the
+    optimiser's hooks hold, and the next step is as if the failed one never ran."""
+    scheme, reference = _coupled(name), _coupled(name)
+    for step in range(2):
+        scheme.reduce(_grads(0, step))
+        reference.reduce(_grads(0, step))
+    memory = scheme.error_memory
+    rollback = Rollback(scheme)
+    scheme.reduce(_grads(0, 99))  # the step that does not commit
+    restored = rollback.restore(scheme)
+    assert restored.error_memory is memory
+    again, expected = restored.reduce(_grads(0, 2)), reference.reduce(_grads(0, 2))
+    assert all(torch.equal(again[key], expected[key]) for key in expected)
 
 
 def test_thinwire_beside_plain_ddp_fails_clearly_well_before_the_groups_timeout(

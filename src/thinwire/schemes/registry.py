@@ -81,8 +81,9 @@ def rebuild(scheme: Scheme, **options: Any) -> Scheme:
     """A fresh scheme built as ``scheme`` was, ``options`` added to or replacing the options
     it was given, with what was set on it after :func:`build`: its warm-up
     (:func:`~thinwire.schemes.warm_up`; an ``options`` ``warmup_steps`` wins), its meter,
-    its energy record and its overhead seconds. Its state is not carried (load it:
-    ``load_state_dict``).
+    its energy record, its overhead seconds and a coupled memory (the same object, which
+    the optimiser's hooks hold: :func:`thinwire.optim.couple`). Its state is not carried
+    (load it: ``load_state_dict``).
 
     Built from the options ``scheme`` was given (``scheme.given``), not its whole config, so
     the fresh one's ``given`` is ``scheme``'s plus ``options``' and, with no ``options``, it
@@ -101,6 +102,8 @@ def rebuild(scheme: Scheme, **options: Any) -> Scheme:
     if "warmup_steps" not in options and fresh.warmup_steps != scheme.warmup_steps:
         warm_up(fresh, scheme.warmup_steps)
     fresh.meter, fresh.energy, fresh.overhead_s = scheme.meter, scheme.energy, scheme.overhead_s
+    if scheme.coupled is not None:
+        fresh.couple_memory(scheme.coupled)
     return fresh
 
 
