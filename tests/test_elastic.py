@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire import ddp, schemes
-from thinwire.comm import fingerprint
+from thinwire import ddp, optim, schemes
+from thinwire.comm import Meter, fingerprint
 from thinwire.comm.fingerprint import PeerMismatchError
 from thinwire.launch import spawn
 from thinwire.local import LocalUpdates
@@ -339,6 +339,50 @@ def test_a_failed_step_leaves_every_schemes_state_as_it_was_to_the_bit(
         # not vacuous: the failed step did change the state of a scheme that keeps any
         assert result["changed"] == result["keeps state"]
     assert rollbacks[0][name]["keeps state"] or name in {"dense", "fp16"}
+
+
+def test_a_rolled_back_scheme_keeps_its_warm_up() -> None:
+    """A warm-up set after building (register's under AdamW) outlives a failed exchange: the
+    restored scheme sends the rest of it dense, as one never rolled back does."""
+    meter = Meter(0, 1)
+    scheme = schemes.warm_up(schemes.build("topk", ratio=0.1, min_numel=0), 3)
+    scheme.meter = meter
+    scheme.reduce(_grads(0, 0))
+    rollback = Rollback(scheme)
+    scheme.reduce(_grads(0, 99))  # the step that does not commit
+    restored = rollback.restore(scheme)
+    assert restored is not scheme
+    assert restored.warmup_steps == 3 and restored.meter is meter
+    for step in (1, 2):  # its second and third launches: every entry, as dense sends it
+        grads = _grads(0, step)
+        sent = restored.reduce(grads)
+        assert all(torch.equal(sent[key], grads[key]) for key in grads)
+    sent = restored.reduce(_grads(0, 3))  # then it compresses
+    assert int((sent["w"] != 0).sum()) < sent["w"].numel()
+
+
+def _coupled(name: str) -> schemes.Scheme:
+    scheme = schemes.build(name, ratio=0.1, min_numel=0)
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+    assert optim.couple(sgd, scheme).coupled
+    return scheme
+
+
+@pytest.mark.parametrize("name", ["topk", "clt-k"])
+def test_a_rolled_back_coupled_scheme_keeps_its_coupling(name: str) -> None:
+    """SGD's momentum coupled into the scheme (thinwire.optim.couple) stays in the memory the
+    optimiser's hooks hold, and the next step is as if the failed one never ran."""
+    scheme, reference = _coupled(name), _coupled(name)
+    for step in range(2):
+        scheme.reduce(_grads(0, step))
+        reference.reduce(_grads(0, step))
+    memory = scheme.error_memory
+    rollback = Rollback(scheme)
+    scheme.reduce(_grads(0, 99))  # the step that does not commit
+    restored = rollback.restore(scheme)
+    assert restored.error_memory is memory
+    again, expected = restored.reduce(_grads(0, 2)), reference.reduce(_grads(0, 2))
+    assert all(torch.equal(again[key], expected[key]) for key in expected)
 
 
 def test_thinwire_beside_plain_ddp_fails_clearly_well_before_the_groups_timeout(

@@ -158,6 +158,8 @@ def test_couple_wraps_every_sparse_scheme_once(name: str) -> None:
     assert isinstance(memory, MomentumCorrection) and memory.nesterov
     assert optim.couple(sgd, scheme).reason == "already coupled"
     assert scheme.memory is memory  # type: ignore[attr-defined]
+    # rebuilt (a rollback), it keeps the memory the optimiser's hooks hold
+    assert schemes.rebuild(scheme).error_memory is memory is scheme.coupled
 
 
 def test_couple_gives_clt_k_an_ef21_estimate_of_the_velocity() -> None:

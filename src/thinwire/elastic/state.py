@@ -1,11 +1,11 @@
 """A scheme's state around an exchange that may fail, and the part of it a joining worker takes.
 
 Rollback: before an exchange, :class:`Rollback` copies the scheme's
-``state_dict``; if the exchange does not commit, the scheme is rebuilt from
-its name and config and loaded with that copy, so nothing the failed
-exchange did (absorbed gradients, residuals, thresholds, factors, counters,
-a round left pending between DDP buckets, a callback that completes late)
-survives it.
+``state_dict``; if the exchange does not commit, the scheme is rebuilt as it
+was built, warm-up included (:func:`~thinwire.schemes.rebuild`), and loaded
+with that copy, so nothing the failed exchange did (absorbed gradients,
+residuals, thresholds, factors, counters, a round left pending between DDP
+buckets, a callback that completes late) survives it.
 
 Healing: every part of a scheme's state is shared by the workers (counters,
 thresholds, PowerSGD's Q, CLT-k's steps) except its error memory, kept under
@@ -17,10 +17,9 @@ it starts): taking the peer's would send the peer's residual twice.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
-from thinwire.schemes import Scheme, build
+from thinwire.schemes import Scheme, rebuild
 
 MEMORY = "memory"  # the state_dict key of a scheme's per-worker error memory
 
@@ -32,18 +31,14 @@ class Rollback:
         self.state = copy.deepcopy(scheme.state_dict())
 
     def restore(self, scheme: Scheme) -> Scheme:
-        """The scheme as it was: a fresh one from ``scheme``'s name and config, loaded with
-        the saved state (``scheme`` itself, loaded, if it was not built by name).
+        """The scheme as it was: a fresh one (:func:`~thinwire.schemes.rebuild`: its name,
+        options, warm-up and meter) loaded with the saved state (``scheme`` itself, loaded,
+        if it was not built by name).
 
         Returns:
-            The scheme to use from now on (its meter is ``scheme``'s).
+            The scheme to use from now on.
         """
-        fresh = scheme
-        if scheme.origin is not None:
-            name, config = scheme.origin
-            fresh = build(name, **{field.name: getattr(config, field.name)
-                                   for field in dataclasses.fields(config)})
-            fresh.meter = scheme.meter
+        fresh = scheme if scheme.origin is None else rebuild(scheme)
         fresh.load_state_dict(copy.deepcopy(self.state))
         return fresh
 

@@ -36,7 +36,7 @@ from thinwire.optim.adam import AgedAdam, look_ahead, refuses
 from thinwire.optim.virtual import VirtualIterate
 from thinwire.schemes.base import Scheme
 from thinwire.schemes.kernel import warm_up
-from thinwire.schemes.registry import build, fingerprint
+from thinwire.schemes.registry import fingerprint, rebuild
 
 __all__ = ["ADAM_OPTIONS", "ADAM_WARMUP", "FEEDBACKS", "MARK", "RULES", "Coupling", "couple",
            "announce", "default_options", "default_rule", "default_warmup", "follow", "prepare",
@@ -117,16 +117,13 @@ def default_options(optimizer: torch.optim.Optimizer, scheme: Scheme) -> dict[st
 
 def follow(optimizer: torch.optim.Optimizer, scheme: Scheme) -> tuple[Scheme, dict[str, Any]]:
     """``scheme`` rebuilt with :func:`default_options`, and those options; ``scheme`` itself
-    and ``{}`` where there are none. Rebuilt from its name and the options it was given
-    (and its warm-up), so call it before the scheme has run or loaded state (``register``
+    and ``{}`` where there are none. Rebuilt by :func:`~thinwire.schemes.rebuild` (its state
+    is not carried), so call it before the scheme has run or loaded state (``register``
     does)."""
     options = default_options(optimizer, scheme)
     if not options:
         return scheme, {}
-    name, config = scheme.origin  # type: ignore[misc]  # default_options checked it
-    rebuilt = build(name, **{key: getattr(config, key) for key in scheme.given}, **options)
-    rebuilt.meter = scheme.meter
-    return warm_up(rebuilt, scheme.warmup_steps), options
+    return rebuild(scheme, **options), options
 
 
 def prepare(optimizer: torch.optim.Optimizer | None, scheme: Scheme,

@@ -16,9 +16,10 @@ from thinwire.schemes.registry import (
     fingerprint,
     names,
     parse_spelling,
+    rebuild,
     register,
 )
 from thinwire.schemes.traits import Traits
 
 __all__ = ["CompressedScheme", "Scheme", "Traits", "build", "config_class", "fingerprint",
-           "names", "parse_spelling", "register", "warm_up"]
+           "names", "parse_spelling", "rebuild", "register", "warm_up"]

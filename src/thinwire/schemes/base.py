@@ -35,11 +35,14 @@ class Scheme(ABC):
             defaults, which :func:`thinwire.ddp.register` may choose per optimiser).
         warmup_steps: launches of each tensor averaged dense before the scheme
             compresses it (:func:`thinwire.schemes.warm_up`).
+        coupled: the memory :meth:`couple_memory` put in place of the scheme's own
+            (:func:`thinwire.optim.couple`), else None.
     """
 
     origin: tuple[str, Any] | None = None
     given: frozenset[str] = frozenset()
     warmup_steps = 0
+    coupled: Memory | None = None
 
     def __init__(self) -> None:
         self.meter: Meter | None = None

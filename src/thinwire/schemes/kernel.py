@@ -205,7 +205,7 @@ class CompressedScheme(Scheme):
     def couple_memory(self, memory: Memory) -> None:
         if self.error_memory is None:
             super().couple_memory(memory)
-        self.memory = memory
+        self.memory = self.coupled = memory
 
     def selects(self, info: TensorInfo, step: int) -> bool:
         """Whether ``info``'s tensor is selected at ``step`` (the same on every rank)."""

@@ -15,6 +15,7 @@ from thinwire.compress.sparse import SCOPES
 from thinwire.compress.values import CASTS
 from thinwire.feedback import check_policy
 from thinwire.schemes.base import Scheme
+from thinwire.schemes.kernel import warm_up
 
 ConfigT = TypeVar("ConfigT")
 Factory = Callable[[Any], Scheme]
@@ -74,6 +75,36 @@ def build(name: str, **config: Any) -> Scheme:
     scheme.origin = (name, config_instance)
     scheme.given = frozenset(config)
     return scheme
+
+
+def rebuild(scheme: Scheme, **options: Any) -> Scheme:
+    """A fresh scheme built as ``scheme`` was, ``options`` added to or replacing the options
+    it was given, with what was set on it after :func:`build`: its warm-up
+    (:func:`~thinwire.schemes.warm_up`; an ``options`` ``warmup_steps`` wins), its meter,
+    its energy record, its overhead seconds and a coupled memory (the same object, which
+    the optimiser's hooks hold: :func:`thinwire.optim.couple`). Its state is not carried
+    (load it: ``load_state_dict``).
+
+    Built from the options ``scheme`` was given (``scheme.given``), not its whole config, so
+    the fresh one's ``given`` is ``scheme``'s plus ``options``' and, with no ``options``, it
+    equals ``scheme`` in every setting.
+
+    Raises:
+        ValueError: ``scheme`` was not built by :func:`build` (it has no ``origin``), or
+            ``options`` as :func:`build` refuses them.
+    """
+    if scheme.origin is None:
+        raise ValueError(f"a {type(scheme).__name__} not built by thinwire.schemes.build "
+                         "has no name and options to be rebuilt from")
+    name, config = scheme.origin
+    given = {key: getattr(config, key) for key in scheme.given}
+    fresh = build(name, **{**given, **options})
+    if "warmup_steps" not in options and fresh.warmup_steps != scheme.warmup_steps:
+        warm_up(fresh, scheme.warmup_steps)
+    fresh.meter, fresh.energy, fresh.overhead_s = scheme.meter, scheme.energy, scheme.overhead_s
+    if scheme.coupled is not None:
+        fresh.couple_memory(scheme.coupled)
+    return fresh
 
 
 def parse_value(text: str) -> Any:
