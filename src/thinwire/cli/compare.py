@@ -108,6 +108,9 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
                         help=f"a language model's transformer blocks (default: {LMShape.layers})")
     parser.add_argument("--context", type=int, default=None,
                         help=f"a language model's window in bytes (default: {LMShape.context})")
+    parser.add_argument("--target", type=float, default=None,
+                        help="the test metric that counts as trained, for steps to target "
+                             "(default: the workload's, docs/guide/cli.md)")
     parser.add_argument("--tied", action="store_true",
                         help="a language model shares its embedding with its output layer, "
                              "as GPT-2 and nanoGPT do")
@@ -157,6 +160,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       eval_every=args.eval_every, beta2=args.beta2, schedule=args.schedule,
                       lr_warmup=args.lr_warmup, min_lr=args.min_lr, width=args.width,
                       layers=args.layers, context=args.context, tied=args.tied,
+                      target=args.target,
                       coupling=args.coupling, warmup=args.warmup, feedback=args.feedback,
                       weight_decay=args.weight_decay, max_norm=args.max_norm,
                       clip_at=args.clip_at, precision=args.precision,

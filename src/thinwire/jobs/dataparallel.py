@@ -10,7 +10,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ class RunOptions:
     layers: int | None = None  # a language model's blocks; None: its own
     context: int | None = None  # a language model's window in bytes; None: its own
     tied: bool = False  # a language model shares its embedding with its head (nanoGPT)
+    target: float | None = None  # the test metric that counts as trained; None: the workload's
     seed: int = 0  # model initialisation, data order and split
     eval_every: int = 25  # steps between test-metric points of the curves
     workload: str = "digits-mlp"  # a name of thinwire.jobs.workloads.WORKLOADS
@@ -107,6 +108,8 @@ class RunOptions:
                              f"[0, {self.steps}) (the steps)")
         if not 0 <= self.min_lr <= 1:
             raise ValueError(f"min_lr={self.min_lr!r} must be in [0, 1] (a fraction of lr)")
+        if self.target is not None and not math.isfinite(self.target):
+            raise ValueError(f"target={self.target!r} must be None or a finite number")
         self.shape()  # a shape out of range, or one for a workload with none, fails here
         if self.optimizer not in workloads.OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} must be one of "
@@ -138,9 +141,10 @@ class RunOptions:
         return workloads.LMShape(**given)
 
     def load(self, device: torch.device | str = "cpu") -> workloads.Workload:
-        """The workload these options name, at their seed and shape, on ``device``."""
-        return workloads.load(self.workload, seed=self.seed, hidden=self.hidden,
+        """The workload these options name, at their seed, shape and target, on ``device``."""
+        work = workloads.load(self.workload, seed=self.seed, hidden=self.hidden,
                               shape=self.shape()).to(device)
+        return work if self.target is None else replace(work, target=self.target)
 
     def build_optimizer(self, params: Any) -> tuple[torch.optim.Optimizer,
                                               torch.optim.lr_scheduler.LambdaLR]:
@@ -159,7 +163,7 @@ class RunOptions:
 # What makes two runs the same recipe: rows compared in one table must agree on all of these.
 RECIPE_FIELDS = ("workload", "optimizer", "lr", "momentum", "weight_decay", "beta2", "schedule",
                  "lr_warmup", "min_lr", "batch_size", "steps", "seed", "precision", "max_norm",
-                 "hidden", "width", "layers", "context", "tied")
+                 "hidden", "width", "layers", "context", "tied", "target")
 
 
 def recipe(options: RunOptions) -> dict[str, Any]:
