@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from thinwire import schemes
 from thinwire.jobs import local_run
+from thinwire.local import LocalUpdates
 from thinwire.jobs.compare import compare, parse_options, scheme_config
 from thinwire.jobs.dataparallel import RunOptions
 
@@ -26,6 +29,20 @@ def test_options_reach_the_local_run_and_its_scheme_alike() -> None:
     assert scheme_config("dense", 0.1, 10, ["every=20"]) == {}
     options, scheme = local_run.parts("diloco+dct-dp", config)
     assert options.every == 20 and scheme == {"ratio": 0.1, "life_span": 10}
+
+
+def test_h_follows_the_scheme_unless_given() -> None:
+    sparse = local_run.parts("diloco+sparseloco", {})[0].resolved(schemes.build("sparseloco"))
+    plain = local_run.parts("diloco+int4", {})[0].resolved(schemes.build("int4"))
+    assert (sparse.every, sparse.outer_lr, sparse.outer_momentum) == (10, 1.0, 0.0)
+    assert (plain.every, plain.outer_lr, plain.outer_momentum) == (50, 0.7, 0.9)
+    given = local_run.parts("diloco+sparseloco", {"every": 30})[0]
+    assert given.resolved(schemes.build("sparseloco")).every == 30
+    model = torch.nn.Linear(3, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert LocalUpdates(model, inner, schemes.build("sparseloco")).config.every == 10
+    assert LocalUpdates(model, inner).config.every == 50
+    assert LocalUpdates(model, inner, schemes.build("sparseloco"), every=7).config.every == 7
 
 
 @pytest.mark.parametrize(("name", "config", "match"), [

@@ -128,9 +128,9 @@ class RunOptions:
             ValueError: a shape option out of range, or one set for a workload that is
                 no language model.
         """
-        given = {key: value for key, value in (("width", self.width), ("layers", self.layers),
-                                               ("context", self.context))
-                 if value is not None}
+        given: dict[str, int | bool] = {
+            key: value for key, value in (("width", self.width), ("layers", self.layers),
+                                          ("context", self.context)) if value is not None}
         if self.tied:
             given["tied"] = True
         if not given:
@@ -138,7 +138,7 @@ class RunOptions:
         if self.workload not in workloads.CORPORA:
             raise ValueError(f"workload={self.workload!r} takes no {', '.join(given)}: only "
                              f"the language models {sorted(workloads.CORPORA)} do")
-        return workloads.LMShape(**given)
+        return workloads.LMShape(**given)  # type: ignore[arg-type]  # checked there
 
     def load(self, device: torch.device | str = "cpu") -> workloads.Workload:
         """The workload these options name, at their seed, shape and target, on ``device``."""

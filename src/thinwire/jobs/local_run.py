@@ -43,14 +43,14 @@ from thinwire.jobs.dataparallel import (
     run_scheme,
 )
 from thinwire.launch import phase
-from thinwire.local import LocalConfig, LocalUpdates, nesterov, outer_defaults
+from thinwire.local import LocalConfig, LocalUpdates, default_every, nesterov, outer_defaults
 
 PREFIX = "diloco"
 
 
 @dataclass(frozen=True)
 class DiLoCoOptions:
-    every: int = 50  # H, inner steps between a fragment's syncs
+    every: int | None = None  # H, inner steps between syncs; None: the scheme's (10 or 50)
     fragments: int = 1  # Streaming DiLoCo's F, parts synced at staggered steps
     delay: int = 0  # tau, inner steps a fragment's exchange overlaps, < every // fragments
     mix: float = 0.0  # weight of the local weights when a fragment lands, in [0, 1)
@@ -72,10 +72,12 @@ class DiLoCoOptions:
                              "range [0, 1)")
 
     def resolved(self, scheme: schemes.Scheme) -> DiLoCoOptions:
-        """These options with the outer optimiser's settings the scheme calls for filled in."""
+        """These options with H and the outer optimiser's settings the scheme calls for
+        filled in."""
         lr, momentum = outer_defaults(scheme)
         return dataclasses.replace(
-            self, outer_lr=lr if self.outer_lr is None else self.outer_lr,
+            self, every=default_every(scheme) if self.every is None else self.every,
+            outer_lr=lr if self.outer_lr is None else self.outer_lr,
             outer_momentum=momentum if self.outer_momentum is None else self.outer_momentum)
 
 
@@ -138,7 +140,8 @@ def validate(name: str, config: dict[str, Any]) -> None:
         schemes.build(name, **step_parts(config)[1])
         return
     options, scheme = parts(name, config)
-    schemes.build(inner_scheme(name), **scheme)
+    options = options.resolved(schemes.build(inner_scheme(name), **scheme))
+    assert options.every is not None  # resolved fills it
     LocalConfig(options.every, options.fragments, options.delay, options.mix, options.overlap)
 
 
@@ -190,6 +193,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     scheme = schemes.build(inner_scheme(name), **scheme_config)
     local_options = local_options.resolved(scheme)
     assert local_options.outer_lr is not None and local_options.outer_momentum is not None
+    assert local_options.every is not None
     inner, schedule = options.build_optimizer(model.parameters())
     updates = LocalUpdates(model, inner, scheme, every=local_options.every,
                            fragments=local_options.fragments, delay=local_options.delay,

@@ -7,6 +7,14 @@ weights (:class:`LocalUpdates`).
 Floor: front door, beside pipeline, autodiff and ps (none imported).
 """
 
-from thinwire.local.diloco import LocalConfig, LocalUpdates, nesterov, outer_defaults, split
+from thinwire.local.diloco import (
+    LocalConfig,
+    LocalUpdates,
+    default_every,
+    nesterov,
+    outer_defaults,
+    split,
+)
 
-__all__ = ["LocalConfig", "LocalUpdates", "nesterov", "outer_defaults", "split"]
+__all__ = ["LocalConfig", "LocalUpdates", "default_every", "nesterov", "outer_defaults",
+           "split"]
