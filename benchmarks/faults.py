@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from thinwire import schemes
 from thinwire.jobs import local_run, workloads
 from thinwire.jobs.compare import parse_options, scheme_config
 from thinwire.jobs.dataparallel import RunOptions, step_seconds
@@ -482,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     parse_options(args.option, [args.local])
     local_config = scheme_config(args.local, 0.01, 1000, args.option)
     local_run.validate(args.local, local_config)
-    local, _ = local_run.parts(args.local, local_config)
+    local, inner_config = local_run.parts(args.local, local_config)
+    local = local.resolved(schemes.build(local_run.inner_scheme(args.local), **inner_config))
+    assert local.every is not None  # resolved fills it
     per_step_config = scheme_config(args.per_step, 0.01, 1000, args.per_step_option)
     every = local.every
     join_at = args.join_at or args.steps // 2 // every * every
