@@ -7,9 +7,9 @@ import torch
 
 from thinwire import schemes
 from thinwire.jobs import local_run
-from thinwire.local import LocalUpdates
 from thinwire.jobs.compare import compare, parse_options, scheme_config
 from thinwire.jobs.dataparallel import RunOptions
+from thinwire.local import LocalUpdates
 
 
 def test_names_split_into_local_updates_and_their_scheme() -> None:

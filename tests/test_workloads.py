@@ -294,7 +294,7 @@ def test_language_models_take_a_shape_and_other_workloads_refuse_one() -> None:
     assert not torch.equal(work.train.inputs[:64],
                            workloads.load("code-lm", seed=1, shape=small).train.inputs[:64])
     sizes = [sum(p.numel() for p in workloads.load("text-lm", shape=workloads.LMShape(
-        width=w, layers=l, tied=True)).model(0).parameters()) for w, l in ((64, 2), (256, 4))]
+        width=w, layers=d, tied=True)).model(0).parameters()) for w, d in ((64, 2), (256, 4))]
     assert sizes[1] > 3_000_000 and sizes[1] > 10 * sizes[0]  # the family spans 10x
     for bad, match in (({"width": 40}, "multiple of 16"), ({"layers": 0}, "layers=0"),
                        ({"context": 5000}, "context=5000"), ({"tied": 1}, "tied=1")):
