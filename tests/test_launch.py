@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch.distributed as dist
 
 from thinwire.launch import RankFailed, phase, spawn
 
+ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 5.0  # the process group's timeout under test: short, so the test stays quick
 
 
@@ -47,3 +52,33 @@ def test_spawn_under_nccl_needs_a_gpu_per_rank() -> None:
     ranks = torch.cuda.device_count() + 1
     with pytest.raises(ValueError, match=f"world_size={ranks} under nccl needs a GPU per rank"):
         spawn(_unreached, ranks, backend="nccl")
+
+
+# A rank drawing a progress bar, as the CLI's local jobs do: tqdm's lock is a named
+# semaphore made in the rank, which the parent's resource tracker reports if it outlives it.
+_BAR_JOB = """
+from thinwire.launch import spawn
+from thinwire.progress import StepBar
+
+def work(rank, world_size):
+    bar = StepBar(2, show=rank == 0)
+    bar.update(2)
+    bar.close()
+    return rank
+
+if __name__ == "__main__":
+    print(spawn(work, 2))
+"""
+
+
+@pytest.mark.timeout(400)
+def test_spawn_leaves_no_semaphore_of_its_ranks_behind(tmp_path: Path) -> None:
+    (tmp_path / "bar_job.py").write_text(textwrap.dedent(_BAR_JOB))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src")]),
+           "OMP_NUM_THREADS": "1"}
+    # Generous hang guard: a busy machine must not trip it, a hang still fails.
+    done = subprocess.run([sys.executable, str(tmp_path / "bar_job.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[0, 1]"
+    assert "leaked semaphore" not in done.stderr, done.stderr[-3000:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -108,6 +109,10 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, tim
     # The result is saved and the group destroyed; a DDP model built in this process has
     # kept gloo's threads running even so (torch 2.13), and the interpreter's shutdown
     # beside them is where such a process can still abort. Nothing else lives here.
+    # os._exit skips the cleanup multiprocessing's bootstrap runs after its target
+    # returns: run it here, or the named semaphores created in this rank (tqdm's lock)
+    # outlive it and the parent's resource tracker reports them as leaked.
+    multiprocessing.util._exit_function()  # type: ignore[attr-defined]
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
