@@ -469,9 +469,10 @@ def test_bad_options_are_refused_by_name(options: dict[str, Any], match: str,
         elastic.connect(**{"lighthouse": "http://localhost:1", **options})
 
 
-def test_overlapped_local_updates_are_refused() -> None:
+@pytest.mark.parametrize("option", ["overlap", "eager"])
+def test_overlapped_local_updates_are_refused(option: str) -> None:
     model = nn.Linear(3, 2)
     updates = LocalUpdates(model, torch.optim.SGD(model.parameters(), lr=0.1), every=2,
-                           overlap=True)
-    with pytest.raises(ValueError, match="overlap=False"):
+                           **{option: True})
+    with pytest.raises(ValueError, match=f"{option}=False"):
         elastic.ElasticLocalUpdates(updates, None)  # type: ignore[arg-type]

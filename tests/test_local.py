@@ -115,7 +115,8 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     # Peers that differ are refused on every rank
     for label, options, name in (("every", {"every": 4 + rank}, "dense"),
                                  ("fragments", {"every": 4, "fragments": 1 + rank}, "dense"),
-                                 ("scheme", {"every": 4}, "dense" if rank else "int8")):
+                                 ("scheme", {"every": 4}, "dense" if rank else "int8"),
+                                 ("eager", {"every": 4, "eager": rank == 1}, "dense")):
         try:
             _updates(rank, name, **options)
             out[f"refused {label}"] = None
@@ -254,7 +255,8 @@ def test_resume_is_bit_identical_after_a_stop_at_any_step(
 
 @pytest.mark.parametrize(("label", "field"), [("every", "local.every"),
                                               ("fragments", "local.fragments"),
-                                              ("scheme", "'scheme'")])
+                                              ("scheme", "'scheme'"),
+                                              ("eager", "local.eager")])
 def test_peers_that_differ_are_refused_on_every_rank(label: str, field: str,
                                                      runs: list[dict[str, Any]]) -> None:
     messages = [runs[rank][f"refused {label}"] for rank in range(WORLD)]

@@ -29,6 +29,10 @@ def test_options_reach_the_local_run_and_its_scheme_alike() -> None:
     assert scheme_config("dense", 0.1, 10, ["every=20"]) == {}
     options, scheme = local_run.parts("diloco+dct-dp", config)
     assert options.every == 20 and scheme == {"ratio": 0.1, "life_span": 10}
+    assert parse_options(["eager=true"], ["diloco+sparseloco"]) == {"eager": True}
+    options, scheme = local_run.parts("diloco+sparseloco", {"eager": True, "k": 2})
+    assert options.eager and scheme == {"k": 2}
+    local_run.validate("diloco+sparseloco", {"eager": True})
 
 
 def test_h_follows_the_scheme_unless_given() -> None:
@@ -47,7 +51,8 @@ def test_h_follows_the_scheme_unless_given() -> None:
 
 @pytest.mark.parametrize(("name", "config", "match"), [
     ("diloco", {"every": 0}, "every=0"), ("diloco", {"outer_lr": 0.0}, "outer_lr=0.0"),
-    ("diloco+int4", {"chunk": 0}, "chunk=0"), ("diloco+nothing", {}, "unknown scheme")])
+    ("diloco+int4", {"chunk": 0}, "chunk=0"), ("diloco+nothing", {}, "unknown scheme"),
+    ("diloco", {"eager": True, "overlap": True}, "eager=True .*overlap=True")])
 def test_bad_local_runs_are_refused_before_anything_is_spawned(name: str, config: dict[str, int],
                                                                match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -55,7 +55,8 @@ class ElasticLocalUpdates:
 
     Raises:
         ValueError: ``updates`` has a group of its own, DTensor parameters, or
-            ``overlap`` (an exchange landing a sync late would span two quorums).
+            ``overlap`` or ``eager`` (an exchange landing a sync late would span two
+            quorums).
     """
 
     def __init__(self, updates: LocalUpdates, manager: Manager) -> None:
@@ -70,6 +71,9 @@ class ElasticLocalUpdates:
         if updates.config.overlap:
             raise ValueError("overlap=True lands each exchange a sync late, across the next "
                              "sync's quorum; fault-tolerant local updates take overlap=False")
+        if updates.config.eager:
+            raise ValueError("eager=True lands each exchange a sync late, across the next "
+                             "sync's quorum; fault-tolerant local updates take eager=False")
         self.updates = updates
         self.membership = Membership(manager, updates.fields, "fault-tolerant local updates",
                                      updates.device, updates.scheme.meter)

@@ -55,6 +55,8 @@ class DiLoCoOptions:
     delay: int = 0  # tau, inner steps a fragment's exchange overlaps, < every // fragments
     mix: float = 0.0  # weight of the local weights when a fragment lands, in [0, 1)
     overlap: bool = False  # each exchange lands one sync late, under the next H steps
+    # as overlap, with an outer step on the worker's own pseudo-gradient meanwhile
+    eager: bool = False
     # the outer Nesterov SGD's learning rate, > 0; None: the scheme's (outer_defaults:
     # 0.7, or 1.0 for sparseloco)
     outer_lr: float | None = None
@@ -142,7 +144,8 @@ def validate(name: str, config: dict[str, Any]) -> None:
     options, scheme = parts(name, config)
     options = options.resolved(schemes.build(inner_scheme(name), **scheme))
     assert options.every is not None  # resolved fills it
-    LocalConfig(options.every, options.fragments, options.delay, options.mix, options.overlap)
+    LocalConfig(options.every, options.fragments, options.delay, options.mix, options.overlap,
+                options.eager)
 
 
 def run(name: str, config: dict[str, Any], options: RunOptions,
@@ -198,6 +201,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     updates = LocalUpdates(model, inner, scheme, every=local_options.every,
                            fragments=local_options.fragments, delay=local_options.delay,
                            mix=local_options.mix, overlap=local_options.overlap,
+                           eager=local_options.eager,
                            outer=nesterov(local_options.outer_lr, local_options.outer_momentum),
                            group=group, meter=meter)
     dtype = PRECISIONS[options.precision]

@@ -10,7 +10,9 @@ a future and lands ``delay`` (tau) inner steps later, its local weights then
 ``mix * local + (1 - mix) * global``. With ``overlap`` (DiLoCoX's one-step
 delay; Qi et al. 2025) every exchange lands one sync late: the workers train on
 through it, and when it lands each replica becomes the new global weights plus
-its own progress since the exchange left.
+its own progress since the exchange left. With ``eager`` (Kale et al. 2025) it
+lands as late, but each worker first takes the outer step with its own
+pseudo-gradient as a stand-in for the average, corrected when the average lands.
 
 Parameters only: buffers (batch-norm statistics) stay each worker's own. A
 DTensor parameter (FSDP2 inside a site) is worked on through its local shard,
@@ -22,6 +24,7 @@ exchanges in the same order. Every rank starts from rank 0's weights, as under D
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -69,6 +72,8 @@ class LocalConfig:
     delay: int = 0  # tau, inner steps an exchange overlaps before it lands, < every // fragments
     mix: float = 0.0  # weight of the local weights when a fragment lands, in [0, 1)
     overlap: bool = False  # each exchange lands at the fragment's next sync (delay, mix 0)
+    # as overlap, with an outer step on the worker's own pseudo-gradient meanwhile (overlap False)
+    eager: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("every", 1), ("fragments", 1), ("delay", 0)):
@@ -86,9 +91,21 @@ class LocalConfig:
             raise ValueError(f"mix={self.mix!r} is outside the allowed range [0, 1)")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True or False")
+        if not isinstance(self.eager, bool):
+            raise ValueError(f"eager={self.eager!r} must be True or False")
         if self.overlap and (self.delay or self.mix):
             raise ValueError(f"overlap=True lands each exchange a whole sync late; it takes "
                              f"delay=0 and mix=0, not delay={self.delay!r}, mix={self.mix!r}")
+        if self.eager and (self.overlap or self.delay or self.mix):
+            raise ValueError(f"eager=True lands each exchange a whole sync late, as overlap does "
+                             f"(it implies overlap's schedule); it takes overlap=False, delay=0 "
+                             f"and mix=0, not overlap={self.overlap!r}, delay={self.delay!r}, "
+                             f"mix={self.mix!r}")
+
+    @property
+    def late(self) -> bool:
+        """Whether each exchange lands at the fragment's next sync (``overlap`` or ``eager``)."""
+        return self.overlap or self.eager
 
     def offset(self, fragment: int) -> int:
         """The step of the cycle, in [1, every], at which ``fragment`` lands."""
@@ -163,11 +180,30 @@ class LocalUpdates:
     trained parameters are broadcast to every rank, as DDP does when it wraps a
     model (ranks seeded differently then start alike).
 
+    Eager updates (``eager=True``; Kale et al. 2025): at a fragment's sync the
+    exchange of the pseudo-gradient ``delta`` leaves as under ``overlap``, and
+    the worker does not wait: it takes the outer step with its own ``delta`` in
+    place of the unknown average and trains on from the result. When the
+    average lands, at the fragment's next sync, the global weights and the outer
+    optimiser's state become what the outer step with the average gives (the
+    step is taken from the agreed weights and state, which the stand-in step
+    left untouched, so it is exact for any outer optimiser), and the replica is
+    moved by ``true - stand-in`` global weights, keeping its progress since;
+    then the next exchange leaves. With one worker, or equal pseudo-gradients,
+    this is blocking DiLoCo. A compressing scheme sends what it sends now (its
+    error memory updated by the exchange); the stand-in is the worker's own
+    uncompressed ``delta``, the fresh local information the paper's stand-in is.
+    Unlike the paper's eager rule, which steps with the mean of one's fresh and
+    the others' one-sync-old pseudo-gradients, the stand-in step is undone when
+    the average lands. Under plain SGD at lr 1 (SparseLoCo's outer optimiser) the
+    stand-in step leaves the replica where it is, so eager is ``overlap`` there.
+    :meth:`global_state` is the agreed weights, without the stand-in step.
+
     Args:
         module: the replica; its trained parameters are synchronised.
         inner: the user's optimiser of ``module``'s parameters (never reset).
         scheme: averages the pseudo-gradients; default ``build("dense")``.
-        every, fragments, delay, mix, overlap: see :class:`LocalConfig`; ``every``
+        every, fragments, delay, mix, overlap, eager: see :class:`LocalConfig`; ``every``
             None: the scheme's (:func:`default_every`).
         outer: builds the outer optimiser from the global weights; default
             :func:`nesterov` ``(*``:func:`outer_defaults` ``(scheme))``.
@@ -181,19 +217,19 @@ class LocalUpdates:
     Raises:
         ValueError: a bad option, more fragments than trained parameters, or a
             parameter sharded on a mesh of more than one dimension (native HSDP).
-        PeerMismatchError: another rank differs in H, fragments, delay, mix, the
-            outer optimiser, the scheme or the parameters, or (``broadcast=False``)
-            in its weights (on every rank alike).
+        PeerMismatchError: another rank differs in H, fragments, delay, mix, overlap,
+            eager, the outer optimiser, the scheme or the parameters, or
+            (``broadcast=False``) in its weights (on every rank alike).
     """
 
     def __init__(self, module: nn.Module, inner: torch.optim.Optimizer,
                  scheme: Scheme | None = None, *, every: int | None = None, fragments: int = 1,
-                 delay: int = 0, mix: float = 0.0, overlap: bool = False,
+                 delay: int = 0, mix: float = 0.0, overlap: bool = False, eager: bool = False,
                  outer: OuterFactory | None = None, group: Group = None,
                  meter: Meter | None = None, broadcast: bool = True) -> None:
         self.scheme = scheme if scheme is not None else build("dense")
         every = default_every(self.scheme) if every is None else every
-        self.config = LocalConfig(every, fragments, delay, mix, overlap)
+        self.config = LocalConfig(every, fragments, delay, mix, overlap, eager)
         self.module = module
         self.inner = inner
         if meter is not None:
@@ -233,9 +269,10 @@ class LocalUpdates:
         with torch.no_grad():  # every replica starts from the (now shared) global weights
             for name in self.names:
                 _local(self.params[name]).copy_(self.globals[name])
-        # overlap: each replica's weights when its last exchange left, its progress' origin
+        # overlap, eager: each replica's weights when its last exchange left (under eager,
+        # the stand-in global weights), its progress' origin
         self.anchors = ({name: g.clone() for name, g in self.globals.items()}
-                        if overlap else None)
+                        if self.config.late else None)
 
     def _agree(self) -> None:
         """Every rank's global weights, outer optimiser state and step count become rank 0's
@@ -265,22 +302,24 @@ class LocalUpdates:
 
         Returns:
             The fragments that landed at this step (their weights are the global ones,
-            mixed with the local when ``mix`` > 0; under ``overlap``, plus this
-            replica's progress since the exchange left).
+            mixed with the local when ``mix`` > 0; under ``overlap`` and ``eager``, plus
+            this replica's progress since the exchange left).
         """
         self.steps += 1
         config = self.config
         landed = []
         for fragment in range(config.fragments):
             phase = (self.steps - config.offset(fragment) + config.delay) % config.every
-            if phase == 0 and config.overlap:  # the last exchange lands as the next leaves
+            if phase == 0 and config.late:  # the last exchange lands as the next leaves
                 previous = self.pending.pop(fragment, None)
-                self._launch(fragment, self.steps + config.every)
+                deltas = self._launch(fragment, self.steps + config.every)
                 if previous is not None:
                     self._land(fragment, previous[1])
                     landed.append(fragment)
                 else:
                     self._rebase(fragment, moved=False)
+                if config.eager:
+                    self._stand_in(fragment, deltas)
                 continue
             if phase == 0:
                 self._launch(fragment, self.steps + config.delay)
@@ -290,14 +329,44 @@ class LocalUpdates:
                 landed.append(fragment)
         return landed
 
-    def _launch(self, fragment: int, lands: int) -> None:
+    def _launch(self, fragment: int, lands: int) -> dict[str, torch.Tensor]:
         """Start averaging the fragment's pseudo-gradients (``x_global - x_local``; under
-        ``overlap`` ``x_anchor - x_local``, this replica's progress since its last launch)."""
+        ``overlap`` and ``eager`` ``x_anchor - x_local``, this replica's progress since its
+        last launch), and return them."""
         origin = self.globals if self.anchors is None else self.anchors
         with torch.no_grad():
             deltas = {name: origin[name] - _local(self.params[name])
                       for name in self.fragments[fragment]}
         self.pending[fragment] = (lands, self.exchange.launch(self, fragment, deltas))
+        return deltas
+
+    def _stand_in(self, fragment: int, deltas: Mapping[str, torch.Tensor]) -> None:
+        """Under ``eager``: the outer step with this worker's own ``deltas`` in place of the
+        average in flight (Kale et al. 2025's eager update); the fragment's local weights
+        and anchor become its result. The global weights and the outer optimiser's state
+        are put back as they were, the agreed ones the average's step starts from."""
+        assert self.anchors is not None
+        names = self.fragments[fragment]
+        params = [self.globals[name] for name in names]
+        with torch.no_grad():
+            agreed = [g.clone() for g in params]
+        states = {g: {key: value.clone() if isinstance(value, torch.Tensor)
+                      else copy.deepcopy(value) for key, value in self.outer.state[g].items()}
+                  for g in params if g in self.outer.state}
+        for name, g in zip(names, params):
+            g.grad = deltas[name].to(g.dtype)
+        self.outer.step()
+        with torch.no_grad():
+            for name, g, before in zip(names, params, agreed):
+                g.grad = None
+                _local(self.params[name]).copy_(g)
+                self.anchors[name].copy_(g)
+                g.copy_(before)
+        for g in params:  # a first step creates the state the agreed optimiser lacks
+            if g in states:
+                self.outer.state[g] = states[g]
+            else:
+                self.outer.state.pop(g, None)
 
     def _land(self, fragment: int, future: Future[Any]) -> None:
         """The outer step on the fragment's global weights, then the local weights (unless
@@ -325,9 +394,9 @@ class LocalUpdates:
             self._rebase(fragment, moved=True)
 
     def _rebase(self, fragment: int, moved: bool) -> None:
-        """Under ``overlap``: where the global weights ``moved``, the local weights become
-        them plus this replica's progress since its anchor (``x <- g + (x - a)``); the
-        anchor becomes the local weights."""
+        """Under ``overlap`` and ``eager``: where the global weights ``moved``, the local
+        weights become them plus this replica's progress since its anchor
+        (``x <- g + (x - a)``); the anchor becomes the local weights."""
         assert self.anchors is not None
         with torch.no_grad():
             for name in self.fragments[fragment]:
@@ -343,7 +412,7 @@ class LocalUpdates:
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global weights by parameter name (local shards of DTensors): what every worker
-        shares after a sync, for evaluation."""
+        shares after a sync, for evaluation (under ``eager``, without the stand-in steps)."""
         return dict(self.globals)
 
     def state_dict(self) -> dict[str, Any]:

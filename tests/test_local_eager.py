@@ -1,0 +1,240 @@
+"""Eager local updates: blocking DiLoCo where the stand-in is the average, a reference of
+the rule written here (3 workers, float64), resume with an exchange in flight."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from thinwire import schemes
+from thinwire.launch import spawn
+from thinwire.local import LocalConfig, LocalUpdates, nesterov, outer_defaults, split
+
+WORLD = 3
+STEPS = 14  # every 4, 2 fragments: fragment 0 syncs at 2, 6, 10, 14, fragment 1 at 4, 8, 12
+OPTIONS: dict[str, Any] = {"every": 4, "fragments": 2}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "dense": {}, "int4": {"chunk": 4},
+    "sparseloco": {"chunk": 4, "k": 1, "aggregate": "ranks"}}  # a mean over ranks, as below
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(torch.float64)
+
+
+def _inner_step(model: nn.Module, inner: torch.optim.Optimizer, rank: int, step: int,
+                same: bool) -> None:
+    """One SGD step on a batch of its own (``same``: the batch every worker sees)."""
+    generator = torch.Generator().manual_seed(step if same else 1000 * (rank + 1) + step)
+    x = torch.randn(5, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,), generator=generator)
+    inner.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    inner.step()
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _build(name: str, **options: Any) -> tuple[nn.Module, LocalUpdates]:
+    model = _model()
+    return model, LocalUpdates(model, _sgd(model), schemes.build(name, **CONFIGS[name]),
+                               **OPTIONS, **options)
+
+
+def _run(rank: int, name: str = "dense", same: bool = False, stop: int | None = None,
+         **options: Any) -> dict[str, Any]:
+    """Local weights after every step, and the global weights once the last exchange landed;
+    ``stop``: saved there, rebuilt and resumed."""
+    model, updates = _build(name, **options)
+    trajectory = []
+    for step in range(STEPS):
+        if step == stop:
+            buffer = io.BytesIO()
+            torch.save(updates.state_dict(), buffer)
+            model, updates = _build(name, **options)
+            buffer.seek(0)
+            updates.load_state_dict(torch.load(buffer, weights_only=False))
+        _inner_step(model, updates.inner, rank, step, same)
+        updates.step()
+        trajectory.append(_weights(model))
+    agreed = [g.clone() for g in updates.global_state().values()]
+    updates.finish()
+    return {"trajectory": trajectory, "agreed": agreed,
+            "globals": [g.clone() for g in updates.global_state().values()],
+            "final": _weights(model)}
+
+
+def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode, options in (("eager", {"eager": True}), ("blocking", {}),
+                          ("overlap", {"overlap": True})):
+        out[f"same {mode}"] = _run(rank, same=True, **options)
+    for name in CONFIGS:
+        out[name] = _run(rank, name, eager=True)
+    for stop in (1, 3, 5, 7):  # before any sync, mid-flight, just after a launch
+        out[f"resumed {stop}"] = _run(rank, "int4", stop=stop, eager=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return spawn(_scenarios, WORLD, timeout_s=300, deadline_s=600)
+
+
+def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_equal_pseudo_gradients_make_eager_blocking_diloco(runs: list[dict[str, Any]]) -> None:
+    """Every worker sees the same batches: the stand-in is the average."""
+    for rank in range(WORLD):
+        eager, blocking = runs[rank]["same eager"], runs[rank]["same blocking"]
+        for got, want in zip(eager["trajectory"], blocking["trajectory"], strict=True):
+            _close(got, want)  # after a sync the local weights are the global ones
+        _close(eager["globals"], blocking["globals"])
+        # the agreed weights lag by the exchange in flight; the one-sync-late overlap differs
+        assert not torch.allclose(eager["agreed"][0], blocking["globals"][0])
+        late = runs[rank]["same overlap"]["final"]
+        assert not all(torch.allclose(a, b) for a, b in zip(late, blocking["final"]))
+
+
+def test_one_worker_eager_is_blocking_diloco() -> None:
+    eager, blocking = _run(0, eager=True), _run(0)
+    for got, want in zip(eager["trajectory"], blocking["trajectory"], strict=True):
+        _close(got, want)
+    _close(eager["globals"], blocking["globals"])
+
+
+def _reference(name: str) -> list[dict[str, Any]]:
+    """The eager rule for WORLD workers in one process, literally: each worker keeps its own
+    global weights and outer optimisers (one a fragment); at a fragment's sync the average
+    in flight lands (pre-step weights and the optimiser's saved state_dict restored, the
+    step redone with the average, the local weights moved by true - stand-in), then the
+    worker sends ``delta`` through its own codec, saves its weights and state_dict, steps
+    with its own ``delta`` and restarts from the result."""
+    models = [_model() for _ in range(WORLD)]
+    inners = [_sgd(m) for m in models]
+    codecs = [schemes.build(name, **CONFIGS[name]) for _ in range(WORLD)]
+    names = [n for n, _ in models[0].named_parameters()]
+    fragments = [[names[i] for i in run]
+                 for run in split([p.numel() for p in models[0].parameters()], 2)]
+    config = LocalConfig(**OPTIONS)
+    lr, momentum = outer_defaults(codecs[0])
+    globals_ = [{n: p.detach().clone() for n, p in models[0].named_parameters()}
+                for _ in range(WORLD)]
+    outers = [[torch.optim.SGD([g[k] for k in keys], lr=lr, momentum=momentum,
+                               nesterov=momentum > 0) for keys in fragments] for g in globals_]
+    saved: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+    in_flight: dict[int, dict[str, torch.Tensor]] = {}
+
+    def outer_step(rank: int, f: int, grads: dict[str, torch.Tensor]) -> None:
+        for k in fragments[f]:
+            globals_[rank][k].grad = grads[k]
+        outers[rank][f].step()
+        for k in fragments[f]:
+            globals_[rank][k].grad = None
+
+    def land(f: int) -> None:
+        mean = in_flight.pop(f)
+        for rank in range(WORLD):
+            params = dict(models[rank].named_parameters())
+            stand_in = {k: globals_[rank][k].clone() for k in fragments[f]}
+            weights, state = saved.pop((rank, f))
+            for k in fragments[f]:
+                globals_[rank][k].copy_(weights[k])
+            outers[rank][f].load_state_dict(state)
+            outer_step(rank, f, mean)
+            with torch.no_grad():
+                for k in fragments[f]:
+                    params[k].add_(globals_[rank][k] - stand_in[k])
+
+    trajectories: list[list[list[torch.Tensor]]] = [[] for _ in range(WORLD)]
+    for step in range(1, STEPS + 1):
+        for rank in range(WORLD):
+            _inner_step(models[rank], inners[rank], rank, step - 1, same=False)
+        for f, keys in enumerate(fragments):
+            if (step - config.offset(f)) % config.every:
+                continue
+            if f in in_flight:
+                land(f)
+            mean = {k: torch.zeros_like(globals_[0][k]) for k in keys}
+            for rank in range(WORLD):
+                params = dict(models[rank].named_parameters())
+                deltas = {k: globals_[rank][k] - params[k].detach() for k in keys}
+                for k, sent in codecs[rank].reduce(deltas).items():  # alone: what it sent
+                    mean[k].add_(sent)
+                saved[rank, f] = ({k: globals_[rank][k].clone() for k in keys},
+                                  copy.deepcopy(outers[rank][f].state_dict()))
+                outer_step(rank, f, deltas)
+                with torch.no_grad():
+                    for k in keys:
+                        params[k].copy_(globals_[rank][k])
+            in_flight[f] = {k: v / WORLD for k, v in mean.items()}
+        for rank in range(WORLD):
+            trajectories[rank].append(_weights(models[rank]))
+    for f in sorted(in_flight):
+        land(f)
+    return [{"trajectory": trajectories[rank], "final": _weights(models[rank]),
+             "globals": list(globals_[rank].values())} for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_eager_updates_of_three_workers_equal_a_reference_of_the_rule(
+        name: str, runs: list[dict[str, Any]]) -> None:
+    expected = _reference(name)
+    for rank in range(WORLD):
+        got, want = runs[rank][name], expected[rank]
+        for at_step, wanted in zip(got["trajectory"], want["trajectory"], strict=True):
+            _close(at_step, wanted)
+        _close(got["final"], want["final"])
+        _close(got["globals"], want["globals"])
+        for a, b in zip(got["globals"], runs[0][name]["globals"]):
+            assert torch.equal(a, b)  # the agreed weights are every rank's, to the bit
+    # the workers' data differ, so the stand-ins did too
+    assert not torch.allclose(runs[0][name]["trajectory"][1][0],
+                              runs[1][name]["trajectory"][1][0])
+
+
+@pytest.mark.parametrize("stop", [1, 3, 5, 7])
+def test_resume_with_an_eager_exchange_in_flight_is_bit_identical(
+        stop: int, runs: list[dict[str, Any]]) -> None:
+    for rank in range(WORLD):
+        got, want = runs[rank][f"resumed {stop}"], runs[rank]["int4"]
+        for a, b in zip(got["trajectory"] + [got["globals"]],
+                        want["trajectory"] + [want["globals"]], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("options", [{"overlap": True}, {"delay": 1}, {"mix": 0.5}])
+def test_eager_refuses_overlap_delay_and_mix_by_name(options: dict[str, Any]) -> None:
+    key, value = next(iter(options.items()))
+    with pytest.raises(ValueError, match=f"eager=True .*{key}={value!r}"):
+        LocalConfig(every=4, eager=True, **options)
+    with pytest.raises(ValueError, match="eager=1"):
+        LocalConfig(eager=1)  # type: ignore[arg-type]
+
+
+def test_the_stand_in_step_leaves_the_agreed_outer_state_untouched() -> None:
+    model = _model()
+    updates = LocalUpdates(model, _sgd(model), every=2, eager=True,
+                           outer=nesterov(0.7, 0.9))
+    for step in range(2):
+        _inner_step(model, updates.inner, 0, step, same=False)
+        updates.step()
+    assert not updates.outer.state  # the first average has not landed: no momentum yet
+    start = _weights(_model())
+    assert all(torch.equal(g, s) for g, s in zip(updates.global_state().values(), start))
+    assert not torch.equal(_weights(model)[0], start[0])  # the replica took the stand-in step
