@@ -11,10 +11,19 @@ of one (collectives are no-ops), the schemes interleaved round by round
 (:func:`benchmarks.overhead.interleaved`), medians over rounds. ``floor`` is the
 least any exchange does with the bucket: one copy of it (what an all-reduce reads).
 
+Beside each scheme that has one, its plain version (:mod:`benchmarks.floors`: the same
+arithmetic as the fewest plain torch ops on one flat bucket and one flat error memory)
+runs in the same rounds, and one more step of each is counted in torch operator calls
+(:class:`CallCount`): thinwire's time and calls over the plain version's are what its
+engine costs beyond the arithmetic. ``--synthetic N`` times a made-up model's gradient of
+N tensors (:func:`synthetic`: a few large matrices, many small vectors), where the cost
+per tensor shows.
+
 A scheme is spelled as ``thinwire compare`` spells it, ``NAME:KEY=VALUE`` for its
-own options. The record goes to ``docs/data/codec-WORKLOAD.json`` (with the
-machine's load before and after), which ``benchmarks.linkmodel --codec-from``
-reads in place of the codec times its runs measured under their own load.
+own options. The record goes to ``docs/data/codec-WORKLOAD.json`` (or
+``codec-synthetic-N.json``; with the machine's load before and after), which
+``benchmarks.linkmodel --codec-from`` reads in place of the codec times its runs
+measured under their own load.
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks import floors
 from benchmarks.overhead import interleaved
 from thinwire import schemes
 from thinwire.comm.collectives import ALONE
@@ -49,9 +60,67 @@ def gradient(workload: str, seed: int = 0) -> dict[str, torch.Tensor]:
             if p.grad is not None}
 
 
+def synthetic(count: int, width: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A made-up transformer's gradient of ``count`` tensors (at least 4): token and
+    position embeddings and a final norm, then blocks of twelve (fused qkv and output
+    projections, two MLP matrices, their biases, two norms' weights and biases) of
+    model width ``width``, the rest norm-sized vectors. Each tensor's entries are
+    normal at its own scale, log-uniform in [1e-4, 1e-1], as layers' gradients differ.
+
+    Raises:
+        ValueError: ``count`` below 4.
+    """
+    if count < 4:
+        raise ValueError(f"count={count!r} must be >= 4 (embeddings and a final norm)")
+    d = width
+    Shapes = list[tuple[str, tuple[int, ...]]]
+    block: Shapes = [("attn.qkv.weight", (3 * d, d)), ("attn.qkv.bias", (3 * d,)),
+                     ("attn.out.weight", (d, d)), ("attn.out.bias", (d,)),
+                     ("norm1.weight", (d,)), ("norm1.bias", (d,)),
+                     ("mlp.fc1.weight", (4 * d, d)), ("mlp.fc1.bias", (4 * d,)),
+                     ("mlp.fc2.weight", (d, 4 * d)), ("mlp.fc2.bias", (d,)),
+                     ("norm2.weight", (d,)), ("norm2.bias", (d,))]
+    shapes: Shapes = [("embed.weight", (8 * d, d)), ("position.weight", (2 * d, d))]
+    blocks = (count - 4) // len(block)
+    shapes += [(f"blocks.{b}.{name}", shape) for b in range(blocks) for name, shape in block]
+    shapes += [(f"extra.{i}.weight", (d,)) for i in range(count - 2 - len(shapes))]
+    shapes += [("norm.weight", (d,)), ("norm.bias", (d,))]
+    generator = torch.Generator().manual_seed(seed)
+    scales = 10.0 ** torch.empty(len(shapes)).uniform_(-4.0, -1.0, generator=generator)
+    return {name: torch.randn(shape, generator=generator) * float(scale)
+            for (name, shape), scale in zip(shapes, scales)}
+
+
+class CallCount(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the torch operator calls (``aten`` ops, after Python-level composites) made
+    while it is active (``with count: ...``; then ``count.calls``)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def calls(step: Any) -> int:
+    """Torch operator calls ``step()`` makes."""
+    count = CallCount()
+    with count:
+        step()
+    return count.calls
+
+
+PLAIN = " (plain)"  # a plain version's row: its scheme's spelling and this
+
+
 def codec_steps(spellings: list[str], grads: dict[str, torch.Tensor]
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Per spelling, one untimed refill of the bucket and one timed encode and decode."""
+    """Per spelling, one untimed refill of the bucket and one timed encode and decode;
+    beside each with a floor (:func:`benchmarks.floors.floor_of`), its plain version,
+    a row named the spelling and :data:`PLAIN`, with its own flat error memory."""
     infos = [TensorInfo.of(name, grad) for name, grad in grads.items()]
     flat = torch.cat([grad.reshape(-1) for grad in grads.values()])
     rows: dict[str, Any] = {}
@@ -63,6 +132,12 @@ def codec_steps(spellings: list[str], grads: dict[str, torch.Tensor]
         bucket = flat.clone()
         rows[spelling] = (lambda s=scheme, b=bucket: s.launch_flat(b, infos, ALONE).wait())
         prepare[spelling] = (lambda b=bucket: b.copy_(flat))
+        floor = floors.floor_of(name, scheme.origin[1]) if scheme.origin else None
+        if floor is not None:
+            plain, state = floor
+            bucket, error = flat.clone(), torch.zeros_like(flat)
+            rows[spelling + PLAIN] = (lambda f=plain, b=bucket, e=error, s=state: f(b, e, s))
+            prepare[spelling + PLAIN] = (lambda b=bucket: b.copy_(flat))
     copy = torch.empty_like(flat)
     rows["floor"] = lambda: copy.copy_(flat)
     return rows, prepare
@@ -71,6 +146,8 @@ def codec_steps(spellings: list[str], grads: dict[str, torch.Tensor]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="text-lm", choices=sorted(workloads.WORKLOADS))
+    parser.add_argument("--synthetic", type=int, default=None, metavar="N",
+                        help="a made-up model's gradient of N tensors instead of the workload's")
     parser.add_argument("--schemes", default="dense,fp16,topk,dct-dp,powersgd,clt-k",
                         help="comma-separated, each NAME or NAME:KEY=VALUE")
     parser.add_argument("--repeats", type=int, default=51, help="timed rounds")
@@ -83,29 +160,62 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats {args.repeats} must be >= 1")
     torch.set_num_threads(args.threads)
     spellings = [s for s in args.schemes.split(",") if s]
+    workload = args.workload if args.synthetic is None else f"synthetic-{args.synthetic}"
     try:
-        rows, prepare = codec_steps(spellings, gradient(args.workload))
+        grads = gradient(args.workload) if args.synthetic is None else synthetic(args.synthetic)
+        rows, prepare = codec_steps(spellings, grads)
     except ValueError as error:
         parser.error(str(error))
     load = os.getloadavg()
     seconds = interleaved(rows, args.repeats, prepare)
+    step_calls = {}
+    for name, run in rows.items():  # one more step of each, counted (untimed)
+        if name in prepare:
+            prepare[name]()
+        step_calls[name] = calls(run)
+    ms = {name: 1000.0 * s for name, s in seconds.items()}
     record = {
-        "workload": args.workload, "threads": args.threads, "repeats": args.repeats,
-        "ms_per_step": {name: 1000.0 * s for name, s in seconds.items()},
-        "over_floor": {name: s / seconds["floor"] for name, s in seconds.items()},
+        "workload": workload, "threads": args.threads, "repeats": args.repeats,
+        "tensors": len(grads), "entries": sum(grad.numel() for grad in grads.values()),
+        "ms_per_step": {name: t for name, t in ms.items() if not name.endswith(PLAIN)},
+        "over_floor": {name: s / seconds["floor"] for name, s in seconds.items()
+                       if not name.endswith(PLAIN)},
+        "plain_ms_per_step": {name.removesuffix(PLAIN): t for name, t in ms.items()
+                              if name.endswith(PLAIN)},
+        "calls_per_step": {name: n for name, n in step_calls.items()
+                           if not name.endswith(PLAIN)},
+        "plain_calls_per_step": {name.removesuffix(PLAIN): n for name, n in step_calls.items()
+                                 if name.endswith(PLAIN)},
         "command": " ".join(["python -m benchmarks.codec",
                              *(sys.argv[1:] if argv is None else argv)]),
         "when": time.strftime("%Y-%m-%d %H:%M %Z"), "load_before": list(load),
         "load_after": list(os.getloadavg()), "cores": os.cpu_count(),
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
         "torch": torch.__version__}
-    out = args.out or Path(f"docs/data/codec-{args.workload}.json")
+    out = args.out or Path(f"docs/data/codec-{workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
-    for name, ms in record["ms_per_step"].items():
-        print(f"{name:40s} {ms:8.3f} ms  {record['over_floor'][name]:8.1f}x floor")
-    print(f"wrote {out} (load {load[0]:.2f} before)")
+    print(table(record))
+    print(f"wrote {out} (load {load[0]:.2f} before, {record['load_after'][0]:.2f} after)")
     return 0
+
+
+def table(record: dict[str, Any]) -> str:
+    """The record's rows: ms and calls a step, thinwire's and the plain version's."""
+    plain_ms, plain_calls = record["plain_ms_per_step"], record["plain_calls_per_step"]
+    lines = [f"{record['workload']}: {record['tensors']} tensors, {record['entries']} entries",
+             f"{'scheme':44s} {'ms':>8s} {'x floor':>8s} {'plain ms':>9s} {'ratio':>6s} "
+             f"{'calls':>6s} {'plain':>6s} {'ratio':>6s}"]
+    for name, ms in record["ms_per_step"].items():
+        line = (f"{name:44s} {ms:8.3f} {record['over_floor'][name]:8.1f} ")
+        if name in plain_ms:
+            line += (f"{plain_ms[name]:9.3f} {ms / plain_ms[name]:6.2f} "
+                     f"{record['calls_per_step'][name]:6d} {plain_calls[name]:6d} "
+                     f"{record['calls_per_step'][name] / plain_calls[name]:6.1f}")
+        else:
+            line += f"{'':9s} {'':6s} {record['calls_per_step'][name]:6d}"
+        lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
