@@ -12,12 +12,14 @@ by side; ``benchmarks/tests/test_codec.py`` checks that they decode the same.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from thinwire.compress.base import keep_count
+from thinwire.compress.sparse import correction
 
 Floor = Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
 CHUNK = 128  # values sharing one int8 scale (thinwire.compress.quantise.CHUNK)
@@ -74,7 +76,46 @@ def topk(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> to
     return bucket.zero_().index_copy_(0, indices, sent)
 
 
-FLOORS: dict[str, Floor] = {"fp16": fp16, "topk": topk}
+def dct_dp(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+    """DCT-DP's reused threshold with error feedback over the whole bucket (``scope="bucket"``).
+
+    ``p = e + g``; every ``life_span`` calls tau is the k-th largest ``|p|`` (DCT Alg. 1
+    lines 4-6), else reused (line 8); the entries with ``|p| >= tau`` (line 9), the
+    largest ``room = ceil(capacity k)`` of them where more pass; values and memory as
+    :func:`topk`; then tau moves by thinwire's density control
+    (:func:`thinwire.compress.sparse.correction`, a scalar rule, not torch work).
+
+    Args:
+        state: ``ratio``, ``life_span``, ``gain``, ``capacity``, ``values``; ``tau`` and
+            ``calls`` are kept in it between calls.
+
+    Returns:
+        ``bucket``, overwritten with the mean. Modifies ``error`` and ``state`` in place.
+    """
+    p = error.add_(bucket)
+    magnitudes = p.abs()
+    numel = p.numel()
+    k = keep_count(numel, state["ratio"])
+    calls = state.get("calls", 0)
+    state["calls"] = calls + 1
+    if calls % state["life_span"] == 0:
+        state["tau"] = float(torch.topk(magnitudes, k, sorted=False).values.min())
+    tau = state["tau"]
+    indices = (magnitudes >= tau if tau > 0 else magnitudes > 0).nonzero().view(-1)
+    passed = indices.numel()
+    room = min(numel, math.ceil(state["capacity"] * k - 1e-9))
+    if passed > room:  # the largest go now, in ascending order; the rest wait in memory
+        top = torch.topk(magnitudes.index_select(0, indices), room, sorted=False).indices
+        indices = indices.index_select(0, top.sort().values)
+    if state["gain"] is not None and tau > 0:
+        state["tau"] = tau * correction(state["gain"], magnitudes, passed, k, room)
+    taken = p.index_select(0, indices)
+    sent = int8(taken) if state["values"] == "int8" else taken
+    error.index_add_(0, indices, sent, alpha=-1)
+    return bucket.zero_().index_copy_(0, indices, sent)
+
+
+FLOORS: dict[str, Floor] = {"fp16": fp16, "topk": topk, "dct-dp": dct_dp}
 # Of each scheme's options, the values its floor does the same work under; an option
 # not listed may take any value (it changes how the payload is laid out, not what is
 # decoded). A scheme spelled outside these has no floor.
@@ -83,6 +124,9 @@ SUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
     "topk": {"values": ("native", "fp32", "int8"), "scope": ("bucket",),
              "error_feedback": (True,), "min_numel": (0,), "exclude": ((),),
              "nonfinite": ("raise",)},
+    "dct-dp": {"values": ("native", "fp32", "int8"), "scope": ("bucket",),
+               "refresh_above": (None,), "drain_every": (None,), "min_numel": (0,),
+               "exclude": ((),), "nonfinite": ("raise",)},
 }
 
 
@@ -93,5 +137,6 @@ def floor_of(name: str, config: Any) -> tuple[Floor, dict[str, Any]] | None:
     if rules is None or any(getattr(config, key) not in allowed
                             for key, allowed in rules.items()):
         return None
-    state = {key: getattr(config, key) for key in ("ratio", "values") if hasattr(config, key)}
+    state = {key: getattr(config, key) for key in
+             ("ratio", "values", "life_span", "gain", "capacity") if hasattr(config, key)}
     return FLOORS[name], state

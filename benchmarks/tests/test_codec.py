@@ -16,7 +16,9 @@ from thinwire.compress import TensorInfo
 # Plain versions whose ops run as thinwire's do, value for value: equal bits expected.
 SPELLINGS = [("fp16", {}), ("topk", {"ratio": 0.07}),
              ("topk", {"ratio": 0.07, "values": "int8", "indices": "delta8"}),
-             ("topk", {"ratio": 0.3, "values": "int8", "indices": "delta16"})]
+             ("topk", {"ratio": 0.3, "values": "int8", "indices": "delta16"}),
+             ("dct-dp", {"ratio": 0.07, "values": "int8", "indices": "delta8", "scope": "bucket"}),
+             ("dct-dp", {"ratio": 0.1, "scope": "bucket", "life_span": 3, "capacity": 1.25})]
 
 
 def side_by_side(name: str, options: dict[str, object], grads: list[dict[str, torch.Tensor]]
