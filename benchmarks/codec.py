@@ -203,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
 def table(record: dict[str, Any]) -> str:
     """The record's rows: ms and calls a step, thinwire's and the plain version's."""
     plain_ms, plain_calls = record["plain_ms_per_step"], record["plain_calls_per_step"]
+    width = max(len("scheme"), *map(len, record["ms_per_step"]))
     lines = [f"{record['workload']}: {record['tensors']} tensors, {record['entries']} entries",
-             f"{'scheme':44s} {'ms':>8s} {'x floor':>8s} {'plain ms':>9s} {'ratio':>6s} "
+             f"{'scheme':{width}s} {'ms':>8s} {'x floor':>8s} {'plain ms':>9s} {'ratio':>6s} "
              f"{'calls':>6s} {'plain':>6s} {'ratio':>6s}"]
     for name, ms in record["ms_per_step"].items():
-        line = (f"{name:44s} {ms:8.3f} {record['over_floor'][name]:8.1f} ")
+        line = (f"{name:{width}s} {ms:8.3f} {record['over_floor'][name]:8.1f} ")
         if name in plain_ms:
             line += (f"{plain_ms[name]:9.3f} {ms / plain_ms[name]:6.2f} "
                      f"{record['calls_per_step'][name]:6d} {plain_calls[name]:6d} "
