@@ -1,9 +1,9 @@
-"""Eager local updates: blocking DiLoCo where the stand-in is the average, a reference of
-the rule written here (3 workers, float64), resume with an exchange in flight."""
+"""Eager local updates: blocking DiLoCo alone, a reference of Kale et al.'s rule written
+here (3 workers, float64, fragments, a tensor not a whole number of chunks), every share
+stepped with once, resume with an exchange in flight."""
 
 from __future__ import annotations
 
-import copy
 import io
 from typing import Any
 
@@ -28,10 +28,9 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(torch.float64)
 
 
-def _inner_step(model: nn.Module, inner: torch.optim.Optimizer, rank: int, step: int,
-                same: bool) -> None:
-    """One SGD step on a batch of its own (``same``: the batch every worker sees)."""
-    generator = torch.Generator().manual_seed(step if same else 1000 * (rank + 1) + step)
+def _inner_step(model: nn.Module, inner: torch.optim.Optimizer, rank: int, step: int) -> None:
+    """One SGD step on a batch of the worker's own."""
+    generator = torch.Generator().manual_seed(1000 * (rank + 1) + step)
     x = torch.randn(5, 6, generator=generator, dtype=torch.float64)
     y = torch.randint(0, 3, (5,), generator=generator)
     inner.zero_grad()
@@ -53,7 +52,7 @@ def _build(name: str, **options: Any) -> tuple[nn.Module, LocalUpdates]:
                                **OPTIONS, **options)
 
 
-def _run(rank: int, name: str = "dense", same: bool = False, stop: int | None = None,
+def _run(rank: int, name: str = "dense", stop: int | None = None,
          **options: Any) -> dict[str, Any]:
     """Local weights after every step, and the global weights once the last exchange landed;
     ``stop``: saved there, rebuilt and resumed."""
@@ -66,7 +65,7 @@ def _run(rank: int, name: str = "dense", same: bool = False, stop: int | None = 
             model, updates = _build(name, **options)
             buffer.seek(0)
             updates.load_state_dict(torch.load(buffer, weights_only=False))
-        _inner_step(model, updates.inner, rank, step, same)
+        _inner_step(model, updates.inner, rank, step)
         updates.step()
         trajectory.append(_weights(model))
     agreed = [g.clone() for g in updates.global_state().values()]
@@ -77,14 +76,10 @@ def _run(rank: int, name: str = "dense", same: bool = False, stop: int | None = 
 
 
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for mode, options in (("eager", {"eager": True}), ("blocking", {}),
-                          ("overlap", {"overlap": True})):
-        out[f"same {mode}"] = _run(rank, same=True, **options)
-    for name in CONFIGS:
-        out[name] = _run(rank, name, eager=True)
+    out: dict[str, Any] = {name: _run(rank, name, eager=True) for name in CONFIGS}
     for stop in (1, 3, 5, 7):  # before any sync, mid-flight, just after a launch
         out[f"resumed {stop}"] = _run(rank, "int4", stop=stop, eager=True)
+    out["sgd"] = _run(rank, eager=True, outer=nesterov(1.0, 0.0))
     return out
 
 
@@ -98,33 +93,20 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_equal_pseudo_gradients_make_eager_blocking_diloco(runs: list[dict[str, Any]]) -> None:
-    """Every worker sees the same batches: the stand-in is the average."""
-    for rank in range(WORLD):
-        eager, blocking = runs[rank]["same eager"], runs[rank]["same blocking"]
-        for got, want in zip(eager["trajectory"], blocking["trajectory"], strict=True):
-            _close(got, want)  # after a sync the local weights are the global ones
-        _close(eager["globals"], blocking["globals"])
-        # the agreed weights lag by the exchange in flight; the one-sync-late overlap differs
-        assert not torch.allclose(eager["agreed"][0], blocking["globals"][0])
-        late = runs[rank]["same overlap"]["final"]
-        assert not all(torch.allclose(a, b) for a, b in zip(late, blocking["final"]))
-
-
 def test_one_worker_eager_is_blocking_diloco() -> None:
+    """Alone the fresh share is the whole average: every step is blocking DiLoCo's, to the bit."""
     eager, blocking = _run(0, eager=True), _run(0)
     for got, want in zip(eager["trajectory"], blocking["trajectory"], strict=True):
-        _close(got, want)
-    _close(eager["globals"], blocking["globals"])
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(eager["agreed"], blocking["globals"]))
 
 
 def _reference(name: str) -> list[dict[str, Any]]:
-    """The eager rule for WORLD workers in one process, literally: each worker keeps its own
-    global weights and outer optimisers (one a fragment); at a fragment's sync the average
-    in flight lands (pre-step weights and the optimiser's saved state_dict restored, the
-    step redone with the average, the local weights moved by true - stand-in), then the
-    worker sends ``delta`` through its own codec, saves its weights and state_dict, steps
-    with its own ``delta`` and restarts from the result."""
+    """Kale et al. 2025's eager rule for WORLD workers in one process, literally: each worker
+    keeps its own global weights and outer optimisers (one a fragment); at a fragment's
+    sync it sends ``delta`` through its own codec and steps with ``delta / M`` plus, from
+    the previous sync's average, ``mean - last_delta / M``; the replica restarts from the
+    result. At the end the last average's rest is stepped with."""
     models = [_model() for _ in range(WORLD)]
     inners = [_sgd(m) for m in models]
     codecs = [schemes.build(name, **CONFIGS[name]) for _ in range(WORLD)]
@@ -137,56 +119,48 @@ def _reference(name: str) -> list[dict[str, Any]]:
                 for _ in range(WORLD)]
     outers = [[torch.optim.SGD([g[k] for k in keys], lr=lr, momentum=momentum,
                                nesterov=momentum > 0) for keys in fragments] for g in globals_]
-    saved: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+    last: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     in_flight: dict[int, dict[str, torch.Tensor]] = {}
 
-    def outer_step(rank: int, f: int, grads: dict[str, torch.Tensor]) -> None:
+    def outer_step(rank: int, f: int, fresh: dict[str, torch.Tensor] | None,
+                   mean: dict[str, torch.Tensor] | None) -> None:
+        before = last.pop((rank, f), None)
         for k in fragments[f]:
-            globals_[rank][k].grad = grads[k]
+            share = (torch.zeros_like(globals_[rank][k]) if fresh is None
+                     else fresh[k] / WORLD)
+            if mean is not None and before is not None:
+                share = share + (mean[k] - before[k] / WORLD)
+            globals_[rank][k].grad = share
         outers[rank][f].step()
-        for k in fragments[f]:
-            globals_[rank][k].grad = None
-
-    def land(f: int) -> None:
-        mean = in_flight.pop(f)
-        for rank in range(WORLD):
-            params = dict(models[rank].named_parameters())
-            stand_in = {k: globals_[rank][k].clone() for k in fragments[f]}
-            weights, state = saved.pop((rank, f))
+        params = dict(models[rank].named_parameters())
+        with torch.no_grad():
             for k in fragments[f]:
-                globals_[rank][k].copy_(weights[k])
-            outers[rank][f].load_state_dict(state)
-            outer_step(rank, f, mean)
-            with torch.no_grad():
-                for k in fragments[f]:
-                    params[k].add_(globals_[rank][k] - stand_in[k])
+                globals_[rank][k].grad = None
+                params[k].copy_(globals_[rank][k])
+        if fresh is not None:
+            last[rank, f] = fresh
 
     trajectories: list[list[list[torch.Tensor]]] = [[] for _ in range(WORLD)]
     for step in range(1, STEPS + 1):
         for rank in range(WORLD):
-            _inner_step(models[rank], inners[rank], rank, step - 1, same=False)
+            _inner_step(models[rank], inners[rank], rank, step - 1)
         for f, keys in enumerate(fragments):
             if (step - config.offset(f)) % config.every:
                 continue
-            if f in in_flight:
-                land(f)
-            mean = {k: torch.zeros_like(globals_[0][k]) for k in keys}
+            landing = in_flight.pop(f, None)
+            sum_ = {k: torch.zeros_like(globals_[0][k]) for k in keys}
             for rank in range(WORLD):
                 params = dict(models[rank].named_parameters())
                 deltas = {k: globals_[rank][k] - params[k].detach() for k in keys}
                 for k, sent in codecs[rank].reduce(deltas).items():  # alone: what it sent
-                    mean[k].add_(sent)
-                saved[rank, f] = ({k: globals_[rank][k].clone() for k in keys},
-                                  copy.deepcopy(outers[rank][f].state_dict()))
-                outer_step(rank, f, deltas)
-                with torch.no_grad():
-                    for k in keys:
-                        params[k].copy_(globals_[rank][k])
-            in_flight[f] = {k: v / WORLD for k, v in mean.items()}
+                    sum_[k].add_(sent)
+                outer_step(rank, f, deltas, landing)
+            in_flight[f] = {k: v / WORLD for k, v in sum_.items()}
         for rank in range(WORLD):
             trajectories[rank].append(_weights(models[rank]))
     for f in sorted(in_flight):
-        land(f)
+        for rank in range(WORLD):
+            outer_step(rank, f, None, in_flight[f])
     return [{"trajectory": trajectories[rank], "final": _weights(models[rank]),
              "globals": list(globals_[rank].values())} for rank in range(WORLD)]
 
@@ -201,11 +175,16 @@ def test_eager_updates_of_three_workers_equal_a_reference_of_the_rule(
             _close(at_step, wanted)
         _close(got["final"], want["final"])
         _close(got["globals"], want["globals"])
-        for a, b in zip(got["globals"], runs[0][name]["globals"]):
-            assert torch.equal(a, b)  # the agreed weights are every rank's, to the bit
-    # the workers' data differ, so the stand-ins did too
-    assert not torch.allclose(runs[0][name]["trajectory"][1][0],
-                              runs[1][name]["trajectory"][1][0])
+    # each worker stepped with its own fresh share, so their weights differ
+    assert not torch.allclose(runs[0][name]["agreed"][0], runs[1][name]["agreed"][0])
+
+
+def test_every_share_is_stepped_with_once(runs: list[dict[str, Any]]) -> None:
+    """Under plain SGD the outer steps add up: once the last average has landed, every
+    worker has stepped with every share once, so all hold the same weights."""
+    for rank in range(1, WORLD):
+        assert not torch.allclose(runs[rank]["sgd"]["agreed"][0], runs[0]["sgd"]["agreed"][0])
+        _close(runs[rank]["sgd"]["globals"], runs[0]["sgd"]["globals"])
 
 
 @pytest.mark.parametrize("stop", [1, 3, 5, 7])
@@ -225,16 +204,3 @@ def test_eager_refuses_overlap_delay_and_mix_by_name(options: dict[str, Any]) ->
         LocalConfig(every=4, eager=True, **options)
     with pytest.raises(ValueError, match="eager=1"):
         LocalConfig(eager=1)  # type: ignore[arg-type]
-
-
-def test_the_stand_in_step_leaves_the_agreed_outer_state_untouched() -> None:
-    model = _model()
-    updates = LocalUpdates(model, _sgd(model), every=2, eager=True,
-                           outer=nesterov(0.7, 0.9))
-    for step in range(2):
-        _inner_step(model, updates.inner, 0, step, same=False)
-        updates.step()
-    assert not updates.outer.state  # the first average has not landed: no momentum yet
-    start = _weights(_model())
-    assert all(torch.equal(g, s) for g, s in zip(updates.global_state().values(), start))
-    assert not torch.equal(_weights(model)[0], start[0])  # the replica took the stand-in step

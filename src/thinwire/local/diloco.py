@@ -11,8 +11,8 @@ a future and lands ``delay`` (tau) inner steps later, its local weights then
 delay; Qi et al. 2025) every exchange lands one sync late: the workers train on
 through it, and when it lands each replica becomes the new global weights plus
 its own progress since the exchange left. With ``eager`` (Kale et al. 2025) it
-lands as late, but each worker first takes the outer step with its own
-pseudo-gradient as a stand-in for the average, corrected when the average lands.
+lands as late, and each worker steps at once with its own fresh pseudo-gradient
+in the place of its share of the average, the others' shares arriving a sync late.
 
 Parameters only: buffers (batch-norm statistics) stay each worker's own. A
 DTensor parameter (FSDP2 inside a site) is worked on through its local shard,
@@ -24,7 +24,6 @@ exchanges in the same order. Every rank starts from rank 0's weights, as under D
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from torch import nn
 from thinwire._version import __version__
 from thinwire.comm import Meter
 from thinwire.comm.broadcast import broadcast_object, broadcast_tensors, digest_tensors
-from thinwire.comm.collectives import Future, Group, done
+from thinwire.comm.collectives import Future, Group, done, world
 from thinwire.comm.fingerprint import check_peers
 from thinwire.feedback import Decayed
 from thinwire.schemes import Scheme, build, fingerprint
@@ -72,7 +71,8 @@ class LocalConfig:
     delay: int = 0  # tau, inner steps an exchange overlaps before it lands, < every // fragments
     mix: float = 0.0  # weight of the local weights when a fragment lands, in [0, 1)
     overlap: bool = False  # each exchange lands at the fragment's next sync (delay, mix 0)
-    # as overlap, with an outer step on the worker's own pseudo-gradient meanwhile (overlap False)
+    # each exchange lands a sync late; meanwhile the outer step takes the worker's own fresh
+    # pseudo-gradient in place of its share (Kale et al. 2025; overlap False)
     eager: bool = False
 
     def __post_init__(self) -> None:
@@ -180,24 +180,21 @@ class LocalUpdates:
     trained parameters are broadcast to every rank, as DDP does when it wraps a
     model (ranks seeded differently then start alike).
 
-    Eager updates (``eager=True``; Kale et al. 2025): at a fragment's sync the
-    exchange of the pseudo-gradient ``delta`` leaves as under ``overlap``, and
-    the worker does not wait: it takes the outer step with its own ``delta`` in
-    place of the unknown average and trains on from the result. When the
-    average lands, at the fragment's next sync, the global weights and the outer
-    optimiser's state become what the outer step with the average gives (the
-    step is taken from the agreed weights and state, which the stand-in step
-    left untouched, so it is exact for any outer optimiser), and the replica is
-    moved by ``true - stand-in`` global weights, keeping its progress since;
-    then the next exchange leaves. With one worker, or equal pseudo-gradients,
-    this is blocking DiLoCo. A compressing scheme sends what it sends now (its
-    error memory updated by the exchange); the stand-in is the worker's own
-    uncompressed ``delta``, the fresh local information the paper's stand-in is.
-    Unlike the paper's eager rule, which steps with the mean of one's fresh and
-    the others' one-sync-old pseudo-gradients, the stand-in step is undone when
-    the average lands. Under plain SGD at lr 1 (SparseLoCo's outer optimiser) the
-    stand-in step leaves the replica where it is, so eager is ``overlap`` there.
-    :meth:`global_state` is the agreed weights, without the stand-in step.
+    Eager updates (``eager=True``; Kale et al. 2025, "eager updates"): at a
+    fragment's sync the exchange of this round's pseudo-gradient ``delta_t``
+    leaves, last round's average ``mean_{t-1}`` lands, and the outer step takes,
+    without waiting, ``delta_t / M + (mean_{t-1} - delta_{t-1} / M)``: the
+    worker's own fresh share and the others' shares from a sync ago (M the
+    group's size). The replica restarts from the result, as under blocking
+    DiLoCo. Each worker keeps its own global weights and outer state, which
+    differ by the fresh shares; every share enters the outer steps once in all.
+    Where the paper is silent: a first round has no average yet, so its step is
+    ``delta_1 / M``; a compressing scheme sends what it sends without eager, and
+    the fresh share is the worker's own uncompressed ``delta`` (the fresh local
+    information the paper steps with), subtracted from the average when that
+    lands, so what its codec held back is not counted twice; :meth:`finish`
+    takes one more outer step with the rest of the last average. With one
+    worker and a lossless scheme the step is ``delta_t``: blocking DiLoCo.
 
     Args:
         module: the replica; its trained parameters are synchronised.
@@ -269,19 +266,25 @@ class LocalUpdates:
         with torch.no_grad():  # every replica starts from the (now shared) global weights
             for name in self.names:
                 _local(self.params[name]).copy_(self.globals[name])
-        # overlap, eager: each replica's weights when its last exchange left (under eager,
-        # the stand-in global weights), its progress' origin
+        # overlap: each replica's weights when its last exchange left, its progress' origin
         self.anchors = ({name: g.clone() for name, g in self.globals.items()}
-                        if self.config.late else None)
+                        if self.config.overlap else None)
+        # eager: each fragment's last pseudo-gradient, whose share stepped before its average
+        self.fresh: dict[int, dict[str, torch.Tensor]] = {}
 
-    def _agree(self) -> None:
+    def _agree(self, own: bool = False) -> None:
         """Every rank's global weights, outer optimiser state and step count become rank 0's
-        (broadcast), or are compared (``broadcast=False``), after the peer check. A
+        (broadcast), or are compared (``broadcast=False``), after the peer check; ``own``
+        (eager, resumed): each rank keeps its own, the step counts are compared. A
         collective over ``group``; a no-op alone.
 
         Raises:
-            PeerMismatchError: ``broadcast=False`` and the ranks' states differ.
+            PeerMismatchError: ``broadcast=False`` (or ``own``) and the ranks' states differ.
         """
+        if own:
+            check_peers({**self.fields, "steps": self.steps}, "eager local updates",
+                        self.group, self.device)
+            return
         shared = [self.globals[name] for name in self.names]
         if not self.broadcast:
             outer = [value for state in self.outer.state.values() for value in state.values()
@@ -302,8 +305,8 @@ class LocalUpdates:
 
         Returns:
             The fragments that landed at this step (their weights are the global ones,
-            mixed with the local when ``mix`` > 0; under ``overlap`` and ``eager``, plus
-            this replica's progress since the exchange left).
+            mixed with the local when ``mix`` > 0; under ``overlap``, plus this replica's
+            progress since the exchange left; under ``eager``, after the eager step).
         """
         self.steps += 1
         config = self.config
@@ -313,13 +316,14 @@ class LocalUpdates:
             if phase == 0 and config.late:  # the last exchange lands as the next leaves
                 previous = self.pending.pop(fragment, None)
                 deltas = self._launch(fragment, self.steps + config.every)
-                if previous is not None:
+                if config.eager:
+                    self._eager(fragment, deltas, None if previous is None else previous[1])
+                elif previous is not None:
                     self._land(fragment, previous[1])
-                    landed.append(fragment)
                 else:
                     self._rebase(fragment, moved=False)
-                if config.eager:
-                    self._stand_in(fragment, deltas)
+                if previous is not None:
+                    landed.append(fragment)
                 continue
             if phase == 0:
                 self._launch(fragment, self.steps + config.delay)
@@ -331,8 +335,8 @@ class LocalUpdates:
 
     def _launch(self, fragment: int, lands: int) -> dict[str, torch.Tensor]:
         """Start averaging the fragment's pseudo-gradients (``x_global - x_local``; under
-        ``overlap`` and ``eager`` ``x_anchor - x_local``, this replica's progress since its
-        last launch), and return them."""
+        ``overlap`` ``x_anchor - x_local``, this replica's progress since its last launch),
+        and return them."""
         origin = self.globals if self.anchors is None else self.anchors
         with torch.no_grad():
             deltas = {name: origin[name] - _local(self.params[name])
@@ -340,33 +344,28 @@ class LocalUpdates:
         self.pending[fragment] = (lands, self.exchange.launch(self, fragment, deltas))
         return deltas
 
-    def _stand_in(self, fragment: int, deltas: Mapping[str, torch.Tensor]) -> None:
-        """Under ``eager``: the outer step with this worker's own ``deltas`` in place of the
-        average in flight (Kale et al. 2025's eager update); the fragment's local weights
-        and anchor become its result. The global weights and the outer optimiser's state
-        are put back as they were, the agreed ones the average's step starts from."""
-        assert self.anchors is not None
+    def _eager(self, fragment: int, deltas: dict[str, torch.Tensor] | None,
+               future: Future[Any] | None) -> None:
+        """Under ``eager``: the outer step with this worker's fresh share ``deltas / M`` and,
+        from the average in ``future``, the shares it has not yet stepped with
+        (``mean - last / M``; Kale et al. 2025's eager update); the replica restarts from
+        the result. ``deltas`` None: no new round (:meth:`finish`)."""
+        size = world(self.group)[1]
+        last = self.fresh.pop(fragment, None)
+        averaged = None if future is None else self.exchange.land(self, fragment, future)
         names = self.fragments[fragment]
-        params = [self.globals[name] for name in names]
-        with torch.no_grad():
-            agreed = [g.clone() for g in params]
-        states = {g: {key: value.clone() if isinstance(value, torch.Tensor)
-                      else copy.deepcopy(value) for key, value in self.outer.state[g].items()}
-                  for g in params if g in self.outer.state}
-        for name, g in zip(names, params):
-            g.grad = deltas[name].to(g.dtype)
+        for name in names:
+            share = torch.zeros_like(self.globals[name]) if deltas is None else deltas[name] / size
+            if averaged is not None and last is not None:
+                share = share + (averaged[name] - last[name] / size)
+            self.globals[name].grad = share.to(self.globals[name].dtype)
+        if deltas is not None:
+            self.fresh[fragment] = deltas
         self.outer.step()
         with torch.no_grad():
-            for name, g, before in zip(names, params, agreed):
-                g.grad = None
-                _local(self.params[name]).copy_(g)
-                self.anchors[name].copy_(g)
-                g.copy_(before)
-        for g in params:  # a first step creates the state the agreed optimiser lacks
-            if g in states:
-                self.outer.state[g] = states[g]
-            else:
-                self.outer.state.pop(g, None)
+            for name in names:
+                self.globals[name].grad = None
+                _local(self.params[name]).copy_(self.globals[name])
 
     def _land(self, fragment: int, future: Future[Any]) -> None:
         """The outer step on the fragment's global weights, then the local weights (unless
@@ -394,7 +393,7 @@ class LocalUpdates:
             self._rebase(fragment, moved=True)
 
     def _rebase(self, fragment: int, moved: bool) -> None:
-        """Under ``overlap`` and ``eager``: where the global weights ``moved``, the local
+        """Under ``overlap``: where the global weights ``moved``, the local
         weights become them plus this replica's progress since its anchor
         (``x <- g + (x - a)``); the anchor becomes the local weights."""
         assert self.anchors is not None
@@ -408,11 +407,15 @@ class LocalUpdates:
     def finish(self) -> None:
         """Land every exchange in flight now (at the end of training)."""
         for fragment in sorted(self.pending):
-            self._land(fragment, self.pending.pop(fragment)[1])
+            future = self.pending.pop(fragment)[1]
+            if self.config.eager:
+                self._eager(fragment, None, future)
+            else:
+                self._land(fragment, future)
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global weights by parameter name (local shards of DTensors): what every worker
-        shares after a sync, for evaluation (under ``eager``, without the stand-in steps)."""
+        shares after a sync, for evaluation (under ``eager``, this worker's own)."""
         return dict(self.globals)
 
     def state_dict(self) -> dict[str, Any]:
@@ -428,6 +431,8 @@ class LocalUpdates:
                 "globals": {name: g.clone() for name, g in self.globals.items()},
                 "anchors": None if self.anchors is None else {
                     name: a.clone() for name, a in self.anchors.items()},
+                "fresh": {fragment: {name: d.clone() for name, d in deltas.items()}
+                          for fragment, deltas in self.fresh.items()},
                 "scheme": self.scheme.state_dict(),
                 "pending": {fragment: (lands, _cloned(future.wait()))
                             for fragment, (lands, future) in self.pending.items()}}
@@ -437,7 +442,9 @@ class LocalUpdates:
 
         A collective over ``group``, as construction is: rank 0's global weights, outer
         optimiser state and step count go to every rank (``broadcast``), or every rank's
-        must be equal; the replica (module, inner optimiser) stays each rank's own.
+        must be equal; the replica (module, inner optimiser) stays each rank's own. Under
+        ``eager`` the global weights and outer state are each rank's own too (they differ
+        by design); only the step count and options are compared.
 
         Raises:
             ValueError: the state was saved under other options.
@@ -460,7 +467,8 @@ class LocalUpdates:
         self.steps = state["steps"]
         self.pending = {fragment: (lands, done(result))
                         for fragment, (lands, result) in state["pending"].items()}
-        self._agree()
+        self.fresh = {fragment: dict(deltas) for fragment, deltas in state.get("fresh", {}).items()}
+        self._agree(own=self.config.eager)
 
 
 def _cloned(result: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
