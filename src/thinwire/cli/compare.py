@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     figures = plot(results, out)
     print(common.text_table(header(args.bandwidth, metric), rows))
     print(f"wrote {out}/results.json, results.md, " + ", ".join(f.name for f in figures))
-    diverged = [r["scheme"] for r in results if not r["replicas_identical"]]
+    diverged = [r["scheme"] for r in results if r["replicas_identical"] is False]
     broken = [r["scheme"] for r in results if not math.isfinite(r["test_accuracy"])]
     if diverged:  # the ranks no longer train one model: the run's numbers mean nothing
         print(f"thinwire compare: error: replicas diverged under {', '.join(diverged)}: the "

@@ -201,7 +201,8 @@ def compare(names: list[str], workers: int, options: RunOptions, bandwidth_bps: 
     for index, result in enumerate(results):
         result["scheme"] = names[index]  # as spelled: a scheme's settings tell rows apart
         weights = [rank_results[index].pop("weights") for rank_results in per_rank]
-        result["replicas_identical"] = all(
+        # eager local updates keep each worker's own outer weights: None, nothing to compare
+        result["replicas_identical"] = None if (result.get("local") or {}).get("eager") else all(
             all(torch.equal(a, b) for a, b in zip(weights[0], other)) for other in weights[1:])
         dense_bytes = result.pop("dense_shard_bytes", None) or sum(  # sharded: the shard's
             w.numel() * w.element_size() for w in weights[0])
