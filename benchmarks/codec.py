@@ -132,7 +132,7 @@ def codec_steps(spellings: list[str], grads: dict[str, torch.Tensor]
         bucket = flat.clone()
         rows[spelling] = (lambda s=scheme, b=bucket: s.launch_flat(b, infos, ALONE).wait())
         prepare[spelling] = (lambda b=bucket: b.copy_(flat))
-        floor = floors.floor_of(name, scheme.origin[1]) if scheme.origin else None
+        floor = floors.floor_of(name, scheme.origin[1], infos) if scheme.origin else None
         if floor is not None:
             plain, state = floor
             bucket, error = flat.clone(), torch.zeros_like(flat)
