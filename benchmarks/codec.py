@@ -8,8 +8,10 @@ here every scheme encodes and decodes the same real gradient of the workload's
 model (one backward pass on a training batch), laid out as DDP's bucket of all
 parameters, through :meth:`~thinwire.schemes.base.Scheme.launch_flat` over a group
 of one (collectives are no-ops), the schemes interleaved round by round
-(:func:`benchmarks.overhead.interleaved`), medians over rounds. ``floor`` is the
-least any exchange does with the bucket: one copy of it (what an all-reduce reads).
+(:func:`benchmarks.overhead.interleaved`), medians over rounds of this thread's CPU
+time (with one torch thread the work runs here, and other processes' load does not add
+to it). ``floor`` is the least any exchange does with the bucket: one copy of it (what
+an all-reduce reads).
 
 Beside each scheme that has one, its plain version (:mod:`benchmarks.floors`: the same
 arithmetic as the fewest plain torch ops on one flat bucket and one flat error memory)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     load = os.getloadavg()
-    seconds = interleaved(rows, args.repeats, prepare)
+    seconds = interleaved(rows, args.repeats, prepare, clock=time.thread_time)
     step_calls = {}
     for name, run in rows.items():  # one more step of each, counted (untimed)
         if name in prepare:
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = {name: 1000.0 * s for name, s in seconds.items()}
     record = {
         "workload": workload, "threads": args.threads, "repeats": args.repeats,
+        "clock": "thread CPU time",
         "tensors": len(grads), "entries": sum(grad.numel() for grad in grads.values()),
         "ms_per_step": {name: t for name, t in ms.items() if not name.endswith(PLAIN)},
         "over_floor": {name: s / seconds["floor"] for name, s in seconds.items()
