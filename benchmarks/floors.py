@@ -38,6 +38,23 @@ def fp16(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> to
     return bucket.copy_(bucket.to(torch.float16))
 
 
+def room(state: dict[str, Any], name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """1-D room for ``numel`` entries of ``like``'s dtype, kept in ``state`` under ``name``
+    across calls (grown to the most asked for), as thinwire keeps its scratch: a fresh
+    tensor the size of a large bucket costs its page faults on every call on CPU."""
+    buffer = state.get(name)
+    if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype:
+        buffer = state[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer[:numel]
+
+
+def kept(state: dict[str, Any], name: str, like: torch.Tensor, op: Callable[..., torch.Tensor],
+         *args: Any) -> torch.Tensor:
+    """``op(*args)`` (``op(like)`` without ``args``) written into :func:`room` of ``like``'s
+    shape: ``op`` takes ``out=``."""
+    return op(*(args or (like,)), out=room(state, name, like.numel(), like).view(like.shape))
+
+
 def int8(values: torch.Tensor) -> torch.Tensor:
     """``values`` (1-D, fp32) as int8 codes with one scale per :data:`CHUNK`, decoded.
 
@@ -74,7 +91,8 @@ def topk(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> to
     k = keep_count(p.numel(), state["ratio"])
     # ascending, as thinwire's payload orders them (int8 chunks follow that order);
     # torch.topk breaks ties at the k-th value by no stated rule, thinwire by position
-    indices = torch.topk(p.abs(), k, sorted=False).indices.sort().values
+    indices = torch.topk(kept(state, "magnitudes", p, torch.abs), k,
+                         sorted=False).indices.sort().values
     taken = p.index_select(0, indices)
     sent = int8(taken) if state["values"] == "int8" else taken
     error.index_add_(0, indices, sent, alpha=-1)  # p - s, exactly as p + (-s)
@@ -98,7 +116,7 @@ def dct_dp(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> 
         ``bucket``, overwritten with the mean. Modifies ``error`` and ``state`` in place.
     """
     p = error.add_(bucket)
-    magnitudes = p.abs()
+    magnitudes = kept(state, "magnitudes", p, torch.abs)
     numel = p.numel()
     k = keep_count(numel, state["ratio"])
     calls = state.get("calls", 0)
@@ -135,7 +153,7 @@ def laplace(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) ->
         ``bucket``, overwritten with the mean. Modifies ``error`` and ``state`` in place.
     """
     p = error.add_(bucket)
-    magnitudes = p.abs()
+    magnitudes = kept(state, "magnitudes", p, torch.abs)
     numel = p.numel()
     k = keep_count(numel, state["ratio"])
     scale = state.get("scale", 1.0)
@@ -181,10 +199,10 @@ def powersgd(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -
         q_t = p_hat.t() @ matrix  # (rank, cols): Q^T, rows contiguous
         mean = torch.mul(p_hat[:, :1], q_t[0], out=bucket[start:stop].view(rows, cols))
         for j in range(1, rank):
-            mean.add_(p_hat[:, j: j + 1] * q_t[j])
+            mean.add_(kept(state, "term", mean, torch.mul, p_hat[:, j: j + 1], q_t[j]))
         matrix.sub_(mean)
-        kept = torch.empty(rank, cols, dtype=q_t.dtype).t()  # column-major, as left() reads
-        qs[key] = torch.where(q_t.t().any(dim=0), q_t.t(), qs[key], out=kept)
+        warm = torch.empty(rank, cols, dtype=q_t.dtype).t()  # column-major, as left() reads
+        qs[key] = torch.where(q_t.t().any(dim=0), q_t.t(), qs[key], out=warm)
     return bucket
 
 
@@ -214,15 +232,19 @@ def sparseloco(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any])
         ``bucket``, overwritten with the mean. Modifies ``error`` in place.
     """
     p = error.mul_(state["beta"]).add_(bucket)
-    pieces = p.abs().split(state["pieces"])
+    pieces = kept(state, "magnitudes", p, torch.abs).split(state["pieces"])
     chosen = []
     if state["full"]:  # whole chunks: every one keeps k
-        rows = torch.cat([pieces[i] for i in state["full"]]).view(-1, state["chunk"])
+        rows = torch.cat([pieces[i] for i in state["full"]],
+                         out=room(state, "full_rows", state["full_size"], p))
+        rows = rows.view(-1, state["chunk"])
         top = torch.topk(rows, state["k"], dim=1, sorted=False).indices
         chosen.append(top.add_(state["full_starts"]).view(-1))
     if state["tails"]:  # partial chunks, padded to a row: the first of each's count
         rows = torch.cat([part for i, pad in zip(state["tails"], state["pads"])
-                          for part in (pieces[i], pad)]).view(-1, state["chunk"])
+                          for part in (pieces[i], pad)],
+                         out=room(state, "tail_rows", state["tail_size"], p))
+        rows = rows.view(-1, state["chunk"])
         top = torch.topk(rows, state["tail_k"], dim=1).indices  # sorted: largest first
         chosen.append(top.add_(state["tail_starts"])[state["tail_mask"]])
     chosen.append(state["whole"])  # tensors of one dimension: every entry
@@ -342,11 +364,12 @@ def _chunks(infos: Sequence[TensorInfo], chunk: int, k: int) -> dict[str, Any]:
         counts.append(chunks * k + count)
         start += info.numel
     tail_k = max(tail_counts, default=0)
+    full_size = sum(pieces[i] for i in full)
     sizes = torch.tensor(counts, dtype=torch.float32)
     return {"pieces": pieces, "full": full, "tails": tails, "pads": pads,
             "full_starts": torch.tensor(full_starts, dtype=torch.int64).view(-1, 1),
             "tail_starts": torch.tensor(tail_starts, dtype=torch.int64).view(-1, 1),
-            "tail_k": tail_k,
+            "tail_k": tail_k, "full_size": full_size, "tail_size": len(tails) * chunk,
             "tail_mask": torch.arange(tail_k) < torch.tensor(tail_counts).view(-1, 1),
             "whole": torch.cat(whole) if whole else torch.zeros(0, dtype=torch.int64),
             "segments": torch.tensor(full_segments + tail_segments + whole_segments,
