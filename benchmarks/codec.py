@@ -19,11 +19,13 @@ runs in the same rounds, and one more step of each is counted in torch operator 
 (:class:`CallCount`): thinwire's time and calls over the plain version's are what its
 engine costs beyond the arithmetic. ``--synthetic N`` times a made-up model's gradient of
 N tensors (:func:`synthetic`: a few large matrices, many small vectors), where the cost
-per tensor shows.
+per tensor shows; ``--entries N`` one matrix of N entries (:func:`entries`), where the
+cost per entry does.
 
 A scheme is spelled as ``thinwire compare`` spells it, ``NAME:KEY=VALUE`` for its
 own options. The record goes to ``docs/data/codec-WORKLOAD.json`` (or
-``codec-synthetic-N.json``; with the machine's load before and after), which
+``codec-synthetic-N.json``, ``codec-entries-N.json``; with the machine's load before
+and after), which
 ``benchmarks.linkmodel --codec-from`` reads in place of the codec times its runs
 measured under their own load.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -93,6 +96,20 @@ def synthetic(count: int, width: int = 64, seed: int = 0) -> dict[str, torch.Ten
             for (name, shape), scale in zip(shapes, scales)}
 
 
+def entries(count: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One made-up matrix gradient of ``count`` entries, normal at scale 1e-2, with as many
+    columns as the largest power of two up to 4096 that divides ``count``.
+
+    Raises:
+        ValueError: ``count`` below 1.
+    """
+    if count < 1:
+        raise ValueError(f"count={count!r} must be >= 1")
+    cols = math.gcd(count, 4096)
+    generator = torch.Generator().manual_seed(seed)
+    return {"weight": torch.randn(count // cols, cols, generator=generator).mul_(1e-2)}
+
+
 class CallCount(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the torch operator calls (``aten`` ops, after Python-level composites) made
     while it is active (``with count: ...``; then ``count.calls``)."""
@@ -148,8 +165,11 @@ def codec_steps(spellings: list[str], grads: dict[str, torch.Tensor]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="text-lm", choices=sorted(workloads.WORKLOADS))
-    parser.add_argument("--synthetic", type=int, default=None, metavar="N",
-                        help="a made-up model's gradient of N tensors instead of the workload's")
+    made_up = parser.add_mutually_exclusive_group()
+    made_up.add_argument("--synthetic", type=int, default=None, metavar="N",
+                         help="a made-up model's gradient of N tensors instead of the workload's")
+    made_up.add_argument("--entries", type=int, default=None, metavar="N",
+                         help="one made-up matrix of N entries instead of the workload's")
     parser.add_argument("--schemes", default="dense,fp16,topk,dct-dp,powersgd,clt-k",
                         help="comma-separated, each NAME or NAME:KEY=VALUE")
     parser.add_argument("--repeats", type=int, default=51, help="timed rounds")
@@ -162,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats {args.repeats} must be >= 1")
     torch.set_num_threads(args.threads)
     spellings = [s for s in args.schemes.split(",") if s]
-    workload = args.workload if args.synthetic is None else f"synthetic-{args.synthetic}"
+    workload = (f"synthetic-{args.synthetic}" if args.synthetic is not None
+                else f"entries-{args.entries}" if args.entries is not None else args.workload)
     try:
-        grads = gradient(args.workload) if args.synthetic is None else synthetic(args.synthetic)
+        grads = (synthetic(args.synthetic) if args.synthetic is not None
+                 else entries(args.entries) if args.entries is not None
+                 else gradient(args.workload))
         rows, prepare = codec_steps(spellings, grads)
     except ValueError as error:
         parser.error(str(error))

@@ -132,6 +132,18 @@ def test_a_synthetic_gradient_has_the_tensors_asked_for(tmp_path: Path) -> None:
     assert set(record["plain_ms_per_step"]) == {"fp16"}
 
 
+def test_one_large_matrix_has_the_entries_asked_for(tmp_path: Path) -> None:
+    assert codec.entries(1_000_000)["weight"].shape == (15_625, 64)
+    assert codec.entries(3 * 4096 * 5)["weight"].shape == (15, 4096)
+    out = tmp_path / "codec.json"
+    assert codec.main(["--entries", "20000", "--schemes", "sparseloco,powersgd",
+                       "--repeats", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["workload"] == "entries-20000" and record["tensors"] == 1
+    assert record["entries"] == 20000
+    assert set(record["plain_ms_per_step"]) == {"sparseloco", "powersgd"}
+
+
 def test_a_bad_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         codec.main(["--workload", "digits-mlp", "--schemes", "topk:rank=2"])
