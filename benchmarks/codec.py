@@ -176,14 +176,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (a rank of a run on this machine has one)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default docs/data/codec-WORKLOAD.json")
+                        help="default docs/data/codec-WORKLOAD.json, or --add-to's file")
+    parser.add_argument("--add-to", type=Path, default=None, metavar="FILE",
+                        help="keep FILE's schemes (an earlier run on the same gradient) and "
+                             "add these: a large gradient's schemes need not all fit in "
+                             "memory at once")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} must be >= 1")
+    earlier = json.loads(args.add_to.read_text()) if args.add_to is not None else None
     torch.set_num_threads(args.threads)
     spellings = [s for s in args.schemes.split(",") if s]
     workload = (f"synthetic-{args.synthetic}" if args.synthetic is not None
                 else f"entries-{args.entries}" if args.entries is not None else args.workload)
+    if earlier is not None and (earlier["workload"], earlier["threads"]) != (
+            workload, args.threads):
+        parser.error(f"--add-to {args.add_to}: its gradient and threads "
+                     f"({earlier['workload']}, {earlier['threads']}) are not this run's "
+                     f"({workload}, {args.threads})")
     try:
         grads = (synthetic(args.synthetic) if args.synthetic is not None
                  else entries(args.entries) if args.entries is not None
@@ -218,12 +228,28 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": list(os.getloadavg()), "cores": os.cpu_count(),
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
         "torch": torch.__version__}
-    out = args.out or Path(f"docs/data/codec-{workload}.json")
+    if earlier is not None:
+        record = added(earlier, record)
+    out = args.out or args.add_to or Path(f"docs/data/codec-{workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     print(table(record))
     print(f"wrote {out} (load {load[0]:.2f} before, {record['load_after'][0]:.2f} after)")
     return 0
+
+
+RUN = ("repeats", "command", "when", "load_before", "load_after", "uptime")  # a run's own
+ROWS = ("ms_per_step", "over_floor", "plain_ms_per_step", "calls_per_step",
+        "plain_calls_per_step")  # per scheme
+
+
+def added(earlier: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """``record``'s schemes added to ``earlier``'s (a scheme in both: ``record``'s), with
+    ``earlier``'s runs listed under ``"earlier"``. ``over_floor`` is each run's own: the
+    floor row of each is timed in that run."""
+    merged = {**record, **{key: {**earlier[key], **record[key]} for key in ROWS}}
+    runs = earlier.get("earlier", []) + [{key: earlier[key] for key in RUN}]
+    return {**merged, "earlier": runs}
 
 
 def table(record: dict[str, Any]) -> str:

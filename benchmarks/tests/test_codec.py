@@ -144,6 +144,23 @@ def test_one_large_matrix_has_the_entries_asked_for(tmp_path: Path) -> None:
     assert set(record["plain_ms_per_step"]) == {"sparseloco", "powersgd"}
 
 
+def test_a_run_adds_its_schemes_to_an_earlier_one(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "codec.json"
+    assert codec.main(["--entries", "5000", "--schemes", "fp16,topk", "--repeats", "1",
+                       "--out", str(out)]) == 0
+    assert codec.main(["--entries", "5000", "--schemes", "topk,laplace:scope=bucket:min_numel=0",
+                       "--repeats", "1", "--add-to", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["plain_ms_per_step"]) == {"fp16", "topk", "laplace:scope=bucket:min_numel=0"}
+    assert set(record["ms_per_step"]) == {*record["plain_ms_per_step"], "floor"}
+    assert [run["command"].split()[-1] for run in record["earlier"]] == [str(out)]
+    assert "--add-to" in record["command"]
+    with pytest.raises(SystemExit):
+        codec.main(["--entries", "4000", "--schemes", "fp16", "--add-to", str(out)])
+    assert "not this run's" in capsys.readouterr().err
+
+
 def test_a_bad_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         codec.main(["--workload", "digits-mlp", "--schemes", "topk:rank=2"])
