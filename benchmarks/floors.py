@@ -38,7 +38,7 @@ def fp16(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> to
     return bucket.copy_(bucket.to(torch.float16))
 
 
-def room(state: dict[str, Any], name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+def scratch(state: dict[str, Any], name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
     """1-D room for ``numel`` entries of ``like``'s dtype, kept in ``state`` under ``name``
     across calls (grown to the most asked for), as thinwire keeps its scratch: a fresh
     tensor the size of a large bucket costs its page faults on every call on CPU."""
@@ -50,9 +50,9 @@ def room(state: dict[str, Any], name: str, numel: int, like: torch.Tensor) -> to
 
 def kept(state: dict[str, Any], name: str, like: torch.Tensor, op: Callable[..., torch.Tensor],
          *args: Any) -> torch.Tensor:
-    """``op(*args)`` (``op(like)`` without ``args``) written into :func:`room` of ``like``'s
-    shape: ``op`` takes ``out=``."""
-    return op(*(args or (like,)), out=room(state, name, like.numel(), like).view(like.shape))
+    """``op(*args)`` (``op(like)`` without ``args``) written into :func:`scratch` of
+    ``like``'s shape: ``op`` takes ``out=``."""
+    return op(*(args or (like,)), out=scratch(state, name, like.numel(), like).view(like.shape))
 
 
 def int8(values: torch.Tensor) -> torch.Tensor:
@@ -222,7 +222,9 @@ def sparseloco(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any])
     thinwire reduces each tensor's values on their own (``mean``, ``norm``, a sum per
     bin), this floor all tensors at once by ``index_add_``, which adds in another order,
     so a tensor's mean, spread and bin means differ in the last bits (the checking test
-    allows 1e-7 relative), and a value on a bin's edge could take the next code.
+    allows 4 units in the last place of each tensor's largest entry: a bin's mean can
+    be near 0, where a relative bound means nothing), and a value on a bin's edge could
+    take the next code.
 
     Args:
         state: ``beta``, ``chunk``, ``k`` and the layout :func:`floor_of` derives (pieces,
@@ -236,14 +238,14 @@ def sparseloco(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any])
     chosen = []
     if state["full"]:  # whole chunks: every one keeps k
         rows = torch.cat([pieces[i] for i in state["full"]],
-                         out=room(state, "full_rows", state["full_size"], p))
+                         out=scratch(state, "full_rows", state["full_size"], p))
         rows = rows.view(-1, state["chunk"])
         top = torch.topk(rows, state["k"], dim=1, sorted=False).indices
         chosen.append(top.add_(state["full_starts"]).view(-1))
     if state["tails"]:  # partial chunks, padded to a row: the first of each's count
         rows = torch.cat([part for i, pad in zip(state["tails"], state["pads"])
                           for part in (pieces[i], pad)],
-                         out=room(state, "tail_rows", state["tail_size"], p))
+                         out=scratch(state, "tail_rows", state["tail_size"], p))
         rows = rows.view(-1, state["chunk"])
         top = torch.topk(rows, state["tail_k"], dim=1).indices  # sorted: largest first
         chosen.append(top.add_(state["tail_starts"])[state["tail_mask"]])
