@@ -206,6 +206,22 @@ def powersgd(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -
     return bucket
 
 
+def _first_largest(rows: torch.Tensor, threshold: torch.Tensor,
+                   counts: torch.Tensor | int) -> torch.Tensor:
+    """Per row of ``rows``, a mask of its ``counts`` largest entries, given each row's
+    ``counts``-th largest (``threshold``, (rows, 1)): every entry above it, then the
+    first of those equal to it. thinwire breaks ties so (towards the lower position),
+    and here they matter: a chunk of fewer than k non-zero entries sends zeros, each
+    decoded as its bin's mean, so which zeros go changes the mean."""
+    keep = rows >= threshold
+    total = rows.shape[0] * counts if isinstance(counts, int) else int(counts.sum())
+    if int(keep.sum()) == total:  # the usual case: no tie at any row's threshold
+        return keep
+    above = rows > threshold
+    tied = keep & ~above
+    return above | (tied & (tied.cumsum(1) <= counts - above.sum(1, keepdim=True)))
+
+
 def sparseloco(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     """SparseLoCo (Sarfi et al. 2025, Alg. 1) over the bucket, each tensor's statistics by
     segment operations.
@@ -213,15 +229,17 @@ def sparseloco(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any])
     ``p = beta e + g``; of each matrix, the ``k`` largest ``|p|`` of every ``chunk``
     entries along its flat view (a last partial chunk of ``m``: ``ceil(k m / chunk)``), by
     one ``torch.topk`` over the chunks laid as rows (partial chunks padded with -1,
-    which no magnitude falls below); every entry of a tensor of one dimension. The values
+    which no magnitude falls below), ties to the lower position
+    (:func:`_first_largest`); every entry of a tensor of one dimension. The values
     of each tensor as 2-bit codes of its own codebook
     (:mod:`thinwire.compress.codebook`: centred on its mean, cut at 1.5 unbiased standard
     deviations, each code read as its bin's mean); ``e = p - sent`` at the sent entries.
 
     The same entries, codes and memory as thinwire's, but not always the same bits:
-    thinwire reduces each tensor's values on their own (``mean``, ``norm``, a sum per
-    bin), this floor all tensors at once by ``index_add_``, which adds in another order,
-    so a tensor's mean, spread and bin means differ in the last bits (the checking test
+    thinwire reduces each tensor's values on their own in fp32 (``mean``, ``norm``, a sum
+    per bin), this floor all tensors at once by ``index_add_``, which adds in another
+    order (one by one: in fp64, then rounded to fp32, so that it strays less), so a
+    tensor's mean, spread and bin means differ in the last bits (the checking test
     allows 4 units in the last place of each tensor's largest entry: a bin's mean can
     be near 0, where a relative bound means nothing), and a value on a bin's edge could
     take the next code.
@@ -240,27 +258,36 @@ def sparseloco(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any])
         rows = torch.cat([pieces[i] for i in state["full"]],
                          out=scratch(state, "full_rows", state["full_size"], p))
         rows = rows.view(-1, state["chunk"])
-        top = torch.topk(rows, state["k"], dim=1, sorted=False).indices
-        chosen.append(top.add_(state["full_starts"]).view(-1))
-    if state["tails"]:  # partial chunks, padded to a row: the first of each's count
+        threshold = torch.topk(rows, state["k"], dim=1, sorted=False).values.amin(
+            1, keepdim=True)
+        keep = _first_largest(rows, threshold, state["k"])
+        chosen.append(keep.nonzero()[:, 1].view(-1, state["k"]).add_(state["full_starts"])
+                      .view(-1))
+    if state["tails"]:  # partial chunks, padded to a row: each keeps its own count
         rows = torch.cat([part for i, pad in zip(state["tails"], state["pads"])
                           for part in (pieces[i], pad)],
                          out=scratch(state, "tail_rows", state["tail_size"], p))
         rows = rows.view(-1, state["chunk"])
-        top = torch.topk(rows, state["tail_k"], dim=1).indices  # sorted: largest first
-        chosen.append(top.add_(state["tail_starts"])[state["tail_mask"]])
+        counts = state["tail_counts"]  # (rows, 1)
+        threshold = torch.topk(rows, state["tail_k"], dim=1).values.gather(1, counts - 1)
+        places = _first_largest(rows, threshold, counts).nonzero()
+        chosen.append(state["tail_starts"].view(-1).index_select(0, places[:, 0])
+                      .add_(places[:, 1]))
     chosen.append(state["whole"])  # tensors of one dimension: every entry
     indices = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
     values = p.index_select(0, indices)
     segment, counts = state["segments"], state["counts"]
-    mean = torch.zeros_like(counts).index_add_(0, segment, values).div_(counts)
+    wide = values.double()  # sequential sums in fp32 would stray from thinwire's further
+    mean = torch.zeros_like(counts).index_add_(0, segment, wide).div_(counts).float()
     centred = values - mean.index_select(0, segment)
-    std = torch.zeros_like(counts).index_add_(0, segment, centred * centred).sqrt_()
+    wide = centred.double()
+    std = torch.zeros_like(counts).index_add_(0, segment, wide.mul_(wide)).sqrt_().float()
     scale = RANGE * std.div_(state["dof"]) / BINS
     scale = torch.where((scale > 0) & torch.isfinite(scale), scale, 1.0)
     codes = torch.round(centred / scale.index_select(0, segment) + BINS // 2).clamp_(0, BINS - 1)
     bins = segment * BINS + codes.long()
-    sums = torch.zeros(counts.numel() * BINS, dtype=values.dtype).index_add_(0, bins, values)
+    sums = torch.zeros(counts.numel() * BINS, dtype=torch.float64).index_add_(
+        0, bins, values.double()).float()
     table = sums / torch.zeros_like(sums).index_add_(0, bins, torch.ones_like(values)).clamp_(
         min=1)
     sent = table.index_select(0, bins)
@@ -372,8 +399,8 @@ def _chunks(infos: Sequence[TensorInfo], chunk: int, k: int) -> dict[str, Any]:
             "full_starts": torch.tensor(full_starts, dtype=torch.int64).view(-1, 1),
             "tail_starts": torch.tensor(tail_starts, dtype=torch.int64).view(-1, 1),
             "tail_k": tail_k, "full_size": full_size, "tail_size": len(tails) * chunk,
-            "tail_mask": torch.arange(tail_k) < torch.tensor(tail_counts).view(-1, 1),
+            "tail_counts": torch.tensor(tail_counts, dtype=torch.int64).view(-1, 1),
             "whole": torch.cat(whole) if whole else torch.zeros(0, dtype=torch.int64),
             "segments": torch.tensor(full_segments + tail_segments + whole_segments,
                                      dtype=torch.int64),
-            "counts": sizes, "dof": (sizes - 1).clamp_(min=1).sqrt_()}
+            "counts": sizes.double(), "dof": (sizes - 1).clamp_(min=1).sqrt_()}

@@ -89,8 +89,9 @@ def test_sparselocos_plain_version_decodes_within_rounding() -> None:
 
 def test_a_plain_version_decodes_a_real_gradient_alike() -> None:
     grad = codec.gradient("digits-mlp")
-    side_by_side("topk", {"ratio": 0.07, "values": "int8", "indices": "delta8"},
-                 [grad, {key: g * 0.5 for key, g in grad.items()}, grad])
+    steps = [grad, {key: g * 0.5 for key, g in grad.items()}, grad]
+    side_by_side("topk", {"ratio": 0.07, "values": "int8", "indices": "delta8"}, steps)
+    side_by_side("sparseloco", {"chunk": 256, "k": 8}, steps, ulps=4)
 
 
 def test_options_a_plain_version_does_not_do_have_no_floor() -> None:
