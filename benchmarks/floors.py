@@ -206,20 +206,21 @@ def powersgd(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -
     return bucket
 
 
-def _first_largest(rows: torch.Tensor, threshold: torch.Tensor,
-                   counts: torch.Tensor | int) -> torch.Tensor:
-    """Per row of ``rows``, a mask of its ``counts`` largest entries, given each row's
-    ``counts``-th largest (``threshold``, (rows, 1)): every entry above it, then the
-    first of those equal to it. thinwire breaks ties so (towards the lower position),
-    and here they matter: a chunk of fewer than k non-zero entries sends zeros, each
-    decoded as its bin's mean, so which zeros go changes the mean."""
+def _first_largest(rows: torch.Tensor, threshold: torch.Tensor, counts: torch.Tensor | int,
+                   total: int) -> torch.Tensor:
+    """(row, column) of each row's ``counts`` largest entries, ascending, given each
+    row's ``counts``-th largest (``threshold``, (rows, 1)) and ``total``, the sum of the
+    counts: every entry above it, then the first of those equal to it. thinwire breaks
+    ties so (towards the lower position), and here they matter: a chunk of fewer than k
+    non-zero entries sends zeros, each decoded as its bin's mean, so which zeros go
+    changes the mean."""
     keep = rows >= threshold
-    total = rows.shape[0] * counts if isinstance(counts, int) else int(counts.sum())
-    if int(keep.sum()) == total:  # the usual case: no tie at any row's threshold
-        return keep
+    places = keep.nonzero()
+    if places.shape[0] == total:  # the usual case: no tie at any row's threshold
+        return places
     above = rows > threshold
     tied = keep & ~above
-    return above | (tied & (tied.cumsum(1) <= counts - above.sum(1, keepdim=True)))
+    return (above | (tied & (tied.cumsum(1) <= counts - above.sum(1, keepdim=True)))).nonzero()
 
 
 def sparseloco(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
@@ -260,9 +261,8 @@ def sparseloco(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any])
         rows = rows.view(-1, state["chunk"])
         threshold = torch.topk(rows, state["k"], dim=1, sorted=False).values.amin(
             1, keepdim=True)
-        keep = _first_largest(rows, threshold, state["k"])
-        chosen.append(keep.nonzero()[:, 1].view(-1, state["k"]).add_(state["full_starts"])
-                      .view(-1))
+        places = _first_largest(rows, threshold, state["k"], rows.shape[0] * state["k"])
+        chosen.append(places[:, 1].view(-1, state["k"]).add_(state["full_starts"]).view(-1))
     if state["tails"]:  # partial chunks, padded to a row: each keeps its own count
         rows = torch.cat([part for i, pad in zip(state["tails"], state["pads"])
                           for part in (pieces[i], pad)],
@@ -270,7 +270,7 @@ def sparseloco(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any])
         rows = rows.view(-1, state["chunk"])
         counts = state["tail_counts"]  # (rows, 1)
         threshold = torch.topk(rows, state["tail_k"], dim=1).values.gather(1, counts - 1)
-        places = _first_largest(rows, threshold, counts).nonzero()
+        places = _first_largest(rows, threshold, counts, state["tail_total"])
         chosen.append(state["tail_starts"].view(-1).index_select(0, places[:, 0])
                       .add_(places[:, 1]))
     chosen.append(state["whole"])  # tensors of one dimension: every entry
@@ -400,6 +400,7 @@ def _chunks(infos: Sequence[TensorInfo], chunk: int, k: int) -> dict[str, Any]:
             "tail_starts": torch.tensor(tail_starts, dtype=torch.int64).view(-1, 1),
             "tail_k": tail_k, "full_size": full_size, "tail_size": len(tails) * chunk,
             "tail_counts": torch.tensor(tail_counts, dtype=torch.int64).view(-1, 1),
+            "tail_total": sum(tail_counts),
             "whole": torch.cat(whole) if whole else torch.zeros(0, dtype=torch.int64),
             "segments": torch.tensor(full_segments + tail_segments + whole_segments,
                                      dtype=torch.int64),
