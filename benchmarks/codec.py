@@ -8,8 +8,10 @@ here every scheme encodes and decodes the same real gradient of the workload's
 model (one backward pass on a training batch), laid out as DDP's bucket of all
 parameters, through :meth:`~thinwire.schemes.base.Scheme.launch_flat` over a group
 of one (collectives are no-ops), the schemes interleaved round by round
-(:func:`benchmarks.overhead.interleaved`), medians over rounds. ``floor`` is the
-least any exchange does with the bucket: one copy of it (what an all-reduce reads).
+(:func:`benchmarks.overhead.interleaved`), medians over rounds of this thread's CPU
+time (with one torch thread the work runs here, and other processes' load does not add
+to it). ``floor`` is the least any exchange does with the bucket: one copy of it (what
+an all-reduce reads).
 
 Beside each scheme that has one, its plain version (:mod:`benchmarks.floors`: the same
 arithmetic as the fewest plain torch ops on one flat bucket and one flat error memory)
@@ -17,11 +19,13 @@ runs in the same rounds, and one more step of each is counted in torch operator 
 (:class:`CallCount`): thinwire's time and calls over the plain version's are what its
 engine costs beyond the arithmetic. ``--synthetic N`` times a made-up model's gradient of
 N tensors (:func:`synthetic`: a few large matrices, many small vectors), where the cost
-per tensor shows.
+per tensor shows; ``--entries N`` one matrix of N entries (:func:`entries`), where the
+cost per entry does.
 
 A scheme is spelled as ``thinwire compare`` spells it, ``NAME:KEY=VALUE`` for its
 own options. The record goes to ``docs/data/codec-WORKLOAD.json`` (or
-``codec-synthetic-N.json``; with the machine's load before and after), which
+``codec-synthetic-N.json``, ``codec-entries-N.json``; with the machine's load before
+and after), which
 ``benchmarks.linkmodel --codec-from`` reads in place of the codec times its runs
 measured under their own load.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -91,6 +96,20 @@ def synthetic(count: int, width: int = 64, seed: int = 0) -> dict[str, torch.Ten
             for (name, shape), scale in zip(shapes, scales)}
 
 
+def entries(count: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One made-up matrix gradient of ``count`` entries, normal at scale 1e-2, with as many
+    columns as the largest power of two up to 4096 that divides ``count``.
+
+    Raises:
+        ValueError: ``count`` below 1.
+    """
+    if count < 1:
+        raise ValueError(f"count={count!r} must be >= 1")
+    cols = math.gcd(count, 4096)
+    generator = torch.Generator().manual_seed(seed)
+    return {"weight": torch.randn(count // cols, cols, generator=generator).mul_(1e-2)}
+
+
 class CallCount(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the torch operator calls (``aten`` ops, after Python-level composites) made
     while it is active (``with count: ...``; then ``count.calls``)."""
@@ -132,7 +151,7 @@ def codec_steps(spellings: list[str], grads: dict[str, torch.Tensor]
         bucket = flat.clone()
         rows[spelling] = (lambda s=scheme, b=bucket: s.launch_flat(b, infos, ALONE).wait())
         prepare[spelling] = (lambda b=bucket: b.copy_(flat))
-        floor = floors.floor_of(name, scheme.origin[1]) if scheme.origin else None
+        floor = floors.floor_of(name, scheme.origin[1], infos) if scheme.origin else None
         if floor is not None:
             plain, state = floor
             bucket, error = flat.clone(), torch.zeros_like(flat)
@@ -146,28 +165,44 @@ def codec_steps(spellings: list[str], grads: dict[str, torch.Tensor]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="text-lm", choices=sorted(workloads.WORKLOADS))
-    parser.add_argument("--synthetic", type=int, default=None, metavar="N",
-                        help="a made-up model's gradient of N tensors instead of the workload's")
+    made_up = parser.add_mutually_exclusive_group()
+    made_up.add_argument("--synthetic", type=int, default=None, metavar="N",
+                         help="a made-up model's gradient of N tensors instead of the workload's")
+    made_up.add_argument("--entries", type=int, default=None, metavar="N",
+                         help="one made-up matrix of N entries instead of the workload's")
     parser.add_argument("--schemes", default="dense,fp16,topk,dct-dp,powersgd,clt-k",
                         help="comma-separated, each NAME or NAME:KEY=VALUE")
     parser.add_argument("--repeats", type=int, default=51, help="timed rounds")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (a rank of a run on this machine has one)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default docs/data/codec-WORKLOAD.json")
+                        help="default docs/data/codec-WORKLOAD.json, or --add-to's file")
+    parser.add_argument("--add-to", type=Path, default=None, metavar="FILE",
+                        help="keep FILE's schemes (an earlier run on the same gradient) and "
+                             "add these: a large gradient's schemes need not all fit in "
+                             "memory at once")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} must be >= 1")
+    earlier = json.loads(args.add_to.read_text()) if args.add_to is not None else None
     torch.set_num_threads(args.threads)
     spellings = [s for s in args.schemes.split(",") if s]
-    workload = args.workload if args.synthetic is None else f"synthetic-{args.synthetic}"
+    workload = (f"synthetic-{args.synthetic}" if args.synthetic is not None
+                else f"entries-{args.entries}" if args.entries is not None else args.workload)
+    if earlier is not None and (earlier["workload"], earlier["threads"]) != (
+            workload, args.threads):
+        parser.error(f"--add-to {args.add_to}: its gradient and threads "
+                     f"({earlier['workload']}, {earlier['threads']}) are not this run's "
+                     f"({workload}, {args.threads})")
     try:
-        grads = gradient(args.workload) if args.synthetic is None else synthetic(args.synthetic)
+        grads = (synthetic(args.synthetic) if args.synthetic is not None
+                 else entries(args.entries) if args.entries is not None
+                 else gradient(args.workload))
         rows, prepare = codec_steps(spellings, grads)
     except ValueError as error:
         parser.error(str(error))
     load = os.getloadavg()
-    seconds = interleaved(rows, args.repeats, prepare)
+    seconds = interleaved(rows, args.repeats, prepare, clock=time.thread_time)
     step_calls = {}
     for name, run in rows.items():  # one more step of each, counted (untimed)
         if name in prepare:
@@ -176,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = {name: 1000.0 * s for name, s in seconds.items()}
     record = {
         "workload": workload, "threads": args.threads, "repeats": args.repeats,
+        "clock": "thread CPU time",
         "tensors": len(grads), "entries": sum(grad.numel() for grad in grads.values()),
         "ms_per_step": {name: t for name, t in ms.items() if not name.endswith(PLAIN)},
         "over_floor": {name: s / seconds["floor"] for name, s in seconds.items()
@@ -192,12 +228,28 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": list(os.getloadavg()), "cores": os.cpu_count(),
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
         "torch": torch.__version__}
-    out = args.out or Path(f"docs/data/codec-{workload}.json")
+    if earlier is not None:
+        record = added(earlier, record)
+    out = args.out or args.add_to or Path(f"docs/data/codec-{workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     print(table(record))
     print(f"wrote {out} (load {load[0]:.2f} before, {record['load_after'][0]:.2f} after)")
     return 0
+
+
+RUN = ("repeats", "command", "when", "load_before", "load_after", "uptime")  # a run's own
+ROWS = ("ms_per_step", "over_floor", "plain_ms_per_step", "calls_per_step",
+        "plain_calls_per_step")  # per scheme
+
+
+def added(earlier: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """``record``'s schemes added to ``earlier``'s (a scheme in both: ``record``'s), with
+    ``earlier``'s runs listed under ``"earlier"``. ``over_floor`` is each run's own: the
+    floor row of each is timed in that run."""
+    merged = {**record, **{key: {**earlier[key], **record[key]} for key in ROWS}}
+    runs = earlier.get("earlier", []) + [{key: earlier[key] for key in RUN}]
+    return {**merged, "earlier": runs}
 
 
 def table(record: dict[str, Any]) -> str:

@@ -72,7 +72,8 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 
 def interleaved(rows: dict[str, Step], repeats: int,
                 prepare: dict[str, Step] | None = None,
-                sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+                sync: Callable[[], None] = lambda: None,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds of each row, the rows run in turn within every round.
 
     Interleaving spreads a change of machine load over all rows alike, so
@@ -85,6 +86,9 @@ def interleaved(rows: dict[str, Step], repeats: int,
     Args:
         prepare: per row, untimed work run before each timed call (a fresh gradient).
         sync: waits for the device's queued work, before and after each timed call.
+        clock: seconds read before and after each call: wall time, or
+            ``time.thread_time`` (this thread's CPU time, which other processes'
+            load does not add to, where the work runs in the calling thread).
     """
     prepare = prepare or {}
     for name, run in rows.items():  # warm-up: first calls allocate
@@ -101,10 +105,10 @@ def interleaved(rows: dict[str, Step], repeats: int,
             if name in prepare:
                 prepare[name]()
             sync()
-            start = time.perf_counter()
+            start = clock()
             run()
             sync()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(clock() - start)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
