@@ -35,8 +35,7 @@ from thinwire.feedback import Estimate, Memory, MomentumCorrection
 from thinwire.optim.adam import AgedAdam, look_ahead, refuses
 from thinwire.optim.virtual import VirtualIterate
 from thinwire.schemes.base import Scheme
-from thinwire.schemes.kernel import warm_up
-from thinwire.schemes.registry import fingerprint, rebuild
+from thinwire.schemes.registry import WARMUP, fingerprint, rebuild, validate_warmup
 
 __all__ = ["ADAM_OPTIONS", "ADAM_WARMUP", "FEEDBACKS", "MARK", "RULES", "Coupling", "couple",
            "announce", "default_options", "default_rule", "default_warmup", "follow", "prepare",
@@ -72,11 +71,13 @@ ADAM_WARMUP = 30
 
 def default_warmup(optimizer: torch.optim.Optimizer, scheme: Scheme) -> int:
     """Steps :func:`thinwire.ddp.register` averages dense before ``scheme`` compresses:
-    the scheme's own warm-up where it has one (``warmup_steps``, given or set by
-    :func:`~thinwire.schemes.warm_up`), else :data:`ADAM_WARMUP` under Adam and AdamW for a
-    scheme with error feedback (one that compresses), else 0."""
+    the scheme's own warm-up where its user chose one (``warmup_steps`` given to
+    ``schemes.build``, 0 included) or it has one, else :data:`ADAM_WARMUP` under Adam and
+    AdamW for a scheme built by name with error feedback (one that compresses), else 0
+    (a scheme not built by name has no config to carry a warm-up)."""
     own = scheme.warmup_steps
-    if own or not (isinstance(optimizer, _ADAMS) and scheme.traits.memory is not None):
+    if own or WARMUP in scheme.given or scheme.origin is None or not (
+            isinstance(optimizer, _ADAMS) and scheme.traits.memory is not None):
         return own
     return ADAM_WARMUP
 
@@ -131,13 +132,28 @@ def prepare(optimizer: torch.optim.Optimizer | None, scheme: Scheme,
     """What a front door (``thinwire.ddp.register``, ``thinwire.fsdp.register``) installs:
     ``scheme`` with the optimiser family's options (:func:`follow`) and warm-up
     (:func:`default_warmup`, unless ``warmup`` is given), the options chosen and the
-    warm-up's length."""
+    warm-up's length. A warm-up other than the scheme's own is its config's too: the
+    scheme is rebuilt with it (:func:`~thinwire.schemes.rebuild`), so call this before it
+    has run or loaded state.
+
+    Raises:
+        ValueError: ``warmup`` is not an integer >= 0; a warm-up for a scheme that has
+            launched or loaded state (a rebuild would lose it) or that was not built by
+            ``schemes.build`` (it has nothing to be rebuilt from).
+    """
     chosen: dict[str, Any] = {}
     if optimizer is not None:
         scheme, chosen = follow(optimizer, scheme)
     if warmup is None:
         warmup = scheme.warmup_steps if optimizer is None else default_warmup(optimizer, scheme)
-    return warm_up(scheme, warmup), chosen, warmup
+    validate_warmup(warmup)
+    if warmup != scheme.warmup_steps:
+        if scheme.started:
+            raise ValueError("the scheme has launched or loaded state already: build it with "
+                             f"{WARMUP}={warmup} (or register it before its first step and "
+                             "load its state after)")
+        scheme = rebuild(scheme, **{WARMUP: warmup})
+    return scheme, chosen, warmup
 
 
 def announce(optimizer: torch.optim.Optimizer, target: Any, chosen: Mapping[str, Any],
