@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import ddp, optim, schemes
 from thinwire.launch import spawn
+from thinwire.optim import defaults
 
 STEPS = 8
 # Adam's default warm-up, shortened in the worker processes: what is tested is the
@@ -73,7 +74,7 @@ def _run(rank: int, scheme: str | None, config: dict[str, Any], optimizer: str,
 
 
 def _all(rank: int, world_size: int) -> dict[str, Any]:
-    optim.ADAM_WARMUP = WARMUP
+    defaults.ADAM_WARMUP = WARMUP  # where default_warmup reads it
     out: dict[str, Any] = {}
     for optimizer in OPTIMIZERS:
         out[f"plain-{optimizer}"] = _run(rank, None, {}, optimizer)
@@ -192,7 +193,7 @@ RESUMES = [("sgd", 3, STEPS), ("adamw", WARMUP - 2, LONG), ("adamw", WARMUP + 3,
 
 
 def _resumes(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    optim.ADAM_WARMUP = WARMUP
+    defaults.ADAM_WARMUP = WARMUP  # where default_warmup reads it
     out: dict[str, Any] = {}
     for name in LOSSY:
         out[f"{name}-sgd-straight"] = _run(rank, name, LOSSY[name], "sgd")["params"]
