@@ -300,10 +300,15 @@ def test_the_families_warm_up_is_the_registered_schemes_option() -> None:
     assert schemes.rebuild(state.scheme).origin == state.scheme.origin
 
 
-def test_a_warm_up_is_not_given_to_a_scheme_that_has_run() -> None:
+@pytest.mark.parametrize(("family", "warmup", "named"), [
+    ("sgd", 2, "warmup_steps=2"), ("adamw", None, "ratio=0.07")])
+def test_a_scheme_that_has_run_is_not_rebuilt(family: str, warmup: int | None,
+                                              named: str) -> None:
+    """A warm-up or the family's options rebuild the scheme, which would lose its state."""
     net = nn.Linear(4, 4)
     scheme = schemes.build("topk")
     scheme.launch({"w": torch.ones(4)})
-    with pytest.raises(ValueError, match="launched or loaded state"):
-        ddp.hook_state(net, scheme, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-                       warmup=2)
+    optimizer = (torch.optim.SGD(net.parameters(), lr=0.1) if family == "sgd"
+                 else torch.optim.AdamW(net.parameters()))
+    with pytest.raises(ValueError, match=f"launched or loaded state.*{named}"):
+        ddp.hook_state(net, scheme, optimizer=optimizer, warmup=warmup)

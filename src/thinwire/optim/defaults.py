@@ -94,27 +94,29 @@ def prepare(optimizer: torch.optim.Optimizer | None, scheme: Scheme,
     """What a front door (``thinwire.ddp.register``, ``thinwire.fsdp.register``) installs:
     ``scheme`` with the optimiser family's options (:func:`follow`) and warm-up
     (:func:`default_warmup`, unless ``warmup`` is given), the options chosen and the
-    warm-up's length. A warm-up other than the scheme's own is its config's too: the
-    scheme is rebuilt with it (:func:`~thinwire.schemes.rebuild`), so call this before it
-    has run or loaded state.
+    warm-up's length. Options or a warm-up other than the scheme's own go into its config:
+    the scheme is rebuilt with them (:func:`~thinwire.schemes.rebuild`), so call this
+    before it has run or loaded state.
 
     Raises:
-        ValueError: ``warmup`` is not an integer >= 0; a warm-up for a scheme that has
-            launched or loaded state (a rebuild would lose it) or that was not built by
-            ``schemes.build`` (it has nothing to be rebuilt from).
+        ValueError: ``warmup`` is not an integer >= 0; a rebuild of a scheme that has
+            launched or loaded state (the rebuild would lose it); a warm-up for a scheme
+            not built by ``schemes.build`` (it has nothing to be rebuilt from).
     """
     chosen: dict[str, Any] = {}
+    given = scheme
     if optimizer is not None:
         scheme, chosen = follow(optimizer, scheme)
     if warmup is None:
         warmup = scheme.warmup_steps if optimizer is None else default_warmup(optimizer, scheme)
     validate_warmup(warmup)
     if warmup != scheme.warmup_steps:
-        if scheme.started:
-            raise ValueError("the scheme has launched or loaded state already: build it with "
-                             f"{WARMUP}={warmup} (or register it before its first step and "
-                             "load its state after)")
         scheme = rebuild(scheme, **{WARMUP: warmup})
+    if scheme is not given and given.started:
+        spelled = ", ".join(f"{key}={value!r}" for key, value in {**chosen, WARMUP: warmup}.items())
+        raise ValueError("the scheme has launched or loaded state already, which rebuilding "
+                         f"it with {spelled} would lose: register it before its first step "
+                         "and load its state after, or build it with those options")
     return scheme, chosen, warmup
 
 
