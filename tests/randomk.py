@@ -47,6 +47,10 @@ class RandomKConfig:
     ratio: float = 0.1  # fraction of each tensor's entries sent
     indices: str = "delta16"  # index list on the wire
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+    warmup_steps: int = 0  # launches of each tensor sent dense first, >= 0
+
+    def __post_init__(self) -> None:
+        registry.validate_warmup(self.warmup_steps)
 
 
 def build(config: RandomKConfig) -> schemes.Scheme:

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire import ddp, optim, schemes
 from thinwire.launch import spawn
+from thinwire.optim import defaults
 
 STEPS = 8
 # Adam's default warm-up, shortened in the worker processes: what is tested is the
@@ -73,7 +74,7 @@ def _run(rank: int, scheme: str | None, config: dict[str, Any], optimizer: str,
 
 
 def _all(rank: int, world_size: int) -> dict[str, Any]:
-    optim.ADAM_WARMUP = WARMUP
+    defaults.ADAM_WARMUP = WARMUP  # where default_warmup reads it
     out: dict[str, Any] = {}
     for optimizer in OPTIMIZERS:
         out[f"plain-{optimizer}"] = _run(rank, None, {}, optimizer)
@@ -127,15 +128,16 @@ def test_nothing_dropped_is_the_users_optimizer(runs: list[dict[str, Any]], name
 def test_adams_family_sends_its_own_options_and_replicas_agree(
         runs: list[dict[str, Any]], name: str, optimizer: str) -> None:
     """A scheme built with none of ADAM_OPTIONS' options sends them under Adam and AdamW
-    (and only there), registered as a scheme built with them; replicas stay bit-identical."""
+    (and only there), registered as a scheme built with them and the family's warm-up;
+    replicas stay bit-identical."""
     label = f"{name}-{optimizer}-own"
     chosen, config = runs[0][label]["options"]
     if optimizer in ("sgd", "nesterov"):
         assert chosen == {}
         assert config == schemes.build(name).origin[1]
     else:
-        assert chosen == optim.ADAM_OPTIONS[name]
-        assert config == schemes.build(name, **chosen).origin[1]
+        assert chosen == optim.ADAM_OPTIONS[name]  # and the family's warm-up, in the config
+        assert config == schemes.build(name, **chosen, warmup_steps=WARMUP).origin[1]
     for a, b in zip(runs[0][label]["params"], runs[1][label]["params"]):
         assert torch.equal(a, b)
 
@@ -191,7 +193,7 @@ RESUMES = [("sgd", 3, STEPS), ("adamw", WARMUP - 2, LONG), ("adamw", WARMUP + 3,
 
 
 def _resumes(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    optim.ADAM_WARMUP = WARMUP
+    defaults.ADAM_WARMUP = WARMUP  # where default_warmup reads it
     out: dict[str, Any] = {}
     for name in LOSSY:
         out[f"{name}-sgd-straight"] = _run(rank, name, LOSSY[name], "sgd")["params"]
@@ -262,7 +264,9 @@ def test_an_option_the_user_gave_keeps_the_scheme_as_built(spelling: str) -> Non
     scheme = schemes.build(spelling)
     state = ddp.hook_state(net, scheme, optimizer=torch.optim.AdamW(net.parameters()))
     assert state.coupling is not None and state.coupling.options == {}
-    assert state.scheme.origin == scheme.origin
+    # as built, with the family's warm-up (its own option)
+    assert state.scheme.origin == schemes.build(spelling,
+                                                warmup_steps=optim.ADAM_WARMUP).origin
     assert "defaults" not in state.coupling.reason
 
 
@@ -272,11 +276,39 @@ def test_a_scheme_not_built_by_name_is_kept() -> None:
     assert optim.follow(adam, bare) == (bare, {})
 
 
-@pytest.mark.parametrize("spelling", ["clt-k:warmup_steps=3", "topk"])
-def test_a_warm_up_of_the_users_own_is_kept(spelling: str) -> None:
-    """Given (an option, or warm_up), a warm-up stays what it was; the options still follow."""
+@pytest.mark.parametrize(("spelling", "warmup"), [
+    ("clt-k:warmup_steps=3", 3), ("topk:warmup_steps=3", 3), ("topk:warmup_steps=0", 0)])
+def test_a_warm_up_of_the_users_own_is_kept(spelling: str, warmup: int) -> None:
+    """A warm-up given to the scheme stays what it was, none (0) too; the options still
+    follow."""
     net = nn.Linear(4, 4)
-    scheme = schemes.warm_up(schemes.build(spelling), 3)
-    state = ddp.hook_state(net, scheme, optimizer=torch.optim.AdamW(net.parameters()))
-    assert state.scheme.warmup_steps == 3 and state.coupling.warmup == 3
+    state = ddp.hook_state(net, schemes.build(spelling),
+                           optimizer=torch.optim.AdamW(net.parameters()))
+    assert state.scheme.warmup_steps == warmup and state.coupling.warmup == warmup
+    assert state.scheme.origin[1].warmup_steps == warmup
     assert state.coupling.options == optim.ADAM_OPTIONS[spelling.split(":")[0]]
+
+
+def test_the_families_warm_up_is_the_registered_schemes_option() -> None:
+    """AdamW's warm-up is in the registered scheme's config, so its fingerprint (what the
+    ranks compare) and a rebuild (a rollback) carry it."""
+    net = nn.Linear(4, 4)
+    state = ddp.hook_state(net, schemes.build("topk"),
+                           optimizer=torch.optim.AdamW(net.parameters()))
+    assert state.scheme.warmup_steps == optim.ADAM_WARMUP
+    assert schemes.fingerprint(state.scheme)["config"]["warmup_steps"] == optim.ADAM_WARMUP
+    assert schemes.rebuild(state.scheme).origin == state.scheme.origin
+
+
+@pytest.mark.parametrize(("family", "warmup", "named"), [
+    ("sgd", 2, "warmup_steps=2"), ("adamw", None, "ratio=0.07")])
+def test_a_scheme_that_has_run_is_not_rebuilt(family: str, warmup: int | None,
+                                              named: str) -> None:
+    """A warm-up or the family's options rebuild the scheme, which would lose its state."""
+    net = nn.Linear(4, 4)
+    scheme = schemes.build("topk")
+    scheme.launch({"w": torch.ones(4)})
+    optimizer = (torch.optim.SGD(net.parameters(), lr=0.1) if family == "sgd"
+                 else torch.optim.AdamW(net.parameters()))
+    with pytest.raises(ValueError, match=f"launched or loaded state.*{named}"):
+        ddp.hook_state(net, scheme, optimizer=optimizer, warmup=warmup)

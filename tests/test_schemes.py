@@ -319,32 +319,35 @@ def test_build_takes_the_command_lines_spelling() -> None:
 @pytest.mark.parametrize("name", schemes.names())
 def test_a_rebuilt_scheme_equals_the_original_in_every_setting(name: str) -> None:
     """What ``rebuild`` makes (a rollback's scheme, register's under Adam) is the scheme as
-    built and set up after: options, warm-up, meter, energy record; a fresh state."""
-    scheme = schemes.warm_up(schemes.build(name), 4)
+    built (options, warm-up) with what was attached after (meter, energy record); a fresh
+    state."""
+    scheme = schemes.build(name, warmup_steps=4)
     scheme.meter, scheme.energy = Meter(0, 1), {}
     scheme.reduce({"w": torch.randn(40, 30), "b": torch.randn(30)})
     fresh = schemes.rebuild(scheme)
     assert fresh is not scheme and type(fresh) is type(scheme)
     assert fresh.origin == scheme.origin and fresh.given == scheme.given
+    assert schemes.fingerprint(fresh) == schemes.fingerprint(scheme)
     assert fresh.warmup_steps == 4 and fresh.traits == scheme.traits
     assert fresh.meter is scheme.meter and fresh.energy is scheme.energy
     assert fresh.overhead_s == scheme.overhead_s
     assert fresh.state_dict().keys() == scheme.state_dict().keys()
-    assert fresh.state_dict() == schemes.warm_up(schemes.build(name), 4).state_dict()
+    assert fresh.state_dict() == schemes.build(name, warmup_steps=4).state_dict()
 
 
 def test_rebuild_adds_options_to_those_given_and_keeps_the_warm_up() -> None:
-    scheme = schemes.warm_up(schemes.build("topk:ratio=0.05", values="int8"), 30)
+    scheme = schemes.build("topk:ratio=0.05:warmup_steps=30", values="int8")
     fresh = schemes.rebuild(scheme, indices="delta8")
-    assert fresh.given == {"ratio", "values", "indices"}
+    assert fresh.given == {"ratio", "values", "indices", "warmup_steps"}
     assert fresh.origin == schemes.build("topk", ratio=0.05, values="int8",
-                                         indices="delta8").origin
+                                         indices="delta8", warmup_steps=30).origin
     assert fresh.warmup_steps == 30
     assert schemes.rebuild(scheme, ratio=0.2).origin[1].ratio == 0.2
-    # a warm-up option of its own replaces the one it had
-    powersgd = schemes.warm_up(schemes.build("powersgd", warmup_steps=2), 30)
-    assert schemes.rebuild(powersgd).warmup_steps == 30
-    assert schemes.rebuild(powersgd, warmup_steps=5).warmup_steps == 5
+    # a warm-up option replaces the one it had, in the config and the scheme alike
+    powersgd = schemes.build("powersgd", warmup_steps=2)
+    assert schemes.rebuild(powersgd).warmup_steps == 2
+    five = schemes.rebuild(powersgd, warmup_steps=5)
+    assert five.warmup_steps == five.origin[1].warmup_steps == 5
 
 
 def test_a_scheme_not_built_by_name_is_not_rebuilt() -> None:

@@ -1,9 +1,11 @@
-"""The compression warm-up (thinwire.schemes.warm_up): dense bit for bit while it lasts, the
-scheme after, resumed exactly across the switch, a coupled memory carried through."""
+"""The compression warm-up (every scheme's ``warmup_steps``): dense bit for bit while it lasts,
+the scheme after, resumed exactly across the switch, a coupled memory carried through, and
+the same in a rebuilt scheme."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -14,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel
 from thinwire import ddp, schemes
 from thinwire.comm import Meter
 from thinwire.launch import spawn
-from thinwire.schemes import warm_up
 
 STEPS, WARM = 6, 3
 
@@ -56,7 +57,7 @@ def _run(rank: int, world_size: int, name: str, warm: int, couple: bool,
         meter = Meter(rank, world_size)
         state = None
         if name != "dense":
-            scheme = warm_up(schemes.build(name, ratio=0.1), warm)
+            scheme = schemes.build(name, ratio=0.1, warmup_steps=warm)
             state = ddp.register(net, scheme, meter=meter,
                                  optimizer=optimizer if couple else None)
         return net, state, optimizer, meter
@@ -142,34 +143,130 @@ def test_replicas_stay_identical(runs: list[dict[str, Any]]) -> None:
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("steps", [-1, 1.5, True])
-def test_a_warm_up_length_must_be_a_count_of_steps(steps: Any) -> None:
-    with pytest.raises(ValueError, match="steps="):
-        warm_up(schemes.build("topk"), steps)
+@pytest.mark.parametrize("name", schemes.names())
+@pytest.mark.parametrize("steps", [-1, 1.5, True, "3", None])
+def test_a_warm_up_length_must_be_a_count_of_steps(name: str, steps: Any) -> None:
+    with pytest.raises(ValueError, match=rf"warmup_steps={steps!r} must be an integer >= 0"):
+        schemes.build(name, warmup_steps=steps)
 
 
-def test_a_warm_up_is_given_before_the_first_launch() -> None:
+def test_register_and_warmup_spell_it_warm_up_a_scheme_spells_it_warmup_steps() -> None:
+    with pytest.raises(ValueError, match="option is warmup_steps"):
+        schemes.build("topk:warmup=30")
+
+
+def _launches(scheme: schemes.Scheme, grads: list[dict[str, torch.Tensor]]
+              ) -> tuple[list[dict[str, torch.Tensor]], list[list[tuple[str, str, int]]]]:
+    """Each launch's result and what it handed the collectives: (collective, layer,
+    bytes) of each record."""
+    meter = scheme.meter = Meter(0, 1)
+    results, handed = [], []
+    for grad in grads:
+        results.append(scheme.reduce({key: value.clone() for key, value in grad.items()}))
+        handed.append([(r.collective, r.layer, r.nbytes) for r in meter.records
+                       if r.step == meter.step])
+        meter.next_step()
+    return results, handed
+
+
+@pytest.mark.parametrize("name", schemes.names())
+def test_every_scheme_warms_up_as_dense_and_a_rebuild_keeps_it(name: str) -> None:
+    """``NAME:warmup_steps=N``, and its rebuild (a rollback's, register's under Adam): the
+    first N launches hand the collectives what ``dense`` hands them and average the same
+    bits; then the scheme compresses (all but dense itself)."""
+    warm = 2
+    torch.manual_seed(0)
+    grads = [{"w": torch.randn(64, 48), "b": torch.randn(48)} for _ in range(warm + 1)]
+    dense = _launches(schemes.build("dense"), grads)
+    scheme = schemes.build(f"{name}:warmup_steps={warm}")
+    fresh = schemes.rebuild(scheme)
+    assert fresh.origin == scheme.origin == schemes.build(name, warmup_steps=warm).origin
+    assert schemes.fingerprint(fresh) == schemes.fingerprint(scheme)
+    assert fresh.warmup_steps == scheme.warmup_steps == warm
+    for built in (scheme, fresh):
+        results, handed = _launches(built, grads)
+        assert handed[:warm] == dense[1][:warm]
+        for got, want in zip(results[:warm], dense[0][:warm]):
+            assert all(torch.equal(got[key], want[key]) for key in want)
+        compressed = handed[warm] != dense[1][warm] or not all(
+            torch.equal(results[warm][key], dense[0][warm][key]) for key in grads[warm])
+        assert compressed == (name != "dense")
+
+
+@pytest.mark.parametrize("name", schemes.names())
+def test_a_warm_up_round_trips_through_the_spelling(name: str) -> None:
+    """Spelled from a scheme's options, the name builds the same scheme."""
+    scheme = schemes.build(name, warmup_steps=5, nonfinite="skip")
+    config = scheme.origin[1]
+    spelled = ":".join([name, *(f"{key}={getattr(config, key)!r}" for key in sorted(scheme.given))])
+    assert schemes.parse_spelling(spelled) == (name, {"nonfinite": "skip", "warmup_steps": 5})
+    again = schemes.build(spelled)
+    assert again.origin == scheme.origin and again.given == scheme.given
+    assert schemes.fingerprint(again) == schemes.fingerprint(scheme)
+
+
+def test_ranks_with_different_warm_ups_have_different_fingerprints() -> None:
+    """The fingerprint every front door compares across ranks carries the warm-up."""
+    assert (schemes.fingerprint(schemes.build("topk", warmup_steps=3))
+            != schemes.fingerprint(schemes.build("topk")))
+
+
+def test_old_warm_up_is_the_option_set_in_place() -> None:
+    """Code written before the option: ``warm_up`` still warms up, in place, and the
+    scheme's config, fingerprint and rebuild say so."""
+    scheme = schemes.build("powersgd", warmup_steps=2)
+    with pytest.warns(DeprecationWarning, match="warmup_steps=30"):
+        assert schemes.warm_up(scheme, 30) is scheme
+    assert scheme.warmup_steps == 30 and scheme.origin[1].warmup_steps == 30
+    assert schemes.fingerprint(scheme) == schemes.fingerprint(
+        schemes.build("powersgd", warmup_steps=30))
+    assert schemes.rebuild(scheme).warmup_steps == 30
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_old_warm_up_refuses_what_it_refused() -> None:
     scheme = schemes.build("topk")
     scheme.launch({"w": torch.ones(4)})
     with pytest.raises(ValueError, match="launched already"):
-        warm_up(scheme, 2)
-
-
-def test_only_a_built_scheme_warms_up() -> None:
+        schemes.warm_up(scheme, 2)
     with pytest.raises(TypeError, match="expected a scheme"):
-        warm_up(object(), 2)  # type: ignore[arg-type]
+        schemes.warm_up(object(), 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        schemes.warm_up(schemes.build("topk"), -1)
 
 
-def test_a_warm_up_is_the_schemes_own_option() -> None:
-    scheme = schemes.build("topk")
-    assert warm_up(scheme, 5) is scheme and scheme.warmup_steps == 5
-    assert schemes.build("powersgd", warmup_steps=5).warmup_steps == 5
+def test_a_checkpoint_of_a_scheme_warmed_up_the_old_way_resumes_exactly() -> None:
+    """A scheme's state holds each tensor's launch count, not the warm-up's length, in the
+    same layout whichever way the warm-up was given: an old checkpoint loads as it was."""
+    torch.manual_seed(0)
+    grads = [{"w": torch.randn(64, 48)} for _ in range(4)]
+    with pytest.warns(DeprecationWarning):
+        old = schemes.warm_up(schemes.build("topk", ratio=0.1), 2)
+    new = schemes.build("topk", ratio=0.1, warmup_steps=2)
+    old.reduce(grads[0])
+    new.reduce(grads[0])
+    saved = old.state_dict()
+    assert saved.keys() == new.state_dict().keys() and saved["steps"] == {"w": 1}
+    resumed = schemes.build("topk", ratio=0.1, warmup_steps=2)
+    resumed.load_state_dict(saved)
+    for grad in grads[1:]:
+        assert torch.equal(resumed.reduce(grad)["w"], new.reduce(grad)["w"])
+
+
+def test_a_registered_config_must_carry_a_warm_up() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Bare:
+        nonfinite: str = "raise"
+
+    with pytest.raises(TypeError, match="needs a field 'warmup_steps: int = 0'"):
+        schemes.register("test-bare", Bare)
+    assert "test-bare" not in schemes.names()
 
 
 def test_each_tensor_counts_its_own_launches() -> None:
     """FSDP launches each module's shards on its own: a tensor warms up over its own
     launches, whatever else is launched between them."""
-    scheme = warm_up(schemes.build("topk", ratio=0.25), 1)
+    scheme = schemes.build("topk", ratio=0.25, warmup_steps=1)
     grad = torch.arange(1.0, 65.0)
     sent = []
     for _ in range(2):  # two steps, two launches each

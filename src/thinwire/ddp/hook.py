@@ -156,8 +156,9 @@ def register(ddp_model: DistributedDataParallel, scheme: Scheme, group: Group = 
             None: nothing is coupled and there is no warm-up unless asked for.
         coupling: the rule, one of :data:`thinwire.optim.RULES` (``"auto"``: the
             optimiser family's).
-        warmup: steps averaged dense before the scheme compresses
-            (:func:`thinwire.schemes.warm_up`); None: the optimiser family's
+        warmup: steps averaged dense before the scheme compresses (the scheme's
+            ``warmup_steps``: one with another is rebuilt with this); None: the
+            optimiser family's
             (:func:`thinwire.optim.default_warmup`), or the scheme's own without an
             optimiser.
         feedback: what a coupled clt-k keeps the velocity in (``couple``'s ``feedback``).

@@ -164,8 +164,9 @@ def register(module: nn.Module, scheme: Scheme, group: Group, meter: Meter | Non
             say what was chosen). None: couple later with :func:`thinwire.optim.couple`
             if at all; no warm-up unless asked for.
         coupling: the rule, one of :data:`thinwire.optim.RULES`.
-        warmup: launches of each shard averaged dense before the scheme compresses
-            (:func:`thinwire.schemes.warm_up`); None: the optimiser family's.
+        warmup: launches of each shard averaged dense before the scheme compresses (the
+            scheme's ``warmup_steps``: one with another is rebuilt with this); None: the
+            optimiser family's.
         feedback: what a coupled clt-k keeps the velocity in (``couple``'s ``feedback``).
 
     Returns:

@@ -9,7 +9,7 @@ from thinwire.schemes import quantised as _quantised  # noqa: F401
 from thinwire.schemes import scalecom as _scalecom  # noqa: F401
 from thinwire.schemes import sparseloco as _sparseloco  # noqa: F401
 from thinwire.schemes.base import Scheme
-from thinwire.schemes.kernel import CompressedScheme, warm_up
+from thinwire.schemes.kernel import CompressedScheme
 from thinwire.schemes.registry import (
     build,
     config_class,
@@ -18,6 +18,7 @@ from thinwire.schemes.registry import (
     parse_spelling,
     rebuild,
     register,
+    warm_up,
 )
 from thinwire.schemes.traits import Traits
 

@@ -34,7 +34,7 @@ class Scheme(ABC):
         given: the options ``schemes.build`` was given (the rest are the config's
             defaults, which :func:`thinwire.ddp.register` may choose per optimiser).
         warmup_steps: launches of each tensor averaged dense before the scheme
-            compresses it (:func:`thinwire.schemes.warm_up`).
+            compresses it (the config's ``warmup_steps``, set by ``schemes.build``).
         coupled: the memory :meth:`couple_memory` put in place of the scheme's own
             (:func:`thinwire.optim.couple`), else None.
     """
@@ -99,6 +99,12 @@ class Scheme(ABC):
             return buffer
 
         return self.launch(grads, group).then(write)
+
+    @property
+    def started(self) -> bool:
+        """Whether the scheme has launched or loaded state, which a rebuild
+        (:func:`thinwire.schemes.rebuild`) would not keep. Here: a skipped round."""
+        return self.skipped > 0
 
     @property
     def traits(self) -> Traits:

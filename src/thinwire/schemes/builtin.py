@@ -24,6 +24,7 @@ from thinwire.schemes.registry import (
 @dataclass(frozen=True)
 class DenseConfig:
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+    warmup_steps: int = 0  # launches of each tensor sent at full width first (dense: no change)
 
     def __post_init__(self) -> None:
         validate_common(self)
@@ -40,6 +41,7 @@ class TopKConfig:
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
+    warmup_steps: int = 0  # launches of each tensor sent dense (full width) first, >= 0
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)
@@ -64,6 +66,7 @@ class DCTConfig:
     scope: str = "layer"  # "layer": tau per tensor (Alg. 1); "bucket": one tau over the bucket
     piece: int = PIECE_ENTRIES  # entries per piece sent while the next is compressed; 0: whole
     stream: str = "auto"  # pieces "auto" (once timed rounds show they pay) or "always"
+    warmup_steps: int = 0  # launches of each tensor sent dense (full width) first, >= 0
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)
@@ -95,6 +98,7 @@ class LaplaceConfig:
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names always sent dense
     scope: str = "layer"  # "layer": a fit per tensor (App. B); "bucket": one over the bucket
     gain: float | None = None  # in (0, 1]: the fit's tau *= exp(gain (sent / k - 1)); None: off
+    warmup_steps: int = 0  # launches of each tensor sent dense (full width) first, >= 0
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)

@@ -3,8 +3,9 @@
 One launch of a flat bucket (:meth:`CompressedScheme.launch_flat`):
 
 1. route: tensors the selection keeps whole (small, excluded) and the rest; in a
-   tensor's warm-up (its first ``warmup_steps`` launches) every tensor travels whole at
-   its own width, bit for bit what ``dense`` sends (:func:`warm_up`);
+   tensor's warm-up (its first ``warmup_steps`` launches, an option of every scheme:
+   :func:`~thinwire.schemes.build`) every tensor travels whole at its own width, bit for
+   bit what ``dense`` sends;
 2. compensate: the error memory adds what it held back, ``p = g + e`` (DCT Alg. 1 line 3);
 3. select: each rank's own indices (a :class:`~thinwire.compress.Sparsifier`: top-k,
    a reused threshold, a Laplace fit, chunks), or coordinates agreed in a first round
@@ -127,7 +128,7 @@ class CompressedScheme(Scheme):
             of a selection that sends a fixed count of each chunk
             (:meth:`~thinwire.compress.Sparsifier.plan`).
         warmup_steps: launches of a tensor sent whole, at its own width (dense), before
-            the scheme compresses it (:func:`warm_up`).
+            the scheme compresses it (a scheme built by name takes its config's).
         mean: what the sum of the entries gathered from every rank's payload is divided
             by: ``"ranks"``, or ``"senders"`` (at each entry, the ranks that sent it).
 
@@ -187,6 +188,10 @@ class CompressedScheme(Scheme):
                       None if self.memory is None else self.memory.rule,
                       streams=self.pieces is not None, shared_indices=shares, energy=shares,
                       collectives=collectives, rounds=2 if isinstance(selection, Agreed) else 1)
+
+    @property
+    def started(self) -> bool:
+        return bool(self.steps) or super().started
 
     @property
     def trace(self) -> Mapping[str, Sequence[tuple[int, float, float]]]:
@@ -722,33 +727,3 @@ class CompressedScheme(Scheme):
             self.pieces.load_state_dict(state.get("streaming", []))
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
-
-
-def warm_up(scheme: Scheme, steps: int) -> Scheme:
-    """``scheme``, each tensor's first ``steps`` launches averaged dense: a compression
-    warm-up. Sets ``scheme.warmup_steps`` and returns ``scheme``.
-
-    ScaleCom trains its first epochs uncompressed (App. E.4) and Deep Gradient Compression
-    ramps its sparsity up over the first epochs (§3.3): the early gradients change
-    fastest, when an error memory lags them most. While a tensor warms up it travels whole
-    at its own width, one all-reduce, bit for bit what ``dense`` sends; then the scheme
-    compresses it. Each tensor counts its own launches, so DDP's buckets and FSDP's
-    per-module launches count alike, and the counts are in ``state_dict``: a resume on
-    either side of the switch is exact. A coupled memory is carried through the dense
-    steps by its own contract (compensate, everything sent, settle), so the optimiser
-    steps as it would with nothing dropped.
-
-    Raises:
-        TypeError: ``scheme`` is not a :class:`CompressedScheme`.
-        ValueError: ``steps`` is not an integer >= 0, or the scheme has launched already.
-    """
-    if not isinstance(scheme, CompressedScheme):
-        raise TypeError(f"expected a scheme from thinwire.schemes.build to warm up, got "
-                        f"{type(scheme).__name__}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps={steps!r} must be an integer >= 0 (launches sent dense)")
-    if scheme.steps and steps != scheme.warmup_steps:
-        raise ValueError("the scheme has launched already: give it a warm-up before its "
-                         "first launch (register does)")
-    scheme.warmup_steps = steps
-    return scheme

@@ -43,9 +43,6 @@ class PowerSGDConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"rank={self.rank!r} must be an integer >= 1")
-        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
-                or self.warmup_steps < 0):
-            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         for name in ("warm_start", "error_feedback"):
@@ -58,5 +55,4 @@ class PowerSGDConfig:
 def _powersgd(config: PowerSGDConfig) -> Scheme:
     codec = PowerSGD(config.rank, warm_start=config.warm_start, seed=config.seed)
     return CompressedScheme(Cast("native"), LowRankBasis(codec),
-                            Residual() if config.error_feedback else None, config.nonfinite,
-                            warmup_steps=config.warmup_steps)
+                            Residual() if config.error_feedback else None, config.nonfinite)

@@ -33,6 +33,7 @@ class QuantConfig:
     chunk: int = CHUNK  # entries sharing one fp32 scale, >= 1
     error_feedback: bool = True  # keep what quantisation left out for the next round
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+    warmup_steps: int = 0  # launches of each tensor sent dense (full width) first, >= 0
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
@@ -49,6 +50,7 @@ class TopKQuantConfig:
     scope: str = "bucket"  # "bucket": ratio of all tensors, one selection; "layer": of each
     error_feedback: bool = True  # keep what was not sent, or sent coarsely, for the next round
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite gradient
+    warmup_steps: int = 0  # launches of each tensor sent dense (full width) first, >= 0
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio)

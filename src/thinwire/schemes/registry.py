@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ from thinwire.compress.sparse import SCOPES
 from thinwire.compress.values import CASTS
 from thinwire.feedback import check_policy
 from thinwire.schemes.base import Scheme
-from thinwire.schemes.kernel import warm_up
+from thinwire.schemes.kernel import CompressedScheme
 
 ConfigT = TypeVar("ConfigT")
 Factory = Callable[[Any], Scheme]
@@ -23,8 +24,27 @@ Factory = Callable[[Any], Scheme]
 _REGISTRY: dict[str, tuple[type, Factory]] = {}
 
 
+# The option every scheme's config has: launches of each tensor sent dense first.
+WARMUP = "warmup_steps"
+
+
 def register(name: str, config: type) -> Callable[[Factory], Factory]:
-    """Register ``factory(config_instance) -> Scheme`` under ``name``."""
+    """Register ``factory(config_instance) -> Scheme`` under ``name``.
+
+    ``config`` is a frozen dataclass with a ``warmup_steps`` field (an ``int``, default 0,
+    checked by :func:`validate_warmup`): :func:`build` gives the scheme its warm-up from
+    it, so a scheme's whole setting is its name and config.
+
+    Raises:
+        ValueError: ``name`` is registered already.
+        TypeError: ``config`` is not a dataclass with a ``warmup_steps`` field.
+    """
+    fields = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) \
+        else set()
+    if WARMUP not in fields:
+        raise TypeError(f"scheme {name!r}: its config {config.__name__} needs a field "
+                        f"'{WARMUP}: int = 0' (launches sent dense first; validate it with "
+                        "thinwire.schemes.registry.validate_warmup)")
 
     def decorate(factory: Factory) -> Factory:
         if name in _REGISTRY:
@@ -53,8 +73,18 @@ def build(name: str, **config: Any) -> Scheme:
     ``"powersgd:rank=8"`` or ``"topk:ratio=0.05:scope=layer"`` (:func:`parse_spelling`);
     a keyword may not set one of them again.
 
+    Every scheme takes ``warmup_steps``: each tensor's first that many launches travel
+    whole at their own width, bit for bit what ``dense`` sends, before the scheme
+    compresses it (ScaleCom's compression warm-up, App. E.4; Deep Gradient Compression's
+    warm-up, §3.3). Each tensor counts its own launches (so DDP's buckets and FSDP's
+    per-module launches count alike) and the counts are in ``state_dict``, so a resume on
+    either side of the switch is exact. Under ``dense`` it changes nothing: dense sends
+    that anyway (accepted, so one ``--warmup`` serves a comparison that includes it).
+
     Raises:
         ValueError: unknown name, unknown option, an option given twice or out of range.
+        TypeError: a warm-up for a registered scheme that is not the exchange kernel's
+            (:class:`~thinwire.schemes.CompressedScheme`), which has no dense steps.
     """
     name, spelled = parse_spelling(name)
     twice = sorted(set(spelled) & set(config))
@@ -72,22 +102,28 @@ def build(name: str, **config: Any) -> Scheme:
         raise ValueError(f"scheme {name!r} has no option(s) {unknown}; it takes {sorted(fields)}")
     config_instance = config_type(**config)
     scheme = factory(config_instance)
+    steps = getattr(config_instance, WARMUP)
+    if steps and not isinstance(scheme, CompressedScheme):
+        raise TypeError(f"scheme {name!r} builds a {type(scheme).__name__}, which sends no "
+                        f"dense steps first: {WARMUP}={steps!r} must be 0")
+    scheme.warmup_steps = steps
     scheme.origin = (name, config_instance)
     scheme.given = frozenset(config)
     return scheme
 
 
 def rebuild(scheme: Scheme, **options: Any) -> Scheme:
-    """A fresh scheme built as ``scheme`` was, ``options`` added to or replacing the options
-    it was given, with what was set on it after :func:`build`: its warm-up
-    (:func:`~thinwire.schemes.warm_up`; an ``options`` ``warmup_steps`` wins), its meter,
-    its energy record, its overhead seconds and a coupled memory (the same object, which
-    the optimiser's hooks hold: :func:`thinwire.optim.couple`). Its state is not carried
-    (load it: ``load_state_dict``).
+    """``scheme`` built again by :func:`build` from its name and the options it was given,
+    ``options`` added or replacing them, with the live attachments a caller set on it:
+    its meter, its energy record, its overhead seconds and a coupled memory (the same
+    object, which the optimiser's hooks hold: :func:`thinwire.optim.couple`). Its state is
+    not carried (load it: ``load_state_dict``).
 
-    Built from the options ``scheme`` was given (``scheme.given``), not its whole config, so
-    the fresh one's ``given`` is ``scheme``'s plus ``options``' and, with no ``options``, it
-    equals ``scheme`` in every setting.
+    Everything else, warm-up included, is in the config, so with no ``options`` the fresh
+    scheme equals ``scheme`` in every setting (``origin``, ``given``, fingerprint). Built
+    from the options ``scheme`` was given (``scheme.given``), not its whole config, so the
+    fresh one's ``given`` is ``scheme``'s plus ``options``' (the rest stay defaults, which
+    :func:`thinwire.optim.default_options` may still choose).
 
     Raises:
         ValueError: ``scheme`` was not built by :func:`build` (it has no ``origin``), or
@@ -99,12 +135,40 @@ def rebuild(scheme: Scheme, **options: Any) -> Scheme:
     name, config = scheme.origin
     given = {key: getattr(config, key) for key in scheme.given}
     fresh = build(name, **{**given, **options})
-    if "warmup_steps" not in options and fresh.warmup_steps != scheme.warmup_steps:
-        warm_up(fresh, scheme.warmup_steps)
     fresh.meter, fresh.energy, fresh.overhead_s = scheme.meter, scheme.energy, scheme.overhead_s
     if scheme.coupled is not None:
         fresh.couple_memory(scheme.coupled)
     return fresh
+
+
+def warm_up(scheme: Scheme, steps: int) -> Scheme:
+    """``scheme`` with a warm-up of ``steps`` launches, set in place: kept for code written
+    before the warm-up was an option. Build with it instead: ``build(name,
+    warmup_steps=steps)``, or the spelling ``"NAME:warmup_steps=STEPS"``.
+
+    Sets the ``warmup_steps`` of the scheme's config (and adds it to ``given``), so its
+    fingerprint and :func:`rebuild` carry it, as if it had been built with it.
+
+    Raises:
+        TypeError: ``scheme`` is not the exchange kernel's (it has no dense steps).
+        ValueError: ``steps`` is not an integer >= 0, or the scheme has launched already.
+    """
+    warnings.warn(f"thinwire.schemes.warm_up is kept for old code: build the scheme with "
+                  f"{WARMUP}={steps!r} (or spell it NAME:{WARMUP}={steps!r})",
+                  DeprecationWarning, stacklevel=2)
+    if not isinstance(scheme, CompressedScheme):
+        raise TypeError(f"expected a scheme from thinwire.schemes.build to warm up, got "
+                        f"{type(scheme).__name__}")
+    validate_warmup(steps)
+    if scheme.started and steps != scheme.warmup_steps:
+        raise ValueError("the scheme has launched already: give it a warm-up before its "
+                         "first launch (build it with warmup_steps)")
+    if scheme.origin is not None:
+        name, config = scheme.origin
+        scheme.origin = (name, dataclasses.replace(config, **{WARMUP: steps}))
+        scheme.given = scheme.given | {WARMUP}
+    scheme.warmup_steps = steps
+    return scheme
 
 
 def parse_value(text: str) -> Any:
@@ -150,16 +214,20 @@ def split_option(text: str, flag: str = "--option") -> tuple[str, Any]:
     return key, parse_value(value)
 
 
-# Options spelled another way before: naming the new spelling beats "no option".
+# Options spelled another way before, or as another interface spells them: naming the
+# scheme's spelling beats "no option".
 RENAMED = {
     "sparsity": "sparsity was renamed: pass ratio=1-x (the fraction kept)",
     "include": "include was replaced: pass exclude=(patterns always sent dense)",
     "start_iter": "start_iter was renamed: pass warmup_steps (steps sent dense first)",
+    "warmup": "warmup is register's and --warmup's name: a scheme's option is warmup_steps "
+              "(steps sent dense first)",
 }
 
 
 def fingerprint(scheme: Scheme) -> dict[str, Any]:
-    """What every rank's scheme must share: registered name, full config, traits.
+    """What every rank's scheme must share: registered name, full config (its warm-up
+    included), traits.
 
     A scheme built without :func:`build` is described by its class and traits only.
     """
@@ -178,6 +246,7 @@ def _known(name: str) -> None:
 
 def validate_common(config: Any) -> None:
     check_policy(config.nonfinite)
+    validate_warmup(config.warmup_steps)
     if hasattr(config, "min_numel") and (not isinstance(config.min_numel, int)
                                          or config.min_numel < 0):
         raise ValueError(f"min_numel={config.min_numel!r} must be an integer >= 0")
@@ -198,6 +267,17 @@ def validate_patterns(config: Any) -> None:
     if not all(isinstance(p, str) for p in patterns):
         raise ValueError(f"exclude={config.exclude!r} must be name patterns (strings)")
     object.__setattr__(config, "exclude", tuple(p.strip() for p in patterns if p.strip()))
+
+
+def validate_warmup(steps: int) -> None:
+    """A warm-up's length: an integer >= 0 (launches of each tensor sent dense first).
+
+    Raises:
+        ValueError: ``steps`` is not an integer >= 0 (a bool is not a count).
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"{WARMUP}={steps!r} must be an integer >= 0 (launches sent dense "
+                         "first)")
 
 
 def validate_ratio(ratio: float) -> None:

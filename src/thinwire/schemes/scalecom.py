@@ -59,9 +59,6 @@ class CLTkConfig:
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r} must be one of {sorted(SELECTIONS)}")
         check_fraction("beta", self.beta, 0.0, 1.0, closed_low=False, closed_high=True)
-        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
-                or self.warmup_steps < 0):
-            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
         validate_patterns(self)
         validate_common(self)
 
@@ -83,12 +80,11 @@ def _selection(config: CLTkConfig) -> Selection:
 @register("clt-k", CLTkConfig)
 def _clt_k(config: CLTkConfig) -> Scheme:
     return CompressedScheme(Cast(config.values), LeaderIndices(_selection(config)),
-                            LowPass(config.beta), config.nonfinite,
-                            warmup_steps=config.warmup_steps)
+                            LowPass(config.beta), config.nonfinite)
 
 
 @register("local-topk", LocalTopKConfig)
 def _local_topk(config: LocalTopKConfig) -> Scheme:
     # int32 index lists, as ScaleCom's baseline is measured (the 16-bit code is topk's)
     return CompressedScheme(value_codec(config.values), _selection(config), LowPass(config.beta),
-                            config.nonfinite, indices="int32", warmup_steps=config.warmup_steps)
+                            config.nonfinite, indices="int32")

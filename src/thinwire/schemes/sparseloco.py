@@ -28,7 +28,7 @@ from thinwire.compress.values import Binned
 from thinwire.feedback import Decayed, check_policy
 from thinwire.schemes.base import Scheme
 from thinwire.schemes.kernel import MEANS, CompressedScheme
-from thinwire.schemes.registry import register
+from thinwire.schemes.registry import register, validate_warmup
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class SparseLoCoConfig:
     indices: str = "elias-fano"  # positions on the wire: "elias-fano" or "fixed" (the paper's)
     aggregate: str = "senders"  # an entry's sum over: "senders" (its code) or "ranks" (Alg. 1)
     nonfinite: str = "raise"  # "raise" or "skip" on a non-finite pseudo-gradient
+    warmup_steps: int = 0  # launches of each tensor sent dense (full width) first, >= 0
 
     def __post_init__(self) -> None:
         ChunkTopK(self.chunk, self.k)
@@ -47,6 +48,7 @@ class SparseLoCoConfig:
         if self.aggregate not in MEANS:
             raise ValueError(f"aggregate={self.aggregate!r} must be one of {MEANS}")
         check_policy(self.nonfinite)
+        validate_warmup(self.warmup_steps)
 
 
 @register("sparseloco", SparseLoCoConfig)
