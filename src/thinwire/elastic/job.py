@@ -111,7 +111,7 @@ class JobRecord:
             return
         why = ("the job is over" if latest.over else
                "no live worker holds it (the workers that trained it are gone)")
-        where = f"; its results: {latest.where}" if latest.where else ""
+        where = f" (it writes to {latest.where})" if latest.where else ""
         raise StaleWorker(
             f"the job committed step {latest.step:,} already (commit {latest.commit}, "
             f"weights {latest.weights}), recorded in {self.path} by {latest.worker or '?'}"
