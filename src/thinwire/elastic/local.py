@@ -112,7 +112,9 @@ class ElasticLocalUpdates:
             StaleWorker: behind the job's record with no one to heal it (see ``job``).
         """
         commits = self.record["commits"]
-        self.join()
+        self.join()  # may land the others' sync, at their step count
+        self._recorded(commits)
+        commits = self.record["commits"]
         landed = self.updates.step()
         self._recorded(commits)
         return landed
