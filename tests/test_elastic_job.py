@@ -1,5 +1,6 @@
 """One history per job (thinwire.elastic.job): a worker left behind with no one to heal it stops
-instead of committing the job's steps a second time."""
+instead of committing the job's steps a second time; a worker stalled while the others go on
+is healed when it wakes."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from thinwire.elastic.job import JobRecord, StaleWorker, weights_hash  # noqa: E
 STEPS = 12  # inner steps, a sync every 2
 STOP_AT = 5  # worker 2 stops itself (SIGSTOP) after this inner step, between two syncs
 CRASH_AT = 8  # "crashed": workers 0 and 1 kill themselves after committing this step
+WAKE_AT = 8  # "stalled": worker 2 is woken once the others committed this step
 DEADLINE_S = 120.0  # hang guard for a whole scenario
 # Workers are forked from a server that has imported these once: four lives, one import
 PRELOAD = ["torch", "torchft.manager", "thinwire.elastic", "thinwire.local", "thinwire.schemes"]
@@ -46,12 +48,23 @@ def _life(replica: int, life: int, lighthouse: str, out: str, scenario: str) -> 
     torch.manual_seed(100 + replica)  # torchft heals all but one at step 0
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # "stalled": the others wait out the group's timeout on the stalled worker's exchange
     manager = elastic.connect(lighthouse, min_workers=2, replica_id=f"worker{replica}",
-                              timeout_s=10, quorum_timeout_s=60)
+                              timeout_s=5 if scenario == "stalled" else 10,
+                              quorum_timeout_s=60)
     job = JobRecord(Path(out, "job.json"), steps=STEPS, worker=f"worker{replica}",
                     where=str(Path(out, f"worker-{replica}")))
     updates = elastic.ElasticLocalUpdates(
         LocalUpdates(model, inner, schemes.build("int4", chunk=8), every=2), manager, job=job)
+    if scenario == "stalled" and replica == 2:
+        meet = updates.membership.meet
+
+        def meeting(*args: Any, **kwargs: Any) -> Any:
+            if Path(out, "woken").exists():  # its first quorum since it woke
+                Path(out, "asking").touch()
+            return meet(*args, **kwargs)
+
+        updates.membership.meet = meeting  # type: ignore[method-assign]
     try:
         while updates.steps < STEPS:
             generator = torch.Generator().manual_seed(1000 * replica + 100 * life + updates.steps)
@@ -60,22 +73,44 @@ def _life(replica: int, life: int, lighthouse: str, out: str, scenario: str) -> 
             inner.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             inner.step()
+            if scenario == "stalled" and replica == 2 and updates.steps + 1 == STOP_AT + 1:
+                updates.updates.scheme.launch = _stalled(  # type: ignore[method-assign]
+                    updates.updates.scheme.launch, out)
             commits = updates.record["commits"]
             updates.step()
             if updates.record["commits"] > commits:
                 note({"step": updates.steps, "weights":
                       weights_hash(list(updates.updates.global_state().values()))})
+            if scenario == "stalled" and replica < 2 and updates.steps == WAKE_AT:
+                _wait_for(Path(out, "asking"), time.monotonic())  # it wakes in a live job
             if scenario == "crashed" and replica < 2 and updates.steps == CRASH_AT:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if replica == 2 and life == 1 and updates.steps == STOP_AT:
+            if scenario != "stalled" and replica == 2 and life == 1 and updates.steps == STOP_AT:
                 Path(out, "stopped").touch()
                 os.kill(os.getpid(), signal.SIGSTOP)  # until the test wakes it
+        commits = updates.record["commits"]
         updates.finish()
+        if updates.record["commits"] > commits:
+            note({"step": updates.steps, "weights":
+                  weights_hash(list(updates.updates.global_state().values()))})
         note({"end": "finished"})
     except StaleWorker as error:
         note({"end": "stale", "error": str(error)})
     finally:
         manager.shutdown(wait=False)
+
+
+def _stalled(launch: Any, out: str) -> Any:
+    """The scheme's launch of a worker that stops (SIGSTOP) in the middle of an exchange:
+    after the sync's quorum and roll call, before it sends its part; the test wakes it."""
+
+    def stopping(*args: Any, **kwargs: Any) -> Any:
+        Path(out, "stopped").touch()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        Path(out, "woken").touch()
+        return launch(*args, **kwargs)
+
+    return stopping
 
 
 def _wait_for(path: Path, start: float) -> None:
@@ -91,7 +126,9 @@ def _run(out: Path, scenario: str) -> dict[str, list[dict[str, Any]]]:
     and worker 2 woken, together. The logs of the four lives, by name."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    lighthouse = elastic.start_lighthouse("[::]:0", min_workers=2, join_timeout_s=1.0,
+    # "stalled": the others' next quorum waits for the woken worker, live again, to ask
+    lighthouse = elastic.start_lighthouse("[::]:0", min_workers=2,
+                                          join_timeout_s=5.0 if scenario == "stalled" else 1.0,
                                           heartbeat_timeout_s=1.0)
     address = lighthouse.address()
     lives: dict[str, Any] = {}
@@ -107,6 +144,17 @@ def _run(out: Path, scenario: str) -> dict[str, list[dict[str, Any]]]:
     try:
         first = [launch(replica, 1) for replica in range(3)]
         _wait_for(out / "stopped", start)
+        if scenario == "stalled":  # the others go on without it; it wakes in their job
+            record = JobRecord(out / "job.json")
+            while (latest := record.latest()) is None or latest.step < WAKE_AT:
+                if time.monotonic() - start > DEADLINE_S:
+                    raise TimeoutError(f"the others never committed step {WAKE_AT}")
+                time.sleep(0.02)
+            os.kill(first[2].pid, signal.SIGCONT)
+            for process in first:
+                process.join(timeout=max(1.0, DEADLINE_S - (time.monotonic() - start)))
+            assert [process.exitcode for process in first] == [0, 0, 0]
+            return _logs(out, lives)
         for process in first[:2]:
             process.join(timeout=max(1.0, DEADLINE_S - (time.monotonic() - start)))
         assert [process.exitcode for process in first[:2]] == (
@@ -121,9 +169,23 @@ def _run(out: Path, scenario: str) -> dict[str, list[dict[str, Any]]]:
                 os.kill(process.pid, signal.SIGCONT)
                 process.kill()
         lighthouse.shutdown()
+    return _logs(out, lives)
+
+
+def _logs(out: Path, lives: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text()
                    .splitlines()] if (out / f"{name}.jsonl").exists() else []
             for name in lives}
+
+
+def _commits(logs: dict[str, list[dict[str, Any]]]) -> dict[int, set[str]]:
+    """Every step committed by any life, with the weights each committed it with."""
+    committed: dict[int, set[str]] = {}
+    for entries in logs.values():
+        for entry in entries:
+            if "step" in entry:
+                committed.setdefault(entry["step"], set()).add(entry["weights"])
+    return committed
 
 
 @pytest.mark.parametrize("scenario", ["finished", "crashed"])
@@ -134,11 +196,7 @@ def test_a_stopped_worker_and_a_relaunched_one_never_commit_a_step_a_second_time
     job's latest commit with no live worker to heal it: both stop, naming the step and the
     record, and no step of the job is committed twice with different weights."""
     logs = _run(tmp_path, scenario)
-    committed: dict[int, set[str]] = {}
-    for entries in logs.values():
-        for entry in entries:
-            if "step" in entry:
-                committed.setdefault(entry["step"], set()).add(entry["weights"])
+    committed = _commits(logs)
     twice = {step: sorted(weights) for step, weights in committed.items() if len(weights) > 1}
     assert not twice, f"steps committed with different weights: {twice}"
     last = STEPS if scenario == "finished" else CRASH_AT
@@ -149,6 +207,27 @@ def test_a_stopped_worker_and_a_relaunched_one_never_commit_a_step_a_second_time
         assert f"step {last:,}" in end["error"] and str(tmp_path / "job.json") in end["error"]
         assert str(tmp_path / "worker-0") in end["error"] or str(
             tmp_path / "worker-1") in end["error"]
+
+
+def test_a_worker_stalled_in_an_exchange_is_left_out_then_healed_when_it_wakes(
+        tmp_path: Path) -> None:
+    """Worker 2 stops (SIGSTOP) in the middle of a sync's exchange, longer than the
+    Lighthouse's heartbeat timeout. That sync fails everywhere (the others wait out the
+    group's timeout: a stalled peer holds its connections open, unlike a dead one); the
+    others' later syncs commit without it. Woken behind them, it applies nothing from the
+    exchange it stalled in, is healed at its next quorum and commits that sync and every
+    one after it with the others' weights; no step is committed with two weights."""
+    logs = _run(tmp_path, "stalled")
+    committed = _commits(logs)
+    twice = {step: sorted(weights) for step, weights in committed.items() if len(weights) > 1}
+    assert not twice, f"steps committed with different weights: {twice}"
+    assert STOP_AT + 1 not in committed  # the sync it stalled in committed nowhere
+    for name in ("worker0-1", "worker1-1"):
+        assert [entry["step"] for entry in logs[name] if "step" in entry][-3:] == [
+            WAKE_AT, WAKE_AT + 2, STEPS]
+    woken = [entry["step"] for entry in logs["worker2-1"] if "step" in entry]
+    assert [step for step in woken if step > STOP_AT] == list(range(WAKE_AT + 2, STEPS + 1, 2))
+    assert logs["worker2-1"][-1] == {"end": "finished"}
 
 
 # The record alone: what a worker sees, reads and writes.
