@@ -34,9 +34,10 @@ DEADLINE_S = 120.0  # hang guard for a whole scenario
 PRELOAD = ["torch", "torchft.manager", "thinwire.elastic", "thinwire.local", "thinwire.schemes"]
 
 
-def _life(replica: int, life: int, lighthouse: str, out: str, scenario: str) -> None:
-    """One life of a worker: its commits and how it ended, one JSON line each, in
-    ``out/worker<replica>-<life>.jsonl``."""
+def _life(mode: str, replica: int, life: int, lighthouse: str, out: str,
+          scenario: str) -> None:
+    """One life of a worker, local updates (a sync every 2 inner steps) or per-step DDP: its
+    commits and how it ended, one JSON line each, in ``out/worker<replica>-<life>.jsonl``."""
     os.environ["RUST_LOG"] = "error"
     torch.set_num_threads(1)
     log = Path(out, f"worker{replica}-{life}.jsonl")
@@ -54,50 +55,84 @@ def _life(replica: int, life: int, lighthouse: str, out: str, scenario: str) -> 
                               quorum_timeout_s=60)
     job = JobRecord(Path(out, "job.json"), steps=STEPS, worker=f"worker{replica}",
                     where=str(Path(out, f"worker-{replica}")))
-    updates = elastic.ElasticLocalUpdates(
-        LocalUpdates(model, inner, schemes.build("int4", chunk=8), every=2), manager, job=job)
-    if scenario == "stalled" and replica == 2:
-        meet = updates.membership.meet
+    if mode == "local":
+        updates = elastic.ElasticLocalUpdates(
+            LocalUpdates(model, inner, schemes.build("int4", chunk=8), every=2), manager,
+            job=job)
+        record, finish = updates.record, updates.finish
 
-        def meeting(*args: Any, **kwargs: Any) -> Any:
-            if Path(out, "woken").exists():  # its first quorum since it woke
-                Path(out, "asking").touch()
-            return meet(*args, **kwargs)
+        def steps() -> int:
+            return updates.steps
 
-        updates.membership.meet = meeting  # type: ignore[method-assign]
-    try:
-        while updates.steps < STEPS:
-            generator = torch.Generator().manual_seed(1000 * replica + 100 * life + updates.steps)
-            x, y = torch.randn(5, 6, generator=generator), torch.randint(0, 3, (5,),
-                                                                         generator=generator)
+        def weights() -> list[torch.Tensor]:
+            return list(updates.updates.global_state().values())
+
+        def train(x: torch.Tensor, y: torch.Tensor) -> None:
             inner.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             inner.step()
             if scenario == "stalled" and replica == 2 and updates.steps + 1 == STOP_AT + 1:
                 updates.updates.scheme.launch = _stalled(  # type: ignore[method-assign]
                     updates.updates.scheme.launch, out)
-            commits = updates.record["commits"]
             updates.step()
-            if updates.record["commits"] > commits:
-                note({"step": updates.steps, "weights":
-                      weights_hash(list(updates.updates.global_state().values()))})
-            if scenario == "stalled" and replica < 2 and updates.steps == WAKE_AT:
+
+        if scenario == "stalled" and replica == 2:
+            updates.membership.meet = _asking(  # type: ignore[method-assign]
+                updates.membership.meet, out)
+    else:
+        net = elastic.ElasticDDP(model, inner, schemes.build("clt-k", ratio=0.25), manager,
+                                 job=job)
+        record, steps = net.record, manager.current_step
+
+        def finish() -> None:
+            pass
+
+        def weights() -> list[torch.Tensor]:
+            return list(model.parameters())
+
+        def train(x: torch.Tensor, y: torch.Tensor) -> None:
+            net.begin()
+            nn.functional.cross_entropy(net(x), y).backward()
+            net.commit()
+
+    def committed(since: float) -> None:
+        if record["commits"] > since:
+            note({"step": steps(), "weights": weights_hash(weights())})
+
+    try:
+        while steps() < STEPS:
+            generator = torch.Generator().manual_seed(1000 * replica + 100 * life + steps())
+            commits = record["commits"]
+            train(torch.randn(5, 6, generator=generator),
+                  torch.randint(0, 3, (5,), generator=generator))
+            committed(commits)
+            if scenario == "stalled" and replica < 2 and steps() == WAKE_AT:
                 _wait_for(Path(out, "asking"), time.monotonic())  # it wakes in a live job
-            if scenario == "crashed" and replica < 2 and updates.steps == CRASH_AT:
+            if scenario == "crashed" and replica < 2 and steps() == CRASH_AT:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if scenario != "stalled" and replica == 2 and life == 1 and updates.steps == STOP_AT:
+            if scenario != "stalled" and replica == 2 and life == 1 and steps() == STOP_AT:
                 Path(out, "stopped").touch()
                 os.kill(os.getpid(), signal.SIGSTOP)  # until the test wakes it
-        commits = updates.record["commits"]
-        updates.finish()
-        if updates.record["commits"] > commits:
-            note({"step": updates.steps, "weights":
-                  weights_hash(list(updates.updates.global_state().values()))})
+        commits = record["commits"]
+        finish()
+        committed(commits)
         note({"end": "finished"})
     except StaleWorker as error:
         note({"end": "stale", "error": str(error)})
     finally:
         manager.shutdown(wait=False)
+
+
+def _asking(meet: Any, out: str) -> Any:
+    """The membership's meet of the stalled worker: marks its first quorum since it woke,
+    which the others wait for."""
+
+    def meeting(*args: Any, **kwargs: Any) -> Any:
+        if Path(out, "woken").exists():
+            Path(out, "asking").touch()
+        return meet(*args, **kwargs)
+
+    return meeting
 
 
 def _stalled(launch: Any, out: str) -> Any:
@@ -120,10 +155,12 @@ def _wait_for(path: Path, start: float) -> None:
         time.sleep(0.02)
 
 
-def _run(out: Path, scenario: str) -> dict[str, list[dict[str, Any]]]:
+def _run(out: Path, mode: str, scenario: str) -> dict[str, list[dict[str, Any]]]:
     """Workers 0-2 train; worker 2 stops itself at STOP_AT; the others finish the job
     ("finished") or die after committing CRASH_AT ("crashed"); then worker 0 is relaunched
-    and worker 2 woken, together. The logs of the four lives, by name."""
+    and worker 2 woken, together. "stalled": worker 2 stops in the exchange of the sync
+    after STOP_AT and is woken once the others committed WAKE_AT, which wait for it there.
+    The logs of the lives, by name."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     # "stalled": the others' next quorum waits for the woken worker, live again, to ask
@@ -135,7 +172,7 @@ def _run(out: Path, scenario: str) -> dict[str, list[dict[str, Any]]]:
     start = time.monotonic()
 
     def launch(replica: int, life: int) -> Any:
-        process = context.Process(target=_life, args=(replica, life, address, str(out),
+        process = context.Process(target=_life, args=(mode, replica, life, address, str(out),
                                                        scenario))
         process.start()
         lives[f"worker{replica}-{life}"] = process
@@ -189,13 +226,14 @@ def _commits(logs: dict[str, list[dict[str, Any]]]) -> dict[int, set[str]]:
 
 
 @pytest.mark.parametrize("scenario", ["finished", "crashed"])
+@pytest.mark.parametrize("mode", ["local", "ddp"])
 def test_a_stopped_worker_and_a_relaunched_one_never_commit_a_step_a_second_time(
-        scenario: str, tmp_path: Path) -> None:
+        mode: str, scenario: str, tmp_path: Path) -> None:
     """The user's case: a worker stopped (SIGSTOP) while the others went on wakes after they
     ended (finished the job, or died); worker 0, relaunched, meets it. The pair is behind the
     job's latest commit with no live worker to heal it: both stop, naming the step and the
     record, and no step of the job is committed twice with different weights."""
-    logs = _run(tmp_path, scenario)
+    logs = _run(tmp_path, mode, scenario)
     committed = _commits(logs)
     twice = {step: sorted(weights) for step, weights in committed.items() if len(weights) > 1}
     assert not twice, f"steps committed with different weights: {twice}"
@@ -217,7 +255,7 @@ def test_a_worker_stalled_in_an_exchange_is_left_out_then_healed_when_it_wakes(
     others' later syncs commit without it. Woken behind them, it applies nothing from the
     exchange it stalled in, is healed at its next quorum and commits that sync and every
     one after it with the others' weights; no step is committed with two weights."""
-    logs = _run(tmp_path, "stalled")
+    logs = _run(tmp_path, "local", "stalled")
     committed = _commits(logs)
     twice = {step: sorted(weights) for step, weights in committed.items() if len(weights) > 1}
     assert not twice, f"steps committed with different weights: {twice}"
