@@ -629,6 +629,7 @@ def test_async_steps_stop_the_run(tmp_path: Path) -> None:
     (["--fault-tolerant", "--replica-id", "-1"], "--replica-id -1 must be >= 0"),
     (["--fault-tolerant", "--replica-id", "0", "--sites", "2"], "takes no --sites"),
     (["--fault-tolerant", "--replica-id", "0", "--option", "bogus=1"], "'bogus' is not"),
+    (["--fault-tolerant", "--replica-id", "0"], "--fault-tolerant needs --out DIR"),
     (["--lighthouse", "http://host:29510"], "--lighthouse needs --fault-tolerant"),
     (["--replica-id", "0"], "--replica-id needs --fault-tolerant"),
 ])
@@ -638,3 +639,24 @@ def test_fault_tolerant_train_rejects_bad_flags_before_joining_anything(
     monkeypatch.setenv("RANK", "0")
     assert main(["train", "--scheme", "dct-dp", *argv]) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_a_fault_tolerant_job_that_is_over_takes_no_relaunched_worker(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker relaunched into a job that committed its last step stops before it connects,
+    naming the step and the record, and leaves the results written before it as they are."""
+    pytest.importorskip("torchft")
+    from thinwire.elastic import JobRecord
+
+    JobRecord(tmp_path / "job.json", steps=20, worker="worker0",
+              where=str(tmp_path / "worker-0")).write(21, 20, "0123456789abcdef")
+    results = tmp_path / "worker-0" / "results.json"
+    results.parent.mkdir()
+    results.write_text("the first life's results")
+    code = main(["train", "--fault-tolerant", "--replica-id", "0", "--out", str(tmp_path),
+                 "--lighthouse", "http://localhost:1", "--scheme", "diloco+int4",
+                 "--steps", "20", "--device", "cpu"])
+    error = capsys.readouterr().err
+    assert code == 1 and "step 20 already" in error and "the job is over" in error
+    assert str(tmp_path / "job.json") in error
+    assert results.read_text() == "the first life's results"

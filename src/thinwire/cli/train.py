@@ -5,11 +5,12 @@
     torchrun --nproc-per-node 4 -m thinwire train --scheme diloco+int4 --option every=50
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500 -m thinwire train ...
     thinwire train --fault-tolerant --lighthouse http://host:29510 --replica-id 0 \
-        --min-workers 2 --scheme diloco+int4     # one per worker, relaunched at will
+        --min-workers 2 --scheme diloco+int4 --out runs/job1   # one per worker, relaunched
 
 Rendezvous, multi-node included, is torchrun's; this only reads its environment.
 Under --fault-tolerant each worker is a process of its own (or a torchrun of one
-process), torchft's Lighthouse forms the quorums (docs/guide/fault-tolerance.md).
+process), torchft's Lighthouse forms the quorums (docs/guide/fault-tolerance.md);
+--out is the job's folder, shared by its workers.
 Where torch finds a GPU, each rank trains on ``cuda:LOCAL_RANK`` under NCCL.
 Rank 0 prints a summary table and writes results.json, results.md,
 accuracy_vs_bytes.png and, for a sparsifier, threshold.png to --out.
@@ -128,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_elastic(args: argparse.Namespace) -> int:
-    """One fault-tolerant worker: its own results in ``--out``/worker-N."""
+    """One fault-tolerant worker: its own results in ``--out``/worker-N, the job's latest
+    commit in ``--out``/job.json (a stale or late worker stops instead of retraining)."""
     if args.replica_id is None:
         raise ValueError("--fault-tolerant needs --replica-id N: a number >= 0, a different "
                          "one for each worker")
@@ -142,6 +144,10 @@ def _run_elastic(args: argparse.Namespace) -> int:
     parse_options(args.option, [args.scheme])
     config = scheme_config(args.scheme, args.ratio, args.life_span, args.option)
     local_run.validate(args.scheme, config)
+    if args.out is None:
+        raise ValueError("--fault-tolerant needs --out DIR: the job's folder, the same for "
+                         "every worker and every relaunch (it holds job.json, the job's "
+                         "latest commit, and each worker's results in worker-N)")
     device = rank_device(args.device)
     options = dataclasses.replace(options, device=str(device))
     if device.type == "cuda":
@@ -157,16 +163,18 @@ def _run_elastic(args: argparse.Namespace) -> int:
                                                         else "gloo"),
                                timeout_s=args.timeout, quorum_timeout_s=args.quorum_timeout)
 
+    out = common.run_folder(args.out, "train") / f"worker-{args.replica_id}"
+    job = elastic.JobRecord(out.parent / elastic.job.FILE, steps=options.steps,
+                            worker=f"worker{args.replica_id}", where=str(out))
     bar = StepBar(options.steps, show=True)
     try:
         result = run_elastic(args.scheme, config, options, connect, args.replica_id,
-                             progress=bar.update)
-    except elastic.QuorumLost as error:
+                             progress=bar.update, job=job)
+    except (elastic.QuorumLost, elastic.StaleWorker) as error:
         raise RankFailed(f"worker {args.replica_id}: {error}") from error
     finally:
         bar.close()
         end_process_group()
-    out = common.run_folder(args.out, "train") / f"worker-{args.replica_id}"
     out.mkdir(parents=True, exist_ok=True)
     record = result["record"]
     rows = [[result["scheme"], str(args.replica_id), str(int(record["commits"])),

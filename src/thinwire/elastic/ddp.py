@@ -13,6 +13,7 @@ from torchft.process_group import ProcessGroupDummy
 
 from thinwire.comm import Meter
 from thinwire.ddp import comm_hook, hook_state
+from thinwire.elastic.job import JobRecord
 from thinwire.elastic.membership import Membership
 from thinwire.elastic.state import Rollback, load_shared, shared_state
 from thinwire.schemes import Scheme
@@ -48,6 +49,10 @@ class ElasticDDP:
         manager: from :func:`~thinwire.elastic.connect`.
         meter: records the bytes handed to torch.distributed.
         max_norm: each worker's gradient clipped before the scheme (:mod:`thinwire.ddp.clip`).
+        job: the job's record of its latest commit (:class:`~thinwire.elastic.JobRecord`),
+            written after each committed step; a worker behind it with no live peer to
+            heal it stops with :class:`~thinwire.elastic.StaleWorker` in :meth:`begin`
+            rather than train committed steps again. None: no record, no such check.
 
     Attributes:
         record: counts of ``commits``, ``failures``, ``heals``, seconds of ``quorum_s``
@@ -56,7 +61,7 @@ class ElasticDDP:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheme: Scheme, manager: Manager, *, meter: Meter | None = None,
-                 max_norm: float | None = None) -> None:
+                 max_norm: float | None = None, job: JobRecord | None = None) -> None:
         self.module = module
         self.optimizer = optimizer
         self.ddp = DistributedDataParallel(module, process_group=ProcessGroupDummy(0, 1),
@@ -65,7 +70,8 @@ class ElasticDDP:
         self.state.agreed = True  # the membership compares the peers of each new quorum
         parameter = next(module.parameters(), None)
         self.membership = Membership(manager, self.state.fields, "the fault-tolerant DDP hook",
-                                     parameter.device if parameter is not None else None)
+                                     parameter.device if parameter is not None else None,
+                                     job=job)
         self._rollback: Rollback | None = None
         self.ddp.register_comm_hook(self, _guarded_hook)
         manager.register_state_dict_fn("thinwire data parallel", self._heal, self._shared)
@@ -86,7 +92,11 @@ class ElasticDDP:
         return self.ddp(*args, **kwargs)
 
     def begin(self) -> None:
-        """Start a step: the quorum (a worker behind is healed here), gradients zeroed."""
+        """Start a step: the quorum (a worker behind is healed here), gradients zeroed.
+
+        Raises:
+            StaleWorker: behind the job's record with no one to heal it (see ``job``).
+        """
         self.optimizer.zero_grad()
         self.membership.meet()
         self._rollback = Rollback(self.state.scheme)
@@ -100,6 +110,8 @@ class ElasticDDP:
         """
         if self.membership.commit():
             self.optimizer.step()
+            self.membership.committed(self.manager.current_step(),
+                                      list(self.module.parameters()))
             return True
         if self._rollback is not None:
             self.state.scheme = self._rollback.restore(self.state.scheme)

@@ -11,6 +11,7 @@ from torchft.manager import Manager
 
 from thinwire.comm import done
 from thinwire.comm.collectives import Future
+from thinwire.elastic.job import JobRecord
 from thinwire.elastic.membership import Membership
 from thinwire.elastic.state import Rollback, load_shared, shared_state
 from thinwire.local import LocalUpdates
@@ -48,6 +49,11 @@ class ElasticLocalUpdates:
         updates: built with ``group=None`` before the first quorum; plain (not
             DTensor) parameters.
         manager: from :func:`~thinwire.elastic.connect`.
+        job: the job's record of its latest commit (:class:`~thinwire.elastic.JobRecord`,
+            steps counted in inner steps), written after each committed sync; a worker
+            behind it with no live peer to heal it stops with
+            :class:`~thinwire.elastic.StaleWorker` rather than train committed steps
+            again. None: no record, no such check.
 
     Attributes:
         record: counts of ``commits``, ``failures`` (syncs that did not commit),
@@ -59,7 +65,8 @@ class ElasticLocalUpdates:
             quorums).
     """
 
-    def __init__(self, updates: LocalUpdates, manager: Manager) -> None:
+    def __init__(self, updates: LocalUpdates, manager: Manager, *,
+                 job: JobRecord | None = None) -> None:
         if updates.group is not None:
             raise ValueError("build the LocalUpdates with group=None: each quorum forms "
                              "torch.distributed's default group of the live workers")
@@ -76,7 +83,7 @@ class ElasticLocalUpdates:
                              "sync's quorum; fault-tolerant local updates take eager=False")
         self.updates = updates
         self.membership = Membership(manager, updates.fields, "fault-tolerant local updates",
-                                     updates.device, updates.scheme.meter)
+                                     updates.device, updates.scheme.meter, job)
         self.launching: int | None = None  # the fragment whose quorum is under way
         self.joined = False
         self._peer_launch: tuple[int, int] | None = None  # (fragment, steps) found when healed
@@ -99,9 +106,24 @@ class ElasticLocalUpdates:
 
     def step(self) -> list[int]:
         """:meth:`join` if not yet joined, then ``LocalUpdates.step``: the fragments that
-        landed (committed or not)."""
-        self.join()
-        return self.updates.step()
+        landed (committed or not).
+
+        Raises:
+            StaleWorker: behind the job's record with no one to heal it (see ``job``).
+        """
+        commits = self.record["commits"]
+        self.join()  # may land the others' sync, at their step count
+        self._recorded(commits)
+        commits = self.record["commits"]
+        landed = self.updates.step()
+        self._recorded(commits)
+        return landed
+
+    def _recorded(self, commits: float) -> None:
+        """The job's record of this worker's latest commit, if any since ``commits``."""
+        if self.record["commits"] > commits:
+            self.membership.committed(self.updates.steps,
+                                      list(self.updates.global_state().values()))
 
     def join(self) -> None:
         """The first quorum. Where the others train already it waits for their next
@@ -234,5 +256,7 @@ class ElasticLocalUpdates:
 
     def finish(self) -> None:
         """Land the exchanges in flight (each all workers' commit vote, at the end)."""
+        commits = self.record["commits"]
         self.updates.finish()
+        self._recorded(commits)
 

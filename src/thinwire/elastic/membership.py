@@ -14,7 +14,8 @@ from torchft.manager import Manager
 from thinwire.comm import Meter, done
 from thinwire.comm.collectives import Future, all_gather_single
 from thinwire.comm.fingerprint import PeerMismatchError, check_peers
-from thinwire.elastic.manager import quorum
+from thinwire.elastic.job import JobRecord, StaleWorker, weights_hash
+from thinwire.elastic.manager import QuorumLost, quorum
 from thinwire.launch import end_process_group
 
 
@@ -28,11 +29,15 @@ class Membership:
         where: names the front door in a peer-check message.
         device: where the small tensors of the roll call live (the worker's device).
         meter: records the roll call's bytes (entity ``size``).
+        job: the job's record of its latest commit: checked at each quorum, written at
+            each commit (:mod:`thinwire.elastic.job`); None: no check.
     """
 
     def __init__(self, manager: Manager, fields: Mapping[str, Any], where: str,
-                 device: torch.device | None, meter: Meter | None = None) -> None:
+                 device: torch.device | None, meter: Meter | None = None,
+                 job: JobRecord | None = None) -> None:
         self.manager = manager
+        self.job = job
         self.meter = meter
         self.fields = fields
         self.where = where
@@ -64,14 +69,39 @@ class Membership:
         Raises:
             QuorumLost: no quorum in time.
             PeerMismatchError: the quorum's workers were set up differently.
+            StaleWorker: this worker is behind the job's recorded commit, and the job is
+                over or the quorum (healed to its most advanced worker) is behind it too:
+                the step is reported failed first, so no worker of the quorum commits it.
         """
+        job = self.job
+        if job is not None:
+            job.check(self.manager.current_step(), in_quorum=False)
         start, heals = time.perf_counter(), self.heals
-        formed = quorum(self.manager)
+        try:
+            formed = quorum(self.manager)
+        except QuorumLost:
+            if job is not None:  # the job may have ended while this worker waited
+                job.check(self.manager.current_step(), in_quorum=False)
+            raise
         waited = time.perf_counter() - start
         self.record["heal_s" if self.heals > heals else "quorum_s"] += waited
         if not formed:
             self.fail("no process group formed for this quorum")
             return None
+        rows = self._roll_call(row)
+        if job is not None and rows is not None:
+            # after the peer check and the roll call, which a worker healed in this quorum
+            # reaches once its state has arrived: a stale source never leaves it half-healed
+            try:
+                job.check(self.manager.current_step(), in_quorum=True)
+            except StaleWorker as error:
+                self.fail(error)
+                raise
+        return rows
+
+    def _roll_call(self, row: Callable[[], list[int]] | None) -> torch.Tensor | None:
+        """The peer check where the quorum's group is new, then every worker's ``row()``,
+        gathered (:meth:`meet`'s returns)."""
         try:
             group = dist.group.WORLD
             if self._checked is None or self._checked() is not group:
@@ -118,6 +148,16 @@ class Membership:
                 return fallback
 
         return future.then(settle)
+
+    def committed(self, step: int, weights: list[torch.Tensor]) -> None:
+        """Record a commit in the job's record (where there is one): ``step`` is the
+        training step it ends, ``weights`` the global weights after it.
+
+        Raises:
+            StaleWorker: the record holds this commit with other weights.
+        """
+        if self.job is not None:
+            self.job.write(self.manager.current_step(), step, weights_hash(weights))
 
     def fail(self, error: Exception | str) -> None:
         """Report ``error`` to torchft: this step or sync does not commit on this worker."""

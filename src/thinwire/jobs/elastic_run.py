@@ -15,7 +15,6 @@ shares; the worker ranked first in the quorum also evaluates them every
 from __future__ import annotations
 
 import copy
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -28,7 +27,8 @@ from torch import nn
 from thinwire import schemes
 from thinwire.comm import Meter
 from thinwire.data.digits import batches
-from thinwire.elastic import ElasticDDP, ElasticLocalUpdates
+from thinwire.elastic import ElasticDDP, ElasticLocalUpdates, JobRecord
+from thinwire.elastic.job import weights_hash
 from thinwire.jobs import local_run, workloads
 from thinwire.jobs.dataparallel import PRECISIONS, RunOptions, backward
 from thinwire.launch import phase
@@ -38,23 +38,13 @@ from thinwire.local import LocalUpdates, nesterov
 # Unix time, so the events of several workers line up.
 EVENT_FIELDS = ("step", "time", "workers", "committed", "weights_hash", "score")
 
-
-def weights_hash(tensors: list[torch.Tensor]) -> str:
-    """The first 16 hex digits of the sha256 of ``tensors``' bytes, in order."""
-    hasher = hashlib.sha256()
-    for tensor in tensors:
-        hasher.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8)
-                      .numpy().tobytes())
-    return hasher.hexdigest()[:16]
-
-
 OnStep = Callable[[int, "tuple[Any, ...] | None", dict[str, float]], None]
 
 
 def run_elastic(name: str, config: dict[str, Any], options: RunOptions,
                 connect: Callable[[], Any], replica: int,
                 progress: Callable[[int], None] | None = None,
-                on_step: OnStep | None = None) -> dict[str, Any]:
+                on_step: OnStep | None = None, job: JobRecord | None = None) -> dict[str, Any]:
     """Train ``options.workload`` as one fault-tolerant worker.
 
     Args:
@@ -67,13 +57,21 @@ def run_elastic(name: str, config: dict[str, Any], options: RunOptions,
         progress: called with 1 after each step (a progress bar).
         on_step: called after each step with the step count, the event it logged (None if
             none) and the counts of commits, failures and heals so far (for monitoring).
+        job: the job's record of its latest commit, its ``steps`` this run's: a job that is
+            over stops this worker before it connects, and a worker left behind the
+            record with no one to heal it stops at its quorum (None: no record).
 
     Returns:
         ``events`` (:data:`EVENT_FIELDS`, one per sync or step), ``record`` (commits,
         failures, heals, seconds waiting for quorums and heals), the meter's summary and
         ``wall_s``.
+
+    Raises:
+        StaleWorker: behind ``job``'s latest commit with no one to heal it.
     """
     phase(f"{name} setup, worker {replica}")
+    if job is not None:
+        job.check(0, in_quorum=False)  # a job that is over takes no one
     if options.precision == "fp16":
         raise ValueError("--precision fp16 is not supported with --fault-tolerant "
                          "(its loss scale is a per-step vote of its own); use bf16 or fp32")
@@ -86,7 +84,8 @@ def run_elastic(name: str, config: dict[str, Any], options: RunOptions,
     model = work.model(options.seed)
     inner, _ = options.build_optimizer(model.parameters())
     stream = batches(work.train, options.batch_size, seed=options.seed * 1000 + replica)
-    run = _Run(name, options, work, model, inner, stream, Meter(replica, 1), on_step, progress)
+    run = _Run(name, options, work, model, inner, stream, Meter(replica, 1), on_step, progress,
+               job)
     manager = connect()
     try:
         record, settings = (run.local(config, manager) if local_run.is_local(name)
@@ -104,8 +103,10 @@ class _Run:
 
     def __init__(self, name: str, options: RunOptions, work: workloads.Workload,
                  model: nn.Module, inner: torch.optim.Optimizer, stream: Any, meter: Meter,
-                 on_step: OnStep | None, progress: Callable[[int], None] | None) -> None:
+                 on_step: OnStep | None, progress: Callable[[int], None] | None,
+                 job: JobRecord | None) -> None:
         self.name, self.options, self.work, self.model = name, options, work, model
+        self.job = job
         self.inner, self.stream, self.meter = inner, stream, meter
         self.on_step, self.progress = on_step, progress
         self.dtype = PRECISIONS[options.precision]
@@ -147,7 +148,8 @@ class _Run:
         updates = ElasticLocalUpdates(LocalUpdates(
             self.model, self.inner, scheme, every=local.every, fragments=local.fragments,
             delay=local.delay, mix=local.mix, overlap=local.overlap,
-            outer=nesterov(local.outer_lr, local.outer_momentum), meter=self.meter), manager)
+            outer=nesterov(local.outer_lr, local.outer_momentum), meter=self.meter), manager,
+            job=self.job)
         probe = copy.deepcopy(self.model)  # holds the global weights, for evaluation
         while updates.steps < self.options.steps:
             phase(f"{self.name} step {updates.steps + 1}")
@@ -167,7 +169,7 @@ class _Run:
     def per_step(self, config: dict[str, Any], manager: Any) -> tuple[dict[str, float], Any]:
         """Per-step DDP, ``options.steps`` committed steps."""
         net = ElasticDDP(self.model, self.inner, schemes.build(self.name, **config), manager,
-                         meter=self.meter, max_norm=self.options.max_norm)
+                         meter=self.meter, max_norm=self.options.max_norm, job=self.job)
         while manager.current_step() < self.options.steps:
             phase(f"{self.name} step {manager.current_step() + 1}")
             net.begin()

@@ -140,7 +140,10 @@ class Exchange(Protocol):
 
     def launch(self, updates: LocalUpdates, fragment: int,
                deltas: dict[str, torch.Tensor]) -> Future[Any]:
-        """Start averaging ``deltas`` (the fragment's ``x_global - x_local`` by name)."""
+        """Start averaging ``deltas`` (the fragment's ``x_global - x_local`` by name).
+
+        It may move ``updates.steps`` (a fault-tolerant worker healed in the sync's
+        quorum takes its peers' count); the exchange then lands that much later too."""
 
     def land(self, updates: LocalUpdates, fragment: int,
              future: Future[Any]) -> Mapping[str, torch.Tensor] | None:
@@ -341,7 +344,11 @@ class LocalUpdates:
         with torch.no_grad():
             deltas = {name: origin[name] - _local(self.params[name])
                       for name in self.fragments[fragment]}
-        self.pending[fragment] = (lands, self.exchange.launch(self, fragment, deltas))
+        steps = self.steps
+        future = self.exchange.launch(self, fragment, deltas)
+        # an exchange may move the step count (a fault-tolerant worker healed in the sync's
+        # quorum takes its peers'): the sync lands where theirs does
+        self.pending[fragment] = (lands + self.steps - steps, future)
         return deltas
 
     def _eager(self, fragment: int, deltas: dict[str, torch.Tensor] | None,
