@@ -124,18 +124,9 @@ def dct_dp(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> 
     if calls % state["life_span"] == 0:
         state["tau"] = float(torch.topk(magnitudes, k, sorted=False).values.min())
     tau = state["tau"]
-    indices = (magnitudes >= tau if tau > 0 else magnitudes > 0).nonzero().view(-1)
-    passed = indices.numel()
-    room = min(numel, math.ceil(state["capacity"] * k - 1e-9))
-    if passed > room:  # the largest go now, in ascending order; the rest wait in memory
-        top = torch.topk(magnitudes.index_select(0, indices), room, sorted=False).indices
-        indices = indices.index_select(0, top.sort().values)
-    if state["gain"] is not None and tau > 0:
-        state["tau"] = tau * correction(state["gain"], magnitudes, passed, k, room)
-    taken = p.index_select(0, indices)
-    sent = int8(taken) if state["values"] == "int8" else taken
-    error.index_add_(0, indices, sent, alpha=-1)
-    return bucket.zero_().index_copy_(0, indices, sent)
+    indices, factor = _above(p, magnitudes, tau, k, state)
+    state["tau"] = tau * factor
+    return _sent(bucket, error, p, indices, state)
 
 
 def laplace(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
@@ -158,18 +149,9 @@ def laplace(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) ->
     k = keep_count(numel, state["ratio"])
     scale = state.get("scale", 1.0)
     tau = float(magnitudes.mean()) * -math.log(state["ratio"]) * scale
-    indices = (magnitudes >= tau if tau > 0 else magnitudes > 0).nonzero().view(-1)
-    passed = indices.numel()
-    room = min(numel, math.ceil(state["capacity"] * k - 1e-9))
-    if passed > room:
-        top = torch.topk(magnitudes.index_select(0, indices), room, sorted=False).indices
-        indices = indices.index_select(0, top.sort().values)
-    if state["gain"] is not None and tau > 0:
-        state["scale"] = scale * correction(state["gain"], magnitudes, passed, k, room)
-    taken = p.index_select(0, indices)
-    sent = int8(taken) if state["values"] == "int8" else taken
-    error.index_add_(0, indices, sent, alpha=-1)
-    return bucket.zero_().index_copy_(0, indices, sent)
+    indices, factor = _above(p, magnitudes, tau, k, state)
+    state["scale"] = scale * factor
+    return _sent(bucket, error, p, indices, state)
 
 
 def powersgd(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
@@ -405,3 +387,29 @@ def _chunks(infos: Sequence[TensorInfo], chunk: int, k: int) -> dict[str, Any]:
             "segments": torch.tensor(full_segments + tail_segments + whole_segments,
                                      dtype=torch.int64),
             "counts": sizes.double(), "dof": (sizes - 1).clamp_(min=1).sqrt_()}
+
+
+def _above(p: torch.Tensor, magnitudes: torch.Tensor, tau: float, k: int,
+           state: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """The positions with ``|p| >= tau`` (``> 0`` where ``tau`` is 0), the largest
+    ``room = ceil(capacity k)`` of them where more pass, ascending; and the density
+    control's factor for the threshold (1 without ``gain``)."""
+    indices = (magnitudes >= tau if tau > 0 else magnitudes > 0).nonzero().view(-1)
+    passed = indices.numel()
+    room = min(p.numel(), math.ceil(state["capacity"] * k - 1e-9))
+    if passed > room:  # the largest go now, in ascending order; the rest wait in memory
+        top = torch.topk(magnitudes.index_select(0, indices), room, sorted=False).indices
+        indices = indices.index_select(0, top.sort().values)
+    if state["gain"] is None or tau <= 0:
+        return indices, 1.0
+    return indices, correction(state["gain"], magnitudes, passed, k, room)
+
+
+def _sent(bucket: torch.Tensor, error: torch.Tensor, p: torch.Tensor, indices: torch.Tensor,
+          state: dict[str, Any]) -> torch.Tensor:
+    """``p`` at ``indices`` sent as is or as int8 codes, taken out of ``error``; ``bucket``
+    overwritten with the mean (the sent values there, 0 elsewhere)."""
+    taken = p.index_select(0, indices)
+    sent = int8(taken) if state["values"] == "int8" else taken
+    error.index_add_(0, indices, sent, alpha=-1)
+    return bucket.zero_().index_copy_(0, indices, sent)
