@@ -264,7 +264,10 @@ def test_a_worker_stalled_in_an_exchange_is_left_out_then_healed_when_it_wakes(
         assert [entry["step"] for entry in logs[name] if "step" in entry][-3:] == [
             WAKE_AT, WAKE_AT + 2, STEPS]
     woken = [entry["step"] for entry in logs["worker2-1"] if "step" in entry]
-    assert [step for step in woken if step > STOP_AT] == list(range(WAKE_AT + 2, STEPS + 1, 2))
+    after = [step for step in woken if step > STOP_AT]
+    # healed, it commits every sync from the first quorum it meets (WAKE_AT + 2 on an idle
+    # machine, a later one under load) to the last
+    assert after and after[0] >= WAKE_AT + 2 and after == list(range(after[0], STEPS + 1, 2))
     assert logs["worker2-1"][-1] == {"end": "finished"}
 
 
