@@ -32,7 +32,9 @@ from torch.multiprocessing.spawn import ProcessException
 
 DEFAULT_TIMEOUT_S = 300.0  # process-group timeout of local jobs: minutes, not torch's 30
 _START_S = 600.0  # how long ranks wait for each other to start (a hang guard only)
-_PRELOAD = ["torch", "torch.distributed", "thinwire.launch"]  # imported once, by the forkserver
+# Imported once, by the forkserver the ranks fork from; fsdp brings DTensor and sympy, which
+# the compare job's ranks import whether or not they shard.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "thinwire.launch"]
 _GRACE_S = 2.0  # after a failure, seconds the other ranks get before SIGTERM, then SIGKILL
 _phase_file: str | None = None  # set in each spawned rank
 _phase = "starting"
