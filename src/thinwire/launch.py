@@ -32,6 +32,9 @@ from torch.multiprocessing.spawn import ProcessException
 
 DEFAULT_TIMEOUT_S = 300.0  # process-group timeout of local jobs: minutes, not torch's 30
 _START_S = 600.0  # how long ranks wait for each other to start (a hang guard only)
+# Imported once, by the forkserver the ranks fork from; fsdp brings DTensor and sympy, which
+# the compare job's ranks import whether or not they shard.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "thinwire.launch"]
 _GRACE_S = 2.0  # after a failure, seconds the other ranks get before SIGTERM, then SIGKILL
 _phase_file: str | None = None  # set in each spawned rank
 _phase = "starting"
@@ -80,8 +83,12 @@ def _seconds(text: str) -> float:
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, timeout_s: float,
-           backend: str, args: tuple[Any, ...], threads: int) -> None:
+           backend: str, args: tuple[Any, ...], threads: int, environ: dict[str, str]) -> None:
     global _phase_file
+    # Forked from the forkserver, which kept the environment of its own start: take the
+    # caller's, as a spawned process would.
+    os.environ.clear()
+    os.environ.update(environ)
     _phase_file = os.path.join(workdir, f"phase{rank}")
     torch.set_num_threads(threads)  # several ranks share few cores
     phase("waiting for every rank to start")
@@ -166,7 +173,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in one group.
 
     ``fn`` must be importable (module level). Each rank's return value is
-    saved with ``torch.save`` and returned in rank order.
+    saved with ``torch.save`` and returned in rank order. Ranks are forked from a
+    forkserver that has imported torch once; each takes the caller's environment,
+    ``sys.path`` and working directory, as a spawned process does.
 
     Args:
         timeout_s: the process group's timeout: the longest any rank waits on a
@@ -190,10 +199,14 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size={world_size} under nccl needs a GPU per rank; "
                          f"torch finds {torch.cuda.device_count()} here")
+    # A forkserver with torch imported starts each rank in a fraction of a second, where a
+    # spawned interpreter imports torch again (seconds of CPU per rank).
+    multiprocessing.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="thinwire-") as workdir:
         context = mp.start_processes(  # type: ignore[attr-defined]
-            _entry, args=(fn, world_size, workdir, timeout_s, backend, args, threads),
-            nprocs=world_size, join=False, start_method="spawn")
+            _entry, args=(fn, world_size, workdir, timeout_s, backend, args, threads,
+                          dict(os.environ)),
+            nprocs=world_size, join=False, start_method="forkserver")
         start = time.monotonic()
         while True:
             # Read before joining: a failed join kills the others, state and all.

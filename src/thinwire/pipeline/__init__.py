@@ -9,6 +9,8 @@ Floor: front door, beside autodiff and ps (neither imported), above ddp.
 Library code only: models, data and jobs come in as arguments.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from thinwire.pipeline import sketch as _sketch  # noqa: F401  (registers sketch, xgrad-topk)
 from thinwire.pipeline.boundary import (
     Compact,
@@ -33,13 +35,28 @@ from thinwire.pipeline.registry import (
     register_boundary,
 )
 from thinwire.pipeline.split import Chain, Pipeline, Stage, split, split_positions, steps
-from thinwire.pipeline.stages import (
-    SCHEDULES,
-    MeteredStage,
-    build_schedule,
-    build_stage,
-    stage_metadata,
-)
+
+if TYPE_CHECKING:
+    from thinwire.pipeline.stages import (
+        SCHEDULES,
+        MeteredStage,
+        build_schedule,
+        build_stage,
+        stage_metadata,
+    )
+
+# torch.distributed.pipelining imports torch._dynamo (seconds per process): ``stages`` is
+# loaded on first use, so that a process that only splits a model (a DLRM workload, the
+# compare job's ranks) never pays for it.
+_STAGES = ("SCHEDULES", "MeteredStage", "build_schedule", "build_stage", "stage_metadata")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _STAGES:
+        from thinwire.pipeline import stages
+
+        return getattr(stages, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "SCHEDULES",
