@@ -115,10 +115,7 @@ def dct_dp(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) -> 
     Returns:
         ``bucket``, overwritten with the mean. Modifies ``error`` and ``state`` in place.
     """
-    p = error.add_(bucket)
-    magnitudes = kept(state, "magnitudes", p, torch.abs)
-    numel = p.numel()
-    k = keep_count(numel, state["ratio"])
+    p, magnitudes, k = _opened(bucket, error, state)
     calls = state.get("calls", 0)
     state["calls"] = calls + 1
     if calls % state["life_span"] == 0:
@@ -143,10 +140,7 @@ def laplace(bucket: torch.Tensor, error: torch.Tensor, state: dict[str, Any]) ->
     Returns:
         ``bucket``, overwritten with the mean. Modifies ``error`` and ``state`` in place.
     """
-    p = error.add_(bucket)
-    magnitudes = kept(state, "magnitudes", p, torch.abs)
-    numel = p.numel()
-    k = keep_count(numel, state["ratio"])
+    p, magnitudes, k = _opened(bucket, error, state)
     scale = state.get("scale", 1.0)
     tau = float(magnitudes.mean()) * -math.log(state["ratio"]) * scale
     indices, factor = _above(p, magnitudes, tau, k, state)
@@ -387,6 +381,13 @@ def _chunks(infos: Sequence[TensorInfo], chunk: int, k: int) -> dict[str, Any]:
             "segments": torch.tensor(full_segments + tail_segments + whole_segments,
                                      dtype=torch.int64),
             "counts": sizes.double(), "dof": (sizes - 1).clamp_(min=1).sqrt_()}
+
+
+def _opened(bucket: torch.Tensor, error: torch.Tensor,
+            state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``p = e + g`` (in ``error``), ``|p|`` (in a kept buffer) and ``k``, the entries to keep."""
+    p = error.add_(bucket)
+    return p, kept(state, "magnitudes", p, torch.abs), keep_count(p.numel(), state["ratio"])
 
 
 def _above(p: torch.Tensor, magnitudes: torch.Tensor, tau: float, k: int,
