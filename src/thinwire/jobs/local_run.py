@@ -55,7 +55,7 @@ class DiLoCoOptions:
     delay: int = 0  # tau, inner steps a fragment's exchange overlaps, < every // fragments
     mix: float = 0.0  # weight of the local weights when a fragment lands, in [0, 1)
     overlap: bool = False  # each exchange lands one sync late, under the next H steps
-    # as overlap, with an outer step on the worker's own pseudo-gradient meanwhile
+    # as overlap, each worker stepping at once with its own fresh share (Kale et al. 2025)
     eager: bool = False
     # the outer Nesterov SGD's learning rate, > 0; None: the scheme's (outer_defaults:
     # 0.7, or 1.0 for sparseloco)
