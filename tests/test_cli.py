@@ -630,6 +630,8 @@ def test_async_steps_stop_the_run(tmp_path: Path) -> None:
     (["--fault-tolerant", "--replica-id", "0", "--sites", "2"], "takes no --sites"),
     (["--fault-tolerant", "--replica-id", "0", "--option", "bogus=1"], "'bogus' is not"),
     (["--fault-tolerant", "--replica-id", "0"], "--fault-tolerant needs --out DIR"),
+    (["--fault-tolerant", "--replica-id", "0", "--heartbeat-timeout", "0"],
+     "--heartbeat-timeout 0 must be > 0"),
     (["--lighthouse", "http://host:29510"], "--lighthouse needs --fault-tolerant"),
     (["--replica-id", "0"], "--replica-id needs --fault-tolerant"),
 ])

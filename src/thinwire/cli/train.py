@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     elastic.add_argument("--replica-id", type=int, default=None, metavar="N",
                          help="this worker's number, >= 0: names it to the Lighthouse and "
                               "seeds its batches (a relaunched worker takes its old one)")
+    elastic.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
+                         help="a worker of the quorum silent this long (stopped, swapped out) "
+                              "fails the exchange in flight on the others at once, rather "
+                              "than after --timeout; the Lighthouse's --heartbeat-timeout")
     elastic.add_argument("--quorum-timeout", type=float, default=600.0, metavar="SECONDS",
                          help="the longest a worker waits for a quorum (a joining worker "
                               "waits for the others' next sync)")
@@ -140,6 +144,8 @@ def _run_elastic(args: argparse.Namespace) -> int:
         raise ValueError("--fault-tolerant takes no --sites: each worker is one process")
     if args.min_workers < 1:
         raise ValueError(f"--min-workers {args.min_workers} must be >= 1")
+    if not args.heartbeat_timeout > 0:
+        raise ValueError(f"--heartbeat-timeout {args.heartbeat_timeout:g} must be > 0 seconds")
     options = run_options(args)
     parse_options(args.option, [args.scheme])
     config = scheme_config(args.scheme, args.ratio, args.life_span, args.option)
@@ -161,7 +167,8 @@ def _run_elastic(args: argparse.Namespace) -> int:
                                replica_id=f"worker{args.replica_id}",
                                backend=args.backend or ("nccl" if device.type == "cuda"
                                                         else "gloo"),
-                               timeout_s=args.timeout, quorum_timeout_s=args.quorum_timeout)
+                               timeout_s=args.timeout, quorum_timeout_s=args.quorum_timeout,
+                               heartbeat_timeout_s=args.heartbeat_timeout)
 
     out = common.run_folder(args.out, "train") / f"worker-{args.replica_id}"
     job = elastic.JobRecord(out.parent / elastic.job.FILE, steps=options.steps,

@@ -22,7 +22,8 @@ class QuorumLost(RuntimeError):
 
 def connect(lighthouse: str | None = None, *, min_workers: int = 1,
             replica_id: str | None = None, backend: str = "gloo", timeout_s: float = 60.0,
-            quorum_timeout_s: float = 600.0, max_failures: int | None = 20) -> Manager:
+            quorum_timeout_s: float = 600.0, max_failures: int | None = 20,
+            heartbeat_timeout_s: float | None = 5.0) -> Manager:
     """A torchft Manager for this worker, its exchanges on a :class:`QuorumGroup`.
 
     Each worker is a replica group of one process, launched and relaunched on
@@ -44,6 +45,12 @@ def connect(lighthouse: str | None = None, *, min_workers: int = 1,
             between two syncs, since a joining worker waits for the others' next one.
         max_failures: consecutive steps or syncs that fail to commit before the worker
             gives up with an error; None: never.
+        heartbeat_timeout_s: a worker of the quorum that stops answering this long
+            (stopped, swapped out, lost with its connections open) fails the exchange in
+            flight on every other worker at once (:mod:`thinwire.elastic.watch`), where a
+            dead one's closed connections fail it at once anyway. The Lighthouse's heartbeat
+            timeout is the value to use: the next quorum then leaves it out. None: a
+            stalled worker costs the others ``timeout_s``.
 
     Raises:
         ValueError: a bad option, no Lighthouse address, torch.distributed's default group
@@ -57,7 +64,10 @@ def connect(lighthouse: str | None = None, *, min_workers: int = 1,
                          "`torchft_lighthouse --min_replicas N`")
     if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
         raise ValueError(f"min_workers={min_workers!r} must be an integer >= 1")
-    for name, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s)):
+    timeouts = [("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s)]
+    if heartbeat_timeout_s is not None:
+        timeouts.append(("heartbeat_timeout_s", heartbeat_timeout_s))
+    for name, value in timeouts:
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0")
     if max_failures is not None and (not isinstance(max_failures, int) or max_failures < 0):
@@ -69,7 +79,7 @@ def connect(lighthouse: str | None = None, *, min_workers: int = 1,
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: a fault-tolerant worker is a "
                          "replica group of one process; launch one torchrun "
                          "--nproc-per-node 1 per worker")
-    group = QuorumGroup(backend, timedelta(seconds=timeout_s))
+    group = QuorumGroup(backend, timedelta(seconds=timeout_s), silence_s=heartbeat_timeout_s)
     store: dict[str, Any] = {}
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         host = socket.gethostname()
