@@ -8,7 +8,12 @@ each relaunched ``--relaunch-s`` seconds after it died:
 * worker 1 kills itself in the middle of its inner steps (``--kill-inner``);
 * worker 2 kills itself in the middle of an exchange: after the sync's quorum,
   as its exchange starts (``--kill-exchange``, a sync's step);
-* worker 3 is killed from here while the relaunched worker 2 is being healed.
+* worker 3 is killed from here while the relaunched worker 2 is being healed;
+
+and one stalls: worker 1 (in its second life) is stopped from here (SIGSTOP)
+at worker 0's step ``--stop-at`` and continued ``--stop-s`` seconds later.
+Each fault's cost is the time from it to each other worker's next committed
+sync (per step: step), beside the time between their commits without it.
 
 Runs, side by side in one process tree: thinwire's local updates
 (``--local``, default ``diloco+int4``), thinwire's per-step scheme
@@ -51,6 +56,7 @@ from thinwire.jobs.elastic_run import EVENT_FIELDS, weights_hash
 from thinwire.jobs.workloads import RECIPES
 
 JOINER = 4  # the worker that joins half way (with 4 workers: the fifth)
+STALLED = 1  # the worker stopped for a while (its second life)
 POLL_S = 0.05
 GRACE_S = 60.0  # after worker 0 ends, how long the others get to end too
 TIMEOUT_S = 60.0  # the longest a collective, vote or state transfer waits on a peer
@@ -63,6 +69,8 @@ class Schedule:
     kill_inner: int  # worker 1 kills itself after this inner step (not a sync step)
     kill_exchange: int  # worker 2 kills itself in the exchange of the sync at this step
     relaunch_s: float  # a killed worker is relaunched this long after it died
+    stop_at: int  # worker 0's step at which worker 1 is stopped (SIGSTOP)
+    stop_s: float  # and continued (SIGCONT) this long after
 
 
 @dataclass(frozen=True)
@@ -260,6 +268,7 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
     processes: dict[int, Any] = {}
     lives: dict[int, int] = {}
     kills: list[dict[str, Any]] = []
+    stop: dict[str, Any] = {}  # worker 1's stall: when it was stopped and continued
     relaunch: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="faults-") as folder:
         def launch(replica: int) -> None:
@@ -299,6 +308,13 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
                              and "relaunched" not in k)["relaunched"] = now
                         Path(folder, f"healing-{replica}").unlink(missing_ok=True)
                         launch(replica)
+                if schedule.faults and not stop and step >= schedule.stop_at:
+                    if processes[STALLED].is_alive():
+                        os.kill(processes[STALLED].pid, signal.SIGSTOP)
+                        stop.update(replica=STALLED, stopped=now, step=step)
+                if stop and "continued" not in stop and now - stop["stopped"] >= schedule.stop_s:
+                    os.kill(processes[STALLED].pid, signal.SIGCONT)
+                    stop["continued"] = now
                 if (schedule.faults and not killed_while_healing and lives.get(2, 0) > 1
                         and Path(folder, "healing-2").exists()):
                     killed_while_healing = True  # worker 3, while worker 2 heals
@@ -314,19 +330,23 @@ def run(side: str, scheme: str, config: dict[str, Any], options: RunOptions, wor
             stragglers = [replica for replica, process in processes.items()
                           if process.is_alive()]  # waiting for a quorum that never comes
             for replica in stragglers:
+                os.kill(processes[replica].pid, signal.SIGCONT)  # a stopped one, too
                 processes[replica].kill()
             lighthouse.shutdown()
         lines = []
         for path in Path(folder).glob("events-*.jsonl"):
             lines += [json.loads(line) for line in path.read_text().splitlines()]
-    return {**summarise(side, scheme, lines, kills, start, target), "stragglers": stragglers}
+    return {**summarise(side, scheme, lines, kills, start, target, stop),
+            "stragglers": stragglers}
 
 
 def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[dict[str, Any]],
-              start: float, target: tuple[float, bool]) -> dict[str, Any]:
-    """Steps and seconds to ``target`` (value, lower is better), syncs lost, heals and the
-    weights' agreement after each sync (keyed by torchft's sync count, or thinwire's step).
-    Seconds count from worker 0's first sync (all the workers' start-up is behind it)."""
+              start: float, target: tuple[float, bool],
+              stop: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Steps and seconds to ``target`` (value, lower is better), syncs lost, heals, the
+    weights' agreement after each sync (keyed by torchft's sync count, or thinwire's step)
+    and what each fault cost the others (:func:`fault_costs`). Seconds count from worker 0's
+    first sync (all the workers' start-up is behind it)."""
     events = sorted((e for e in lines if "step" in e), key=lambda e: e["time"])
     done = [e for e in lines if e.get("done")]
     start = min((e["time"] for e in events if e["replica"] == 0), default=start)  # 1st sync
@@ -359,7 +379,44 @@ def summarise(side: str, scheme: str, lines: list[dict[str, Any]], kills: list[d
         "curve": [(e["step"], e["time"] - start, e["score"]) for e in scored],
         "bytes_sent_per_step": next((e["bytes_sent_per_step"] for e in done
                                      if e["replica"] == 0), None),
+        "stop": {key: value - start if key in ("stopped", "continued") else value
+                 for key, value in (stop or {}).items()},
+        "fault_costs": fault_costs(events, kills, stop or {}),
+        "commit_gap_s": _commit_gap(events),
     }
+
+
+def fault_costs(events: list[dict[str, Any]], kills: list[dict[str, Any]],
+                stop: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per fault (each kill, the stall), each other worker's wait from the fault to its first
+    committed sync or step without the lost worker (fewer workers than its last before the
+    fault): what the fault cost it, its own step or sync time included. A commit the lost
+    worker had already taken part in does not end the wait."""
+    faults = [("SIGKILL", kill["replica"], kill["died"], kill["step"]) for kill in kills]
+    if stop:
+        faults.append(("SIGSTOP", stop["replica"], stop["stopped"], stop["step"]))
+    costs = []
+    for kind, replica, at, step in sorted(faults, key=lambda fault: fault[2]):
+        waits = {}
+        for other in sorted({e["replica"] for e in events} - {replica}):
+            before = [e for e in events if e["replica"] == other and e["time"] <= at]
+            if not before:  # not training then
+                continue
+            after = next((e["time"] for e in events if e["replica"] == other
+                          and e["committed"] and e["time"] > at
+                          and e["workers"] < before[-1]["workers"]), None)
+            if after is not None:
+                waits[other] = after - at
+        costs.append({"fault": kind, "replica": replica, "step": step, "waits_s": waits})
+    return costs
+
+
+def _commit_gap(events: list[dict[str, Any]]) -> float | None:
+    """Worker 0's median time between two committed syncs or steps: a fault's cost without
+    the fault."""
+    times = [e["time"] for e in events if e["replica"] == 0 and e["committed"]]
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return gaps[len(gaps) // 2] if gaps else None
 
 
 def _rounded(seconds: float | None) -> str:
@@ -384,7 +441,10 @@ def section(record: dict[str, Any], docs: Path) -> str:
              f"itself after inner step {schedule['kill_inner']}, worker 2 in the exchange of "
              f"the sync at step {schedule['kill_exchange']}, and worker 3 is killed while the "
              "relaunched worker 2 is healed; each is relaunched "
-             f"{schedule['relaunch_s']:g} s after it died. Seconds count from worker 0's first "
+             f"{schedule['relaunch_s']:g} s after it died."
+             + (f" Worker 1 is stopped (SIGSTOP) at worker 0's step {schedule['stop_at']} and "
+                f"continued {schedule['stop_s']:g} s later." if "stop_at" in schedule else "")
+             + " Seconds count from worker 0's first "
              "sync; the global weights are evaluated by worker 0 every "
              f"{record['eval_every']} steps.", "",
              "| run | faults | steps to target | s to target | x fault-free | s to the end "
@@ -410,6 +470,7 @@ def section(record: dict[str, Any], docs: Path) -> str:
                      f"| {run['syncs_failed']} of {run['syncs']} | {heals} "
                      f"| {equal} ({run['syncs_checked']}) "
                      f"| {run['bytes_sent_per_step'] or 0:,.0f} |")
+    lines += _cost_table(record)
     efficiency = docs / "data" / f"efficiency-{record['workload']}.json"
     if efficiency.exists():
         steps = json.loads(efficiency.read_text())["steps_to_target"]
@@ -434,6 +495,26 @@ def section(record: dict[str, Any], docs: Path) -> str:
               "torchft's DiLoCo exchanges dense fp32 and resets every replica to the last "
               "global weights when a sync fails; thinwire keeps each replica's inner steps."]
     return "\n".join(lines) + "\n"
+
+
+def _cost_table(record: dict[str, Any]) -> list[str]:
+    """What each fault cost the other workers, per run with faults (files that hold it)."""
+    rows = [(run, cost) for run in record["runs"] for cost in run.get("fault_costs", ())]
+    if not rows:
+        return []
+    lines = ["", "What each fault cost the others: from the fault to each other worker's next "
+             "committed sync (per step: step), against the time between two of worker 0's "
+             "commits without it. A stalled worker was stopped for "
+             f"{record['schedule'].get('stop_s', 0):g} s.", "",
+             "| run | fault | worker | worker 0's step | others' wait, s (median, max) "
+             "| usual gap, s |", "|---|---|---|---|---|---|"]
+    for run, cost in rows:
+        waits = sorted(cost["waits_s"].values())
+        wait = (f"{_rounded(waits[len(waits) // 2])}, {_rounded(waits[-1])}" if waits
+                else "-")
+        lines.append(f"| {run['label']} `{run['scheme']}` | {cost['fault']} | {cost['replica']} "
+                     f"| {cost['step']} | {wait} | {_rounded(run.get('commit_gap_s'))} |")
+    return lines
 
 
 def _added_to(earlier: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
@@ -466,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-inner", type=int, default=None)
     parser.add_argument("--kill-exchange", type=int, default=None)
     parser.add_argument("--relaunch-s", type=float, default=5.0)
+    parser.add_argument("--stop-at", type=int, default=None,
+                        help="worker 0's step at which worker 1 is stopped (default: between "
+                             "its kill and the join)")
+    parser.add_argument("--stop-s", type=float, default=20.0,
+                        help="how long worker 1 stays stopped")
     parser.add_argument("--sides", default="thinwire-local,torchft,thinwire-per-step")
     parser.add_argument("--deadline-s", type=float, default=7200.0)
     parser.add_argument("--out", type=Path, default=Path("docs/data"))
@@ -489,9 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     per_step_config = scheme_config(args.per_step, 0.01, 1000, args.per_step_option)
     every = local.every
     join_at = args.join_at or args.steps // 2 // every * every
-    schedule = Schedule(True, join_at, args.kill_inner or join_at // 2 + every // 2,
+    kill_inner = args.kill_inner or join_at // 2 + every // 2
+    schedule = Schedule(True, join_at, kill_inner,
                         args.kill_exchange or (join_at * 3 // 2) // every * every,
-                        args.relaunch_s)
+                        args.relaunch_s, args.stop_at or (kill_inner + join_at) // 2,
+                        args.stop_s)
     sides = {"thinwire-local": ("thinwire", args.local, local_config),
              "torchft": ("torchft", "diloco", asdict(local)),
              "thinwire-per-step": ("thinwire", args.per_step, per_step_config)}

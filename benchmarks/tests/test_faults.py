@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.faults import _added_to, section, summarise
+from benchmarks.faults import _added_to, fault_costs, section, summarise
 
 
 def _event(replica: int, step: int, time: float, score: float | None = None,
@@ -40,10 +40,12 @@ def test_the_section_sets_each_run_against_its_fault_free_twin(tmp_path: Path) -
            "heals": [], "weights_equal_after_every_sync": True, "syncs_checked": 160,
            "bytes_sent_per_step": 2500.0, "faults": False}
     faulty = {**run, "faults": True, "seconds_to_target": 120.0, "wall_s": 260.0, "syncs_failed": 2,
-              "heals": [{"replica": 2, "step": 800, "after_s": 50.0, "seconds": 1.5}]}
+              "heals": [{"replica": 2, "step": 800, "after_s": 50.0, "seconds": 1.5}],
+              "fault_costs": [{"fault": "SIGSTOP", "replica": 1, "step": 600,
+                               "waits_s": {0: 6.5, 2: 7.0, 3: 12.0}}], "commit_gap_s": 1.2}
     record = {"machine": {"when": "today", "cpus": 2, "load_before": [1.0], "load_after": [2.0]},
               "schedule": {"join_at": 800, "kill_inner": 405, "kill_exchange": 1200,
-                           "relaunch_s": 5.0}, "compute_ms_per_step": 25.0,
+                           "relaunch_s": 5.0, "stop_s": 20.0}, "compute_ms_per_step": 25.0,
               "workload": "text-lm", "command": "python -m benchmarks.faults", "workers": 4,
               "metric": "bits per byte", "target": 2.58, "min_workers": 2, "eval_every": 50,
               "runs": [run, faulty]}
@@ -53,6 +55,7 @@ def test_the_section_sets_each_run_against_its_fault_free_twin(tmp_path: Path) -
     text = section(record, tmp_path)
     assert ("| thinwire-local `diloco+int4` | yes | 1300 | 120 | 1.20 | 260 | 1.30 | 2 of 160 "
             "| 1.5 |") in text
+    assert "| thinwire-local `diloco+int4` | SIGSTOP | 1 | 600 | 7.0, 12 | 1.2 |" in text
     assert "| lone worker | no | 2600 | 65 (modelled) |" in text
     assert "| compute-only bound (4 workers) | no | 950 | 24 (modelled) |" in text
 
@@ -72,3 +75,23 @@ def test_runs_added_to_a_data_file_keep_its_runs_and_name_both_commands() -> Non
     assert merged["machine"] == {"when": "then", "load_before": [1.0], "load_after": [3.0]}
     with pytest.raises(ValueError, match="schedule"):
         _added_to(base, {**later, "schedule": {"join_at": 400}})
+
+
+def test_each_fault_costs_the_others_their_wait_to_their_next_commit() -> None:
+    events = [_event(0, 10, 100.0, workers=3), _event(1, 10, 100.0, workers=3),
+              _event(2, 10, 100.0, workers=3),
+              _event(0, 20, 104.0, committed=False, workers=3),
+              _event(2, 20, 104.0, committed=False, workers=3),
+              _event(0, 30, 110.0, workers=2), _event(2, 30, 111.0, workers=2),
+              _event(3, 30, 111.0, workers=2),
+              _event(0, 40, 112.0, workers=2),  # the stalled worker 2 took part in this one
+              _event(0, 50, 118.0, workers=1)]
+    kills = [{"replica": 1, "died": 103.0, "step": 20, "exitcode": -9}]
+    stop = {"replica": 2, "stopped": 111.5, "step": 35}
+    costs = fault_costs(events, kills, stop)
+    # worker 3 was not training yet when worker 1 died; a failed sync is no commit
+    assert costs == [{"fault": "SIGKILL", "replica": 1, "step": 20,
+                      "waits_s": {0: 7.0, 2: 8.0}},
+                     {"fault": "SIGSTOP", "replica": 2, "step": 35, "waits_s": {0: 6.5}}]
+    summary = summarise("thinwire", "powersgd", events, kills, 0.0, (2.58, True), stop)
+    assert summary["fault_costs"] == costs and summary["commit_gap_s"] == 6.0

@@ -14,6 +14,9 @@ from torchft.manager import Manager
 from thinwire.elastic.group import QuorumGroup
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the Lighthouse address
+# A quorum request asks the Lighthouse again after this long without an answer (or at once
+# after a refused connection): a restarted Lighthouse is found within it
+QUORUM_ASK_S = 5.0
 
 
 class QuorumLost(RuntimeError):
@@ -94,7 +97,9 @@ def connect(lighthouse: str | None = None, *, min_workers: int = 1,
                        quorum_timeout=timedelta(seconds=quorum_timeout_s),
                        connect_timeout=timedelta(seconds=timeout_s), rank=0, world_size=1,
                        lighthouse_addr=address, replica_id=replica_id, init_sync=True,
-                       max_retries=max_failures, **store)
+                       max_retries=max_failures,
+                       quorum_retries=max(0, math.ceil(quorum_timeout_s / QUORUM_ASK_S) - 1),
+                       **store)
     except RuntimeError as error:  # torchft's Rust client: the Lighthouse did not answer
         cause = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise QuorumLost(f"the Lighthouse is gone or unreachable at {address} (waited "
