@@ -13,6 +13,11 @@ step or sync does not commit, and the next quorum leaves the silent worker
 out. A stalled worker that wakes finds its own connections cut by the others
 and its watch finds their beats stopped: it fails too, and is healed at its
 next quorum.
+
+gloo's connections are the sockets that opened while the group formed (Linux
+lists them in /proc; elsewhere nothing is cut and a stalled peer costs the
+group's timeout). A socket another thread of the process opened in that
+moment is shut with them if the group is cut.
 """
 
 from __future__ import annotations
@@ -65,7 +70,10 @@ def shut_sockets(names: set[str]) -> int:
                 continue
         except OSError:
             continue
-        connection = socket.socket(fileno=int(fd))  # borrowed: detached below, never closed
+        try:
+            connection = socket.socket(fileno=int(fd))  # borrowed: detached, never closed
+        except OSError:  # closed by its owner meanwhile, the number reused
+            continue
         try:
             if not connection.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 connection.shutdown(socket.SHUT_RDWR)
