@@ -487,9 +487,10 @@ def section(record: dict[str, Any], docs: Path) -> str:
     lines += ["", "*syncs failed*: syncs (per step: steps) of worker 0 that did not commit; "
               "*heals*: each quorum in which a joining, relaunched or lagging worker took a live "
               "peer's state, with its wait from its quorum request (torchft's: not timed, ?); "
-              "a worker lost in an exchange or within a quorum (while the others heal from it "
-              f"or form its group) can cost the others the group's timeout ({TIMEOUT_S:g} s), "
-              "on either side; "
+              "a worker lost or stalled in an exchange, or within a quorum (while the others "
+              "heal from it or form its group), can cost torchft's DiLoCo workers the group's "
+              f"timeout ({TIMEOUT_S:g} s) or more; thinwire's workers cut a silent peer off "
+              "after the heartbeat timeout (5 s) where it stalls in an exchange; "
               "*s to the end*: to worker 0's last step; *weights equal*: every "
               "committed sync's weight hashes agreed across the live workers (syncs compared). "
               "torchft's DiLoCo exchanges dense fp32 and resets every replica to the last "
@@ -502,9 +503,9 @@ def _cost_table(record: dict[str, Any]) -> list[str]:
     rows = [(run, cost) for run in record["runs"] for cost in run.get("fault_costs", ())]
     if not rows:
         return []
-    lines = ["", "What each fault cost the others: from the fault to each other worker's next "
-             "committed sync (per step: step), against the time between two of worker 0's "
-             "commits without it. A stalled worker was stopped for "
+    lines = ["", "What each fault cost the others: from the fault to each other worker's first "
+             "committed sync (per step: step) without the lost worker, against the time "
+             "between two of worker 0's commits without faults. A stalled worker was stopped for "
              f"{record['schedule'].get('stop_s', 0):g} s.", "",
              "| run | fault | worker | worker 0's step | others' wait, s (median, max) "
              "| usual gap, s |", "|---|---|---|---|---|---|"]
