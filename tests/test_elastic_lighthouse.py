@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -65,11 +62,20 @@ def _worker(replica: int, address: str, out: str) -> None:
     manager.shutdown(wait=False)
 
 
-def _lighthouse(port: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "thinwire", "lighthouse", "--bind", f"[::]:{port}",
-         "--min-workers", "2", "--join-timeout", "2", "--heartbeat-timeout", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _serve(port: int) -> None:
+    """The Lighthouse as `thinwire lighthouse` runs it: a process of its own, until killed."""
+    from thinwire.elastic import start_lighthouse
+
+    server = start_lighthouse(f"[::]:{port}", min_workers=2, join_timeout_s=2,
+                              heartbeat_timeout_s=1)
+    while server is not None:  # held: a collected server stops listening
+        time.sleep(3600)
+
+
+def _lighthouse(context: Any, port: int) -> Any:
+    process = context.Process(target=_serve, args=(port,))
+    process.start()
+    return process
 
 
 def _free_port() -> int:
@@ -87,9 +93,9 @@ def _committed(path: Path) -> list[dict[str, Any]]:
 
 def test_a_restarted_lighthouse_lets_the_workers_go_on(tmp_path: Path) -> None:
     port = _free_port()
-    lighthouse = _lighthouse(port)
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
+    lighthouse = _lighthouse(context, port)
     workers = [context.Process(target=_worker, args=(replica, f"http://localhost:{port}",
                                                      str(tmp_path))) for replica in range(2)]
     start = time.monotonic()
@@ -99,12 +105,13 @@ def test_a_restarted_lighthouse_lets_the_workers_go_on(tmp_path: Path) -> None:
         while not any(entry["step"] >= DOWN_AT
                       for entry in _committed(tmp_path / "worker0.jsonl")):
             assert time.monotonic() - start < DEADLINE_S, "no commit before the restart"
+            assert all(process.exitcode is None for process in workers), "a worker ended"
             time.sleep(0.05)
-        lighthouse.send_signal(signal.SIGKILL)
-        lighthouse.wait()
+        lighthouse.kill()  # SIGKILL: its connections close, as a lost host's would
+        lighthouse.join()
         down = time.monotonic()
         time.sleep(DOWN_S)
-        lighthouse = _lighthouse(port)
+        lighthouse = _lighthouse(context, port)
         for process in workers:
             process.join(timeout=max(1.0, DEADLINE_S - (time.monotonic() - start)))
         assert [process.exitcode for process in workers] == [0, 0]

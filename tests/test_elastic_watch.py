@@ -14,7 +14,12 @@ import torch.distributed as dist
 
 pytest.importorskip("torchft")
 
-from thinwire.elastic.watch import PeerWatch, open_sockets, shut_sockets  # noqa: E402
+from thinwire.elastic.watch import (  # noqa: E402
+    FIRST_BEAT_SILENCES,
+    PeerWatch,
+    open_sockets,
+    shut_sockets,
+)
 
 SILENCE_S = 0.5
 WAIT_S = 60.0  # the longest any wait here may take before the test fails (a hang guard)
@@ -63,6 +68,20 @@ def test_a_silent_peer_cuts_the_group_once_naming_it(group: dist.ProcessGroup) -
         assert store.add("thinwire/beat/0", 0) > 0  # it beat, itself
     finally:
         stop.set()
+        watch.stop()
+
+
+def test_a_peer_gets_longer_for_its_first_beat(group: dist.ProcessGroup) -> None:
+    """Each worker's side of the group forms at its own moment: a peer that has not beaten
+    yet is cut after FIRST_BEAT_SILENCES silences, not one."""
+    store, cuts = dist.HashStore(), _Cuts()  # type: ignore[attr-defined]
+    started = time.monotonic()
+    watch = _watch(group, store, cuts, world_size=2)
+    try:
+        assert cuts.event.wait(WAIT_S)
+        assert time.monotonic() - started > FIRST_BEAT_SILENCES * SILENCE_S
+        assert f"more than {FIRST_BEAT_SILENCES * SILENCE_S:g} s" in cuts.why[0]
+    finally:
         watch.stop()
 
 

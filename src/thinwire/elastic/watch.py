@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store  # torch.distributed.Store, typed
 
 BEATS_PER_SILENCE = 5  # beats in each silence_s: a peer is missed after silence_s, not later
+# a peer's first beat may come this many silence_s after the watch starts: each worker's
+# side of the group forms at its own moment (and a healed one is loading its state)
+FIRST_BEAT_SILENCES = 3
 PROC_FDS = "/proc/self/fd"
 
 
@@ -142,11 +145,12 @@ class PeerWatch:
             now = time.monotonic()
             for rank, count in counts.items():
                 last, since = seen[rank]
+                allowed = self.silence_s * (FIRST_BEAT_SILENCES if count == 0 else 1)
                 if count != last:
                     seen[rank] = (count, now)
-                elif now - since > self.silence_s:
+                elif now - since > allowed:
                     self._silent(f"worker of rank {rank} in the quorum was silent for "
-                                 f"{now - since:.1f} s (more than {self.silence_s:g} s)")
+                                 f"{now - since:.1f} s (more than {allowed:g} s)")
                     return
 
     def _silent(self, why: str) -> None:
