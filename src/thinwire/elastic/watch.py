@@ -41,22 +41,27 @@ FIRST_BEAT_SILENCES = 3
 PROC_FDS = "/proc/self/fd"
 
 
-def open_sockets() -> set[str]:
-    """This process's open sockets, by their kernel name (``socket:[inode]``); empty where
-    the system does not list them (not Linux)."""
-    names: set[str] = set()
+def _sockets() -> dict[int, str]:
+    """This process's open sockets: descriptor to kernel name (``socket:[inode]``, unique
+    while open); empty where the system does not list them (not Linux)."""
     try:
         fds = os.listdir(PROC_FDS)
     except OSError:
-        return names
+        return {}
+    found = {}
     for fd in fds:
         try:
             name = os.readlink(os.path.join(PROC_FDS, fd))
         except OSError:  # closed since listed
             continue
         if name.startswith("socket:"):
-            names.add(name)
-    return names
+            found[int(fd)] = name
+    return found
+
+
+def open_sockets() -> set[str]:
+    """The kernel names of this process's open sockets (:func:`shut_sockets` takes them)."""
+    return set(_sockets().values())
 
 
 def shut_sockets(names: set[str]) -> int:
@@ -67,14 +72,11 @@ def shut_sockets(names: set[str]) -> int:
         How many were shut.
     """
     shut = 0
-    for fd in os.listdir(PROC_FDS) if names else ():
-        try:
-            if os.readlink(os.path.join(PROC_FDS, fd)) not in names:
-                continue
-        except OSError:
+    for fd, name in _sockets().items() if names else ():
+        if name not in names:
             continue
         try:
-            connection = socket.socket(fileno=int(fd))  # borrowed: detached, never closed
+            connection = socket.socket(fileno=fd)  # borrowed: detached, never closed
         except OSError:  # closed by its owner meanwhile, the number reused
             continue
         try:
