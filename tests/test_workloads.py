@@ -15,7 +15,7 @@ from thinwire.cli import compare
 from thinwire.data import criteo, pysource
 from thinwire.data.imagesets import FASHION_MNIST_DIR
 from thinwire.jobs import workloads
-from thinwire.jobs.dataparallel import RunOptions
+from thinwire.jobs.dataparallel import RunOptions, recipe, same_trajectory
 from thinwire.models import dlrm
 
 NAMES = [name for name in workloads.WORKLOADS
@@ -82,6 +82,15 @@ def test_recipe_fills_what_the_command_line_leaves_unset() -> None:
                                                      "--warmup", "20"]))
     assert (options.coupling, options.warmup) == ("momentum", 20)
     assert options.weight_decay is None  # torch's own default, whichever optimiser
+
+
+def test_a_recipe_recorded_before_a_field_existed_reads_it_at_its_default() -> None:
+    now = recipe(RunOptions(workload="dlrm-large", steps=800))
+    older = {k: v for k, v in now.items() if k not in ("beta2", "schedule", "tied")}
+    assert same_trajectory(older, now) and same_trajectory(now, older)
+    assert same_trajectory({**older, "steps": 4000}, now)  # a constant rate: budget aside
+    assert not same_trajectory({**older, "beta2": 0.95}, now)
+    assert not same_trajectory(older, {**now, "schedule": "cosine"})
 
 
 def test_weight_decay_is_the_users_or_torchs_default() -> None:

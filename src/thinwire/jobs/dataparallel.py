@@ -10,7 +10,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -187,8 +187,11 @@ def same_trajectory(first: dict[str, Any], second: dict[str, Any]) -> bool:
     which only cuts a run short where the learning rate is constant (the batch stream is
     endless); a decaying schedule depends on it."""
     budget = () if first.get("schedule", "constant") != "constant" else ("steps",)
-    return ({k: v for k, v in first.items() if k not in budget}
-            == {k: v for k, v in second.items() if k not in budget})
+    # a record written before a field existed trained at the field's default
+    defaults = {f.name: f.default for f in fields(RunOptions)
+                if f.name in RECIPE_FIELDS and f.name not in budget}
+    return ({**defaults, **{k: v for k, v in first.items() if k not in budget}}
+            == {**defaults, **{k: v for k, v in second.items() if k not in budget}})
 
 
 def accuracy(model: nn.Module, split: Split) -> float:
