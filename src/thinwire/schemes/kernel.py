@@ -242,11 +242,10 @@ class CompressedScheme(Scheme):
         if not infos:
             return done(buffer)
         start = time.perf_counter()
-        keys = [info.key for info in infos]
-        finite = self._finite(dict(zip(keys, split_flat(buffer, [i.numel for i in infos]))),
-                              self.nonfinite, buffer)
-        step = count_step(self.steps, keys)
-        launch = self._bucket(buffer, infos, step, finite, world(group)[1])
+        views = self._views(buffer, infos)
+        finite = self._finite(views, self.nonfinite, buffer)
+        step = count_step(self.steps, views)
+        launch = self._bucket(buffer, infos, step, finite, world(group)[1], views)
         if isinstance(self.selection, Agreed):
             return self._launch_agreed(launch, self.selection, step, group, last, start)
         return self._launch_own(launch, group, start)
@@ -373,11 +372,16 @@ class CompressedScheme(Scheme):
             raise ValueError(f"the rows' indices do not decode: {error}") from error
         return buffer
 
+    @staticmethod
+    def _views(buffer: torch.Tensor, infos: Sequence[TensorInfo]) -> dict[str, torch.Tensor]:
+        """Each tensor's flat view of the bucket, by key."""
+        return dict(zip([info.key for info in infos],
+                        split_flat(buffer, [info.numel for info in infos])))
+
     def _bucket(self, buffer: torch.Tensor, infos: Sequence[TensorInfo], step: int,
-                finite: bool, n: int) -> _Launch:
+                finite: bool, n: int, views: dict[str, torch.Tensor] | None = None) -> _Launch:
         """A launch of ``buffer`` at ``step``: its views, and the tensors selected."""
-        views = dict(zip([info.key for info in infos],
-                         split_flat(buffer, [info.numel for info in infos])))
+        views = self._views(buffer, infos) if views is None else views
         selected = [info for info in infos if self.selects(info, step)]
         chosen = {info.key for info in selected}
         return _Launch(buffer, infos, views, [info for info in infos if info.key not in chosen],
@@ -603,7 +607,13 @@ class CompressedScheme(Scheme):
         wire = values.wire_dtype(whole[0].dtype)
         if not launch.finite:
             return views[whole[0].key].new_zeros(sum(info.numel for info in whole), dtype=wire)
-        cast = [values.cast(views[info.key]) for info in whole]
+        every = len(whole) == len(launch.infos)
+        if every:  # the whole bucket: one cast (a new tensor), viewed per tensor
+            flat = values.cast(launch.buffer)
+            flat = flat.clone() if flat.data_ptr() == launch.buffer.data_ptr() else flat
+            cast = split_flat(flat, [info.numel for info in whole]) if memory is not None else []
+        else:
+            cast = [values.cast(views[info.key]) for info in whole]
         for info, sent in zip(whole, cast):
             if memory is None:
                 continue
@@ -611,6 +621,8 @@ class CompressedScheme(Scheme):
                 memory.buffers.pop(info.key, None)  # sent whole and exactly: no error left
             else:
                 memory.update(info.key, views[info.key], sent.to(info.dtype))
+        if every:
+            return flat
         return torch.cat(cast) if len(cast) > 1 or cast[0].data_ptr() == views[
             whole[0].key].data_ptr() else cast[0]
 
@@ -634,7 +646,10 @@ class CompressedScheme(Scheme):
         """Copy the all-reduced mean of the tensors sent whole into their views."""
         if launch.whole and launch.values.summable:
             mean = futures[0].value()
-            if mean.data_ptr() != launch.buffer.data_ptr():
+            if len(launch.whole) == len(launch.infos):
+                if mean.data_ptr() != launch.buffer.data_ptr():
+                    launch.buffer.copy_(mean)
+            elif mean.data_ptr() != launch.buffer.data_ptr():
                 torch._foreach_copy_([launch.views[info.key] for info in launch.whole],
                                      split_flat(mean, [info.numel for info in launch.whole]))
         return launch.buffer
