@@ -18,6 +18,7 @@ Choices every sparsifier here shares (the papers leave them open):
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections import deque
@@ -158,27 +159,69 @@ class Sparsifier(ABC):
         Returns:
             Per tensor, ascending indices into its own part.
         """
-        parts = magnitudes.split([info.numel for info in infos])
         if self.scope == "layer" or not infos:
+            parts = magnitudes.split([info.numel for info in infos])
             return [self.indices(part, info) for part, info in zip(parts, infos)]
+        return self._select_groups(magnitudes, infos, self.groups_of(infos))
+
+    def select_joined(self, magnitudes: torch.Tensor,
+                      infos: Sequence[TensorInfo]) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`select_all`'s indices as one ascending list into the tensors laid back
+        to back, with each tensor's count. One selection over all of them
+        (``scope="bucket"``, one group: the usual case) is neither split nor joined."""
+        numels = [info.numel for info in infos]
+        if self.scope == "bucket" and len(infos) > 1:
+            groups = self.groups_of(infos)
+            if groups == [list(range(len(infos)))]:
+                picked, call, tau = self._pick_group(magnitudes, infos)
+                cuts = torch.searchsorted(picked, torch.tensor(
+                    list(itertools.accumulate(numels)), device=picked.device)).tolist()
+                counts = [high - low for low, high in zip([0, *cuts], cuts)]
+                self._trace_group(infos, counts, call, tau)
+                return picked, counts
+            local = self._select_groups(magnitudes, infos, groups)
+        else:
+            local = self.select_all(magnitudes, infos)
+        starts = itertools.accumulate(numels[:-1], initial=0)
+        shifted = [part + start if start else part for part, start in zip(local, starts)]
+        indices = (shifted[0] if len(shifted) == 1 else torch.cat(shifted) if shifted
+                   else magnitudes.new_zeros(0, dtype=torch.int64))
+        return indices, [part.numel() for part in local]
+
+    def _select_groups(self, magnitudes: torch.Tensor, infos: Sequence[TensorInfo],
+                       groups: list[list[int]]) -> list[torch.Tensor]:
+        """:meth:`select_all` under ``scope="bucket"``, given the groups."""
+        parts = magnitudes.split([info.numel for info in infos])
         out = list(parts)  # each replaced by its tensor's indices below
-        for group in self.groups_of(infos):
+        for group in groups:
             members = [infos[i] for i in group]
             if len(members) == 1:
                 out[group[0]] = self.indices(parts[group[0]], members[0])
                 continue
             whole = group == list(range(len(infos)))  # the usual case: no copy
             together = magnitudes if whole else torch.cat([parts[i] for i in group])
-            first = members[0]
-            bucket = TensorInfo(f"{first.key}..{members[-1].key}", (together.numel(),),
-                                first.dtype, first.role, first.device)
-            picked, call, tau = self._pick(together, bucket)  # ascending
+            picked, call, tau = self._pick_group(together, members)
             local = split_ascending(picked, [info.numel for info in members])
-            for i, info, chosen in zip(group, members, local):
+            for i, chosen in zip(group, local):
                 out[i] = chosen
-                if info.numel:
-                    self._trace(info.key, call, tau, chosen.numel() / info.numel)
+            self._trace_group(members, [chosen.numel() for chosen in local], call, tau)
         return out
+
+    def _pick_group(self, together: torch.Tensor, members: Sequence[TensorInfo]
+                    ) -> tuple[torch.Tensor, int, float]:
+        """One selection over ``members`` laid back to back, its state keyed by the first
+        and last keys: ascending indices, the call index and the threshold."""
+        first = members[0]
+        return self._pick(together, TensorInfo(f"{first.key}..{members[-1].key}",
+                                               (together.numel(),), first.dtype, first.role,
+                                               first.device))
+
+    def _trace_group(self, members: Sequence[TensorInfo], counts: Sequence[int], call: int,
+                     tau: float) -> None:
+        """Each member's trace point: the group's threshold, its own achieved density."""
+        for info, count in zip(members, counts):
+            if info.numel:
+                self._trace(info.key, call, tau, count / info.numel)
 
     def room(self, infos: Sequence[TensorInfo], *, record: bool = True) -> int:
         """Most entries one payload of ``infos``' tensors carries (same on every rank).

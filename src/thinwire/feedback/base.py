@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -89,6 +89,19 @@ class Memory(ABC):
             every part is absorbed.
         """
         raise NotImplementedError(f"{type(self).__name__} does not absorb parts")
+
+    def absorb_region_(self, keys: Sequence[str], numels: Sequence[int],
+                       grads: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`absorb_` of every key at once, their gradients back to back in the 1-D
+        ``grads`` (not modified): one flat ``p`` of them all, which the keys' buffers
+        view, for :meth:`update_region_`. Here None: absorb key by key."""
+        return None
+
+    def update_region_(self, keys: Sequence[str], p: torch.Tensor, indices: torch.Tensor,
+                       sent: torch.Tensor | None) -> None:
+        """:meth:`update_sparse` (``sent`` None: :meth:`update_selected_`) of every key at
+        once, on :meth:`absorb_region_`'s ``p`` and indices into it."""
+        raise NotImplementedError(f"{type(self).__name__} does not absorb regions")
 
     @abstractmethod
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:

@@ -46,17 +46,6 @@ class Decayed(Residual):
             target.add_(error.view(target.shape).mul(self.beta))
         return target
 
-    def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        """``e <- e * beta + grad`` in the key's buffer, which then holds ``p``."""
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.numel() != grad.numel() or buffer.dtype != grad.dtype:
-            buffer = grad.clone()
-        else:
-            buffer = buffer.view(grad.shape).mul_(self.beta).add_(grad)
-        self.buffers[key] = buffer
-        return buffer
-
-    def absorb_part_(self, key: str, grad: torch.Tensor, start: int) -> torch.Tensor:
-        flat = self.buffers[key].view(-1)
-        flat[start: start + grad.numel()].mul_(self.beta).add_(grad)
-        return flat
+    def _absorb_into(self, buffer: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``e <- e * beta + grad`` in place: the buffer then holds ``p``."""
+        return buffer.mul_(self.beta).add_(grad)

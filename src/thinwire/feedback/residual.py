@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ class Residual(Memory):
         self.seed = seed
         self.drains = 0
         self.updates: dict[str, int] = {}  # key -> updates so far (the drain's counter)
+        # keys absorbed together -> the flat tensor their buffers view (absorb_region_)
+        self.regions: dict[tuple[str, ...], torch.Tensor] = {}
 
     def _drained(self, key: str) -> bool:
         """Whether this update of ``key`` empties its buffer (advances the key's counter)."""
@@ -121,9 +124,60 @@ class Residual(Memory):
         if buffer is None or buffer.numel() != grad.numel() or buffer.dtype != grad.dtype:
             buffer = grad.clone()
         else:
-            buffer = buffer.view(grad.shape).add_(grad)
+            buffer = self._absorb_into(buffer.view(grad.shape), grad)
         self.buffers[key] = buffer
         return buffer
+
+    def _absorb_into(self, buffer: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``buffer <- buffer + grad`` (a round's opening), in place; returns ``buffer``."""
+        return buffer.add_(grad)
+
+    def absorb_region_(self, keys: Sequence[str], numels: Sequence[int],
+                       grads: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`absorb_` of every key in one op where their buffers already lie back to
+        back in one flat tensor (after the first round of the same keys together), else
+        gathered there once. None under a drain, which empties one key's buffer alone."""
+        if self.drain_every is not None:
+            return None
+        region = self.regions.get(tuple(keys))
+        if region is not None and self._viewed(region, keys, numels, grads):
+            return self._absorb_into(region, grads)
+        region = torch.empty_like(grads)
+        for key, part, grad in zip(keys, region.split(list(numels)), grads.split(list(numels))):
+            buffer = self.buffers.get(key)
+            if buffer is None or buffer.numel() != grad.numel() or buffer.dtype != grad.dtype:
+                part.copy_(grad)
+            else:
+                self._absorb_into(part.copy_(buffer.view(-1)), grad)
+            self.buffers[key] = part
+        self.regions = {other: kept for other, kept in self.regions.items()
+                        if not set(other) & set(keys)}
+        self.regions[tuple(keys)] = region
+        return region
+
+    def _viewed(self, region: torch.Tensor, keys: Sequence[str], numels: Sequence[int],
+                grads: torch.Tensor) -> bool:
+        """Whether every key's buffer is still its part of ``region``."""
+        if region.numel() != grads.numel() or region.dtype != grads.dtype:
+            return False
+        at, size = region.data_ptr(), region.element_size()
+        for key, numel in zip(keys, numels):
+            buffer = self.buffers.get(key)
+            if buffer is None or buffer.data_ptr() != at or buffer.numel() != numel:
+                return False
+            at += numel * size
+        return True
+
+    def update_region_(self, keys: Sequence[str], p: torch.Tensor, indices: torch.Tensor,
+                       sent: torch.Tensor | None) -> None:
+        """``e <- p - sent`` at ``indices`` of :meth:`absorb_region_`'s ``p`` (0 there where
+        ``sent`` is None: sent exactly), bit for bit each key's :meth:`update_sparse`."""
+        for key in keys:
+            self._drained(key)  # counts the key's update; no drain here (absorb_region_)
+        if sent is None:
+            p.index_fill_(0, indices, 0.0)
+        else:
+            p.index_copy_(0, indices, p.index_select(0, indices) - sent.to(p.dtype))
 
     def holds(self, key: str, grad: torch.Tensor) -> bool:
         buffer = self.buffers.get(key)
@@ -132,7 +186,7 @@ class Residual(Memory):
     def absorb_part_(self, key: str, grad: torch.Tensor, start: int) -> torch.Tensor:
         """``e[start:stop] += grad`` in the key's buffer (see :meth:`Memory.absorb_part_`)."""
         flat = self.buffers[key].view(-1)
-        flat[start: start + grad.numel()].add_(grad)
+        self._absorb_into(flat[start: start + grad.numel()], grad)
         return flat
 
     def subtract_(self, key: str, sent: torch.Tensor) -> None:
@@ -149,6 +203,7 @@ class Residual(Memory):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        self.regions = {}
         self.drains = state["drains"]
         self.seed = state["seed"]
         self.updates = dict(state["updates"])

@@ -47,7 +47,7 @@ from thinwire.compress.pieces import Part, Streams
 from thinwire.feedback import Memory
 from thinwire.schemes.agreed import Agreed, Proposal
 from thinwire.schemes.base import Scheme, count_step
-from thinwire.schemes.selected import Chosen, Kept
+from thinwire.schemes.selected import Chosen, Kept, Region
 from thinwire.schemes.streaming import Streaming, joined, offsets_of
 from thinwire.schemes.traits import ALL_GATHER, ALL_REDUCE, BROADCAST, Traits
 
@@ -99,6 +99,14 @@ class _Launch:
         device = self.buffer.device
         return (torch.tensor([self.region[info.key] for info in self.selected], device=device),
                 torch.tensor(shifts, device=device))
+
+    @property
+    def span(self) -> slice | None:
+        """Where the selected tensors lie in the bucket, if back to back there."""
+        shift = self._shifts
+        if not isinstance(shift, int):
+            return None
+        return slice(shift, shift + sum(info.numel for info in self.selected))
 
     def in_bucket(self, indices: torch.Tensor) -> torch.Tensor:
         """Region indices as bucket positions."""
@@ -433,14 +441,17 @@ class CompressedScheme(Scheme):
         return collect(futures, [buffer.device]).then(self._charged(  # a failed one: its error
             lambda arrived: self._finish_whole(launch, arrived.value())))
 
-    def _select(self, launch: _Launch) -> list[Chosen]:
-        """Each selected tensor's ``p`` and indices (absorbed whole first); none sent where
-        the round is not finite."""
+    def _select(self, launch: _Launch) -> list[Chosen] | Region:
+        """Each selected tensor's ``p`` and indices (absorbed whole first), or all of them
+        as one :class:`Region` where they can be; none sent where the round is not finite."""
         selection = self.selection
         assert isinstance(selection, Sparsifier)
         if not launch.finite:
             nothing = launch.buffer.new_zeros(0, dtype=torch.int64)
             return [Chosen(info, launch.views[info.key], nothing) for info in launch.selected]
+        region = self._region(launch, selection)
+        if region is not None:
+            return region
         ps = self._compensated(launch, launch.selected)
         scratch = self._magnitudes(launch.buffer)
         offset = 0
@@ -450,6 +461,21 @@ class CompressedScheme(Scheme):
         indices = selection.select_all(scratch[:offset], launch.selected)
         return [Chosen(info, ps[info.key], local) for info, local in
                 zip(launch.selected, indices)]
+
+    def _region(self, launch: _Launch, selection: Sparsifier) -> Region | None:
+        """The selected tensors compensated and selected as one, in a few ops whatever
+        their count, where they lie back to back in the bucket and the memory (if any)
+        absorbs them so (:meth:`~thinwire.feedback.Memory.absorb_region_`); else None."""
+        span, memory, selected = launch.span, self.memory, launch.selected
+        if span is None or memory is not None and not memory.forgets_what_is_sent:
+            return None
+        grads = launch.buffer[span]
+        p = grads if memory is None else memory.absorb_region_(
+            [info.key for info in selected], [info.numel for info in selected], grads)
+        if p is None:
+            return None
+        magnitudes = torch.abs(p, out=self._magnitudes(launch.buffer)[: p.numel()])
+        return Region(selected, p, *selection.select_joined(magnitudes, selected))
 
     def _layout(self, launch: _Launch, piece: Sequence[Part] | None) -> SparseLayout | None:
         """The payload layout of the selected tensors: room for the selection's entries, or
@@ -474,11 +500,20 @@ class CompressedScheme(Scheme):
         return SparseLayout(sum(info.numel for info in selected), room, dtype, self.indices,
                             self.values, plan or (), groups)
 
-    def _pack(self, launch: _Launch, layout: SparseLayout, chosen: Sequence[Chosen],
+    def _pack(self, launch: _Launch, layout: SparseLayout, chosen: Sequence[Chosen] | Region,
               kept: list[Kept] | None) -> tuple[torch.Tensor, list[tuple[str, int]]]:
         """The values at ``chosen`` and their indices, as ``layout`` lays them out, with
         the payload's metered parts. What was sent is remembered now (when the round is
         finite), or appended to ``kept`` (a piece's: remembered once every piece has gone)."""
+        if isinstance(chosen, Region):
+            block, sent = layout.pack(chosen.indices, chosen.p.index_select(0, chosen.indices),
+                                      ascending=True)
+            keys = [info.key for info in chosen.infos]
+            if self.memory is not None:  # a region is only ever chosen in a finite round
+                exact = self.memory.forgets_what_is_sent and self.values.exact(chosen.p.dtype)
+                self.memory.update_region_(keys, chosen.p, chosen.indices,
+                                           None if exact else sent)
+            return block, layout.segments(list(zip(keys, chosen.counts)))
         region, empty = launch.region, launch.buffer.new_zeros(0)
         indices = joined([c.indices + region[c.info.key] if region[c.info.key]
                           else c.indices for c in chosen]) if chosen else empty.long()
@@ -492,7 +527,8 @@ class CompressedScheme(Scheme):
             self._remember(items)
         return block, layout.segments([(c.info.key, c.indices.numel()) for c in chosen])
 
-    def _send(self, launch: _Launch, chosen: Sequence[Chosen], piece: Sequence[Part] | None,
+    def _send(self, launch: _Launch, chosen: Sequence[Chosen] | Region,
+              piece: Sequence[Part] | None,
               rows: Sequence[tuple[torch.Tensor, list[tuple[str, int]]]], group: Group,
               kept: list[Kept] | None = None) -> Future[Any]:
         """All-gather this rank's payload, ``rows`` (tensors sent whole as codes) then

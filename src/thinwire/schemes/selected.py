@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,17 @@ class Chosen:
     def sent(self, values: torch.Tensor) -> Kept:
         """What the memory is told: ``values`` as every receiver decodes them."""
         return Kept(self.info.key, self.p, self.indices, values)
+
+
+@dataclass(frozen=True)
+class Region:
+    """The selected tensors as one: their ``p`` back to back (flat), the ascending
+    indices into it to send and each tensor's count of them."""
+
+    infos: Sequence[TensorInfo]
+    p: torch.Tensor
+    indices: torch.Tensor
+    counts: list[int]
 
 
 @dataclass(frozen=True)
