@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from thinwire.compress import DCTThreshold, TensorInfo, TopK
-from thinwire.feedback import Estimate, LowPass, Memory, MomentumCorrection, Residual, all_finite
+from thinwire.feedback import (
+    Decayed,
+    Estimate,
+    LowPass,
+    Memory,
+    MomentumCorrection,
+    Residual,
+    all_finite,
+)
 from thinwire.schemes import build
 
 
@@ -224,3 +232,52 @@ def test_batched_compensation_gives_the_bits_of_one_key_at_a_time(
             assert torch.equal(batched.velocity[key], one.velocity[key]), (step, key)
             one.update(key, target, target / 2)  # leave an error behind for the next round
             batched.update(key, target, target / 2)
+
+
+@pytest.mark.parametrize("make", [Residual, lambda: Decayed(0.9)], ids=["residual", "decayed"])
+def test_a_region_absorbs_and_remembers_bit_for_bit_as_its_keys_one_by_one(
+        make: Callable[[], Residual]) -> None:
+    numels = {"a": 7, "b": 1, "c": 20, "d": 5}
+    together, alone = make(), make()
+    generator = torch.Generator().manual_seed(0)
+    # the same keys again, one of them dropped, a re-bucketing (b..d, then a..d again),
+    # an exact round
+    for round_, keys in enumerate([["a", "b", "c", "d"], ["a", "b", "c", "d"],
+                                   ["a", "b", "c", "d"], ["b", "c", "d"],
+                                   ["a", "b", "c", "d"], ["a", "b", "c", "d"]]):
+        sizes = [numels[key] for key in keys]
+        if round_ == 2:  # sent whole and exactly (the kernel then drops its error)
+            together.buffers.pop("c")
+            alone.buffers.pop("c")
+        grads = torch.randn(sum(sizes), generator=generator)
+        indices = torch.randperm(grads.numel(), generator=generator)[:9].sort().values
+        p = together.absorb_region_(keys, sizes, grads)
+        assert p is not None
+        exact = round_ == 5
+        sent = None if exact else p.index_select(0, indices).to(torch.float16)
+        together.update_region_(keys, p, indices, sent)
+        start = 0
+        for key, part in zip(keys, grads.split(sizes)):
+            mine = indices[(indices >= start) & (indices < start + part.numel())] - start
+            compensated = alone.absorb_(key, part)
+            if exact:
+                alone.update_selected_(key, compensated, mine)
+            else:
+                alone.update_sparse(key, compensated, mine,
+                                    compensated.index_select(0, mine).to(torch.float16))
+            start += part.numel()
+        assert together.buffers.keys() == alone.buffers.keys()
+        for key in alone.buffers:  # to the bit, the sign of zero included
+            assert torch.equal(together.buffers[key].view(torch.int32),
+                               alone.buffers[key].view(torch.int32)), (round_, key)
+        assert together.updates == alone.updates
+    resumed = make()
+    resumed.load_state_dict(together.state_dict())
+    grads = torch.randn(33, generator=generator)
+    again = resumed.absorb_region_(["a", "b", "c", "d"], [7, 1, 20, 5], grads)
+    assert again is not None and torch.equal(
+        again, together.absorb_region_(["a", "b", "c", "d"], [7, 1, 20, 5], grads))
+
+
+def test_a_draining_memory_absorbs_no_region() -> None:
+    assert Residual(drain_every=10).absorb_region_(["a"], [3], torch.ones(3)) is None
