@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -385,6 +386,30 @@ def _picks(compressor: DCTThreshold, parts: dict[str, torch.Tensor]) -> dict[str
     infos = [TensorInfo.of(key, part) for key, part in parts.items()]
     chosen = compressor.select_all(torch.cat(list(parts.values())), infos)
     return {info.key: local.tolist() for info, local in zip(infos, chosen)}
+
+
+@pytest.mark.parametrize("scope", ["bucket", "layer"])
+def test_joined_selection_is_every_tensors_selection_back_to_back(scope: str) -> None:
+    """select_joined, the kernel's, against select_all's per-tensor indices: the same
+    entries and counts, traces and state, through one group, a split group and a
+    re-grouping."""
+    generator = torch.Generator().manual_seed(0)
+    apart = DCTThreshold(0.02, life_span=2, min_numel=0, scope=scope)
+    joined = DCTThreshold(0.02, life_span=2, min_numel=0, scope=scope)
+    for keys in (["a", "b", "c"], ["a", "b", "c"], ["a", "b"], ["c"], ["c", "b", "a"],
+                 ["a", "c"]):
+        parts = {key: torch.rand(n, generator=generator) for key, n in
+                 zip(keys, (500, 1500, 700))}
+        expected = _picks(apart, parts)
+        infos = [TensorInfo.of(key, part) for key, part in parts.items()]
+        indices, counts = joined.select_joined(torch.cat(list(parts.values())), infos)
+        starts = [0, *itertools.accumulate(info.numel for info in infos)]
+        assert counts == [len(expected[key]) for key in keys]
+        assert indices.tolist() == [start + i for key, start in zip(keys, starts)
+                                    for i in expected[key]]
+        assert joined.state_dict() == apart.state_dict() and joined.tau == apart.tau
+        assert {k: list(v) for k, v in joined.trace.items()} == {
+            k: list(v) for k, v in apart.trace.items()}
 
 
 def test_bucket_scope_selects_again_in_the_groups_it_last_used() -> None:

@@ -29,13 +29,12 @@ def regroup(memory: dict[str, tuple[str, ...]], keys: Sequence[str]) -> list[lis
         else one group of all ``keys`` (then remembered).
     """
     position = {key: i for i, key in enumerate(keys)}
-    last = [memory.get(key) for key in keys]
-    if not all(group is not None and all(key in position for key in group) for group in last):
+    groups = dict.fromkeys(memory.get(key, ()) for key in keys)  # each distinct group once
+    if () in groups or not all(key in position for group in groups for key in group):
         whole = tuple(keys)
         memory.update(dict.fromkeys(whole, whole))
         return [list(range(len(keys)))]
-    return [[position[key] for key in group] for group in dict.fromkeys(last)
-            if group is not None]
+    return [[position[key] for key in group] for group in groups]
 
 
 def split_ascending(indices: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
