@@ -62,6 +62,24 @@ def _step_header(step: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([step], dtype=torch.int32, device=device).view(torch.uint8)
 
 
+def _row_step(rows: Sequence[torch.Tensor]) -> int:
+    """The one step of ``rows``' headers.
+
+    Raises:
+        ValueError: a row that is not flat uint8 bytes with a header, or rows of
+            several steps or a negative one.
+    """
+    for row in rows:
+        if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() < STEP_BYTES:
+            raise ValueError(f"a row is flat uint8 bytes of at least {STEP_BYTES}, got "
+                             f"{row.dtype} {tuple(row.shape)}")
+    steps = {int(row[:STEP_BYTES].clone().view(torch.int32)[0]) for row in rows}
+    step = steps.pop()
+    if steps or step < 0:
+        raise ValueError(f"rows of steps {sorted(steps | {step})}: one step >= 0 expected")
+    return step
+
+
 @dataclass
 class _Launch:
     """One launch's bucket: its views, what travels whole and what is selected.
@@ -316,27 +334,28 @@ class CompressedScheme(Scheme):
                             "ranks; one rank's payload cannot be decoded alone")
         step = count_step(self.steps, [info.key for info in infos])
         launch = self._bucket(buffer, infos, step, True, 1)
-        if self.memory is not None:
-            self.memory.advance_(launch.views)
-            self.memory.compensate_all_({info.key: launch.views[info.key]
-                                         for info in launch.whole})
+        self._open(launch)
         parts = [_step_header(step, buffer.device)]
         segments: list[Segment] = [(ROW, "(step)", STEP_BYTES)]
-        values = launch.values
         for info in launch.whole:
             area, _ = self._encode_whole(launch, info)
             parts.append(area)
-            if values.summable:  # all-reduced as they are; a row pads them to 4 bytes
-                size = values.entry_bytes(info.numel, info.dtype)
-                segments += [(ALL_REDUCE, info.key, size), (ROW, "(padding)", area.numel() - size)]
-            else:
-                segments.append((ALL_GATHER, info.key, area.numel()))
+            segments += self._row_segments(launch.values, info, area.numel())
         layout = self._layout(launch, None)
         if layout is not None:
             block, block_segments = self._pack(launch, layout, self._select(launch), None)
             parts.append(block)
             segments += [(ALL_GATHER, layer, nbytes) for layer, nbytes in block_segments]
         return torch.cat(parts), [segment for segment in segments if segment[2]]
+
+    @staticmethod
+    def _row_segments(values: ValueCodec, info: TensorInfo, nbytes: int) -> list[Segment]:
+        """A row's metered parts of a tensor sent whole in ``nbytes``: summable values are
+        all-reduced as they are (a row pads them to 4 bytes), codes all-gathered."""
+        if not values.summable:
+            return [(ALL_GATHER, info.key, nbytes)]
+        size = values.entry_bytes(info.numel, info.dtype)
+        return [(ALL_REDUCE, info.key, size), (ROW, "(padding)", nbytes - size)]
 
     def decode_rows(self, rows: Sequence[torch.Tensor],
                     infos: Sequence[TensorInfo]) -> torch.Tensor:
@@ -349,14 +368,7 @@ class CompressedScheme(Scheme):
             ValueError: rows of another length, step or entry count than the layout's,
                 or indices outside it.
         """
-        for row in rows:
-            if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() < STEP_BYTES:
-                raise ValueError(f"a row is flat uint8 bytes of at least {STEP_BYTES}, got "
-                                 f"{row.dtype} {tuple(row.shape)}")
-        steps = {int(row[:STEP_BYTES].clone().view(torch.int32)[0]) for row in rows}
-        step = steps.pop()
-        if steps or step < 0:
-            raise ValueError(f"rows of steps {sorted(steps | {step})}: one step >= 0 expected")
+        step = _row_step(rows)
         dtype, device = infos[0].dtype, rows[0].device
         buffer = torch.zeros(sum(info.numel for info in infos), dtype=dtype, device=device)
         launch = self._bucket(buffer, infos, step, True, len(rows))
@@ -395,6 +407,14 @@ class CompressedScheme(Scheme):
         return _Launch(buffer, infos, views, [info for info in infos if info.key not in chosen],
                        selected, finite, n, self._whole_values(step))
 
+    def _open(self, launch: _Launch, advance: Mapping[str, torch.Tensor] | None = None) -> None:
+        """A finite round's opening: the memory advances (every tensor, or ``advance``)
+        and compensates the tensors sent whole in the bucket."""
+        memory = self.memory
+        if memory is not None and launch.finite:
+            memory.advance_(launch.views if advance is None else advance)
+            memory.compensate_all_({info.key: launch.views[info.key] for info in launch.whole})
+
     def _whole_values(self, step: int) -> ValueCodec:
         """How tensors sent whole travel at ``step``: at their own width in warm-up."""
         return FULL_WIDTH if step < self.warmup_steps else self.values
@@ -410,7 +430,7 @@ class CompressedScheme(Scheme):
 
     # ---- own selections: each rank's coordinates travel with its values
     def _launch_own(self, launch: _Launch, group: Group, start: float) -> Future[Any]:
-        buffer, views, memory = launch.buffer, launch.views, self.memory
+        buffer, views = launch.buffer, launch.views
         selected, finite = launch.selected, launch.finite
         stream = self.pieces
         choice = stream.choose(buffer, selected, group) if stream is not None else False
@@ -418,10 +438,9 @@ class CompressedScheme(Scheme):
             selected, views)
         pieces = stream.cut(selected) if stream is not None and choice else None
         streamed = streamable and pieces is not None
-        if finite and memory is not None:  # a streamed tensor is absorbed part by part
-            memory.advance_({info.key: views[info.key] for info in launch.whole} if streamed
-                            else views)
-            memory.compensate_all_({info.key: views[info.key] for info in launch.whole})
+        # a streamed tensor is absorbed part by part
+        self._open(launch, {info.key: views[info.key] for info in launch.whole}
+                   if streamed else None)
         futures = []
         if launch.whole and launch.values.summable:
             futures.append(self._launch_whole(launch, group))
@@ -576,35 +595,22 @@ class CompressedScheme(Scheme):
         dividing the whole buffer, without a pass over it; under ``mean="senders"`` a
         selected entry by the ranks that sent it.
         """
-        buffer, views, n, values = launch.buffer, launch.views, launch.n, launch.values
+        buffer, views, n = launch.buffer, launch.views, launch.n
         if ranges is None:
             buffer.zero_()
         for begin, end in ranges or ():
             buffer[begin:end].zero_()
-        sizes = [values.nbytes(info.numel, info.dtype) for info in whole]
-        skip = sum(sizes)
-        counts = layout.counts([row[skip:] for row in rows]) if layout is not None else []
-        later = {info.key for info in summed}
-        means: dict[str, torch.Tensor] = {}
+        skip = sum(launch.values.nbytes(info.numel, info.dtype) for info in whole)
+        self._add_whole(launch, whole, {info.key for info in summed},
+                        [row[:skip] for row in rows])
         touched = []
-        for index, row in enumerate(rows):
-            offset = 0
-            for info, size in zip(whole, sizes):  # a tensor sent whole
-                part = values.read(row[offset: offset + size], info.numel, info.numel,
-                                   info.dtype)
-                offset += size
-                if info.key in later or n == 1:
-                    views[info.key].add_(part)
-                else:  # x / n, summed in the wire's dtype: the all-reduce's mean
-                    share = part / n
-                    means[info.key] = share if index == 0 else means[info.key].add_(share)
-            if layout is not None:
-                indices, decoded = layout.decode(row[skip:], counts[index])
+        if layout is not None:
+            bodies = [row[skip:] for row in rows]
+            for body, count in zip(bodies, layout.counts(bodies)):
+                indices, decoded = layout.decode(body, count)
                 indices = launch.in_bucket(indices)
                 buffer.index_add_(0, indices, decoded.to(buffer.dtype))
                 touched.append(indices)
-        for key, mean in means.items():
-            views[key].copy_(mean)
         if n > 1:  # x / 1 == x
             for info in summed:
                 views[info.key].div_(n)
@@ -615,6 +621,29 @@ class CompressedScheme(Scheme):
                     divisor = torch.zeros_like(buffer).index_add_(
                         0, sent, torch.ones_like(sent, dtype=buffer.dtype)).index_select(0, sent)
                 buffer.index_copy_(0, sent, buffer.index_select(0, sent).div_(divisor))
+
+    @staticmethod
+    def _add_whole(launch: _Launch, whole: Sequence[TensorInfo], later: set[str],
+                   rows: Sequence[torch.Tensor]) -> None:
+        """Every rank's areas of the tensors sent whole into their views, in rank order:
+        those in ``later`` summed (divided by the caller), the rest as the all-reduce's
+        mean (each divided by the rank count, summed in the wire's dtype)."""
+        views, n, values = launch.views, launch.n, launch.values
+        means: dict[str, torch.Tensor] = {}
+        for index, row in enumerate(rows):
+            offset = 0
+            for info in whole:
+                size = values.nbytes(info.numel, info.dtype)
+                part = values.read(row[offset: offset + size], info.numel, info.numel,
+                                   info.dtype)
+                offset += size
+                if info.key in later or n == 1:
+                    views[info.key].add_(part)
+                else:
+                    share = part / n
+                    means[info.key] = share if index == 0 else means[info.key].add_(share)
+        for key, mean in means.items():
+            views[key].copy_(mean)
 
     # ---- tensors sent whole
     def _launch_whole(self, launch: _Launch, group: Group) -> Future[Any]:
@@ -693,21 +722,8 @@ class CompressedScheme(Scheme):
     # ---- agreed selections: a first round makes every rank's coordinates the same
     def _launch_agreed(self, launch: _Launch, selection: Agreed, step: int, group: Group,
                        last: bool, start: float) -> Future[Any]:
-        views, memory, selected = launch.views, self.memory, launch.selected
-        rank, n = world(group)
-        if launch.finite and memory is not None:
-            memory.advance_(views)
-            memory.compensate_all_({info.key: views[info.key] for info in launch.whole})
-        if launch.finite:
-            ps = self._compensated(launch, selected)
-        else:  # the gradient counts as zero; a leader still selects on its memory
-            for info in selected:
-                views[info.key].zero_()
-                if memory is not None:
-                    memory.compensate_(info.key, views[info.key])
-            ps = {info.key: views[info.key] for info in selected}
-        proposal = selection.propose(ps, selected, step, rank, n, launch.finite) \
-            if selected else None
+        memory = self.memory
+        proposal = self._propose(launch, selection, step, group)
         self._charge(time.perf_counter() - start)
 
         # agreed coordinates travel at the scheme's width; in warm-up there are none
@@ -734,21 +750,44 @@ class CompressedScheme(Scheme):
             lambda: self._first_round(proposal, group), self._charged(second),
             device=launch.buffer.device, last=last, group=group, meter=self.meter,
             segments=segments)
+        return future.then(self._charged(
+            lambda arrived: self._place(launch, selection, proposal, arrived.value())))
 
-        def finish(fut: Future[Any]) -> torch.Tensor:
-            mean = fut.value().to(dtype)  # from the wire's dtype (a no-op if it is the same)
-            if proposal is not None:
-                selection.place(proposal, mean, views, memory, launch.finite)
-            offset = mean.numel() - sum(info.numel for info in launch.whole)
-            for info in launch.whole:
-                views[info.key].copy_(mean[offset: offset + info.numel])
-                offset += info.numel
-            if memory is not None:
-                for info in launch.infos:  # what the optimiser steps with (EF21: an estimate)
-                    memory.settle_(info.key, views[info.key])
-            return launch.buffer
+    def _place(self, launch: _Launch, selection: Agreed, proposal: Proposal | None,
+               mean: torch.Tensor) -> torch.Tensor:
+        """The second round's ``mean`` (agreed coordinates, then the tensors sent whole)
+        into the bucket, settled as the optimiser steps with it (EF21: an estimate)."""
+        views, memory = launch.views, self.memory
+        mean = mean.to(launch.buffer.dtype)  # from the wire's dtype (a no-op if the same)
+        if proposal is not None:
+            selection.place(proposal, mean, views, memory, launch.finite)
+        offset = mean.numel() - sum(info.numel for info in launch.whole)
+        for info in launch.whole:
+            views[info.key].copy_(mean[offset: offset + info.numel])
+            offset += info.numel
+        if memory is not None:
+            for info in launch.infos:
+                memory.settle_(info.key, views[info.key])
+        return launch.buffer
 
-        return future.then(self._charged(finish))
+    def _propose(self, launch: _Launch, selection: Agreed, step: int,
+                 group: Group) -> Proposal | None:
+        """Compensate the bucket and propose coordinates for the selected tensors (None:
+        none selected). A round that is not finite counts as zero; a leader still selects
+        on its memory."""
+        views, memory, selected = launch.views, self.memory, launch.selected
+        self._open(launch)
+        if launch.finite:
+            ps = self._compensated(launch, selected)
+        else:
+            for info in selected:
+                views[info.key].zero_()
+                if memory is not None:
+                    memory.compensate_(info.key, views[info.key])
+            ps = {info.key: views[info.key] for info in selected}
+        rank, n = world(group)
+        return selection.propose(ps, selected, step, rank, n, launch.finite) \
+            if selected else None
 
     def _first_round(self, proposal: Proposal | None, group: Group) -> Future[Any]:
         if proposal is None:
