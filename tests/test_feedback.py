@@ -234,9 +234,24 @@ def test_batched_compensation_gives_the_bits_of_one_key_at_a_time(
             batched.update(key, target, target / 2)
 
 
-@pytest.mark.parametrize("make", [Residual, lambda: Decayed(0.9)], ids=["residual", "decayed"])
+def _same_bits(first: Any, second: Any) -> bool:
+    """Whether two states (nested dicts of tensors and numbers) are equal, tensors to the
+    bit (the sign of zero included)."""
+    if isinstance(first, dict):
+        return first.keys() == second.keys() and all(
+            _same_bits(first[key], second[key]) for key in first)
+    if isinstance(first, torch.Tensor):
+        return (first.shape == second.shape and first.dtype == second.dtype
+                and torch.equal(first.view(torch.uint8), second.view(torch.uint8)))
+    return bool(first == second)
+
+
+@pytest.mark.parametrize("make", [Residual, lambda: Decayed(0.9),
+                                  lambda: MomentumCorrection(Residual(), 0.9),
+                                  lambda: MomentumCorrection(Residual(), 0.9, nesterov=True)],
+                         ids=["residual", "decayed", "momentum", "nesterov"])
 def test_a_region_absorbs_and_remembers_bit_for_bit_as_its_keys_one_by_one(
-        make: Callable[[], Residual]) -> None:
+        make: Callable[[], Memory]) -> None:
     numels = {"a": 7, "b": 1, "c": 20, "d": 5}
     together, alone = make(), make()
     generator = torch.Generator().manual_seed(0)
@@ -252,7 +267,6 @@ def test_a_region_absorbs_and_remembers_bit_for_bit_as_its_keys_one_by_one(
         grads = torch.randn(sum(sizes), generator=generator)
         indices = torch.randperm(grads.numel(), generator=generator)[:9].sort().values
         p = together.absorb_region_(keys, sizes, grads)
-        assert p is not None
         exact = round_ == 5
         sent = None if exact else p.index_select(0, indices).to(torch.float16)
         together.update_region_(keys, p, indices, sent)
@@ -266,18 +280,16 @@ def test_a_region_absorbs_and_remembers_bit_for_bit_as_its_keys_one_by_one(
                 alone.update_sparse(key, compensated, mine,
                                     compensated.index_select(0, mine).to(torch.float16))
             start += part.numel()
-        assert together.buffers.keys() == alone.buffers.keys()
-        for key in alone.buffers:  # to the bit, the sign of zero included
-            assert torch.equal(together.buffers[key].view(torch.int32),
-                               alone.buffers[key].view(torch.int32)), (round_, key)
-        assert together.updates == alone.updates
+        assert _same_bits(together.state_dict(), alone.state_dict()), round_
     resumed = make()
     resumed.load_state_dict(together.state_dict())
     grads = torch.randn(33, generator=generator)
     again = resumed.absorb_region_(["a", "b", "c", "d"], [7, 1, 20, 5], grads)
-    assert again is not None and torch.equal(
+    assert torch.equal(
         again, together.absorb_region_(["a", "b", "c", "d"], [7, 1, 20, 5], grads))
 
 
 def test_a_draining_memory_absorbs_no_region() -> None:
-    assert Residual(drain_every=10).absorb_region_(["a"], [3], torch.ones(3)) is None
+    assert Residual().absorbs_regions and not Residual(drain_every=10).absorbs_regions
+    assert MomentumCorrection(Residual(), 0.9).absorbs_regions
+    assert not MomentumCorrection(Residual(drain_every=10), 0.9).absorbs_regions

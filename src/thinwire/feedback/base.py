@@ -90,12 +90,18 @@ class Memory(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not absorb parts")
 
+    @property
+    def absorbs_regions(self) -> bool:
+        """Whether :meth:`absorb_region_` and :meth:`update_region_` serve (here not: an
+        engine absorbs key by key)."""
+        return False
+
     def absorb_region_(self, keys: Sequence[str], numels: Sequence[int],
-                       grads: torch.Tensor) -> torch.Tensor | None:
+                       grads: torch.Tensor) -> torch.Tensor:
         """:meth:`absorb_` of every key at once, their gradients back to back in the 1-D
         ``grads`` (not modified): one flat ``p`` of them all, which the keys' buffers
-        view, for :meth:`update_region_`. Here None: absorb key by key."""
-        return None
+        view, for :meth:`update_region_`. Only where :attr:`absorbs_regions`."""
+        raise NotImplementedError(f"{type(self).__name__} does not absorb regions")
 
     def update_region_(self, keys: Sequence[str], p: torch.Tensor, indices: torch.Tensor,
                        sent: torch.Tensor | None) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -191,6 +191,22 @@ class MomentumCorrection(Memory):
     def absorb_(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """Velocity + error in the inner memory's own buffer (see :meth:`Memory.absorb_`)."""
         return self.inner.absorb_(key, self._advance(key, grad))
+
+    @property
+    def absorbs_regions(self) -> bool:
+        return self.inner.absorbs_regions
+
+    def absorb_region_(self, keys: Sequence[str], numels: Sequence[int],
+                       grads: torch.Tensor) -> torch.Tensor:
+        """Each key's velocity advanced as :meth:`absorb_` advances it, then absorbed
+        into the inner memory's region at once."""
+        sent = [self._advance(key, grad) for key, grad in zip(keys, grads.split(list(numels)))]
+        return self.inner.absorb_region_(keys, numels, sent[0].reshape(-1) if len(sent) == 1
+                                         else torch.cat([part.reshape(-1) for part in sent]))
+
+    def update_region_(self, keys: Sequence[str], p: torch.Tensor, indices: torch.Tensor,
+                       sent: torch.Tensor | None) -> None:
+        self.inner.update_region_(keys, p, indices, sent)
 
     def holds(self, key: str, grad: torch.Tensor) -> bool:
         velocity = self.velocity.get(key)

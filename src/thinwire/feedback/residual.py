@@ -132,13 +132,16 @@ class Residual(Memory):
         """``buffer <- buffer + grad`` (a round's opening), in place; returns ``buffer``."""
         return buffer.add_(grad)
 
+    @property
+    def absorbs_regions(self) -> bool:
+        """Unless a drain may empty one key's buffer alone."""
+        return self.drain_every is None
+
     def absorb_region_(self, keys: Sequence[str], numels: Sequence[int],
-                       grads: torch.Tensor) -> torch.Tensor | None:
+                       grads: torch.Tensor) -> torch.Tensor:
         """:meth:`absorb_` of every key in one op where their buffers already lie back to
         back in one flat tensor (after the first round of the same keys together), else
-        gathered there once. None under a drain, which empties one key's buffer alone."""
-        if self.drain_every is not None:
-            return None
+        gathered there once."""
         region = self.regions.get(tuple(keys))
         if region is not None and self._viewed(region, keys, numels, grads):
             return self._absorb_into(region, grads)
@@ -173,7 +176,7 @@ class Residual(Memory):
         """``e <- p - sent`` at ``indices`` of :meth:`absorb_region_`'s ``p`` (0 there where
         ``sent`` is None: sent exactly), bit for bit each key's :meth:`update_sparse`."""
         for key in keys:
-            self._drained(key)  # counts the key's update; no drain here (absorb_region_)
+            self._drained(key)  # counts the key's update; no drain here (absorbs_regions)
         if sent is None:
             p.index_fill_(0, indices, 0.0)
         else:

@@ -484,15 +484,14 @@ class CompressedScheme(Scheme):
     def _region(self, launch: _Launch, selection: Sparsifier) -> Region | None:
         """The selected tensors compensated and selected as one, in a few ops whatever
         their count, where they lie back to back in the bucket and the memory (if any)
-        absorbs them so (:meth:`~thinwire.feedback.Memory.absorb_region_`); else None."""
+        absorbs them so (:attr:`~thinwire.feedback.Memory.absorbs_regions`); else None."""
         span, memory, selected = launch.span, self.memory, launch.selected
-        if span is None or memory is not None and not memory.forgets_what_is_sent:
+        if span is None or memory is not None and not (memory.forgets_what_is_sent
+                                                       and memory.absorbs_regions):
             return None
         grads = launch.buffer[span]
         p = grads if memory is None else memory.absorb_region_(
             [info.key for info in selected], [info.numel for info in selected], grads)
-        if p is None:
-            return None
         magnitudes = torch.abs(p, out=self._magnitudes(launch.buffer)[: p.numel()])
         return Region(selected, p, *selection.select_joined(magnitudes, selected))
 
