@@ -195,7 +195,7 @@ class CompressedScheme(Scheme):
         self.steps: dict[str, int] = {}  # key -> launches so far
         self.rounds = TwoRounds()  # at most one launch whose round 2 waits for round 1
         # A selection whose threshold is known before the gradient streams large buckets.
-        self.pieces = (Streaming(selection, self) if isinstance(selection, Streams)
+        self.pieces = (Streaming(selection, self._record) if isinstance(selection, Streams)
                        and values.summable else None)
 
     # ------------------------------------------------------------ what it is
@@ -435,7 +435,7 @@ class CompressedScheme(Scheme):
         stream = self.pieces
         choice = stream.choose(buffer, selected, group) if stream is not None else False
         streamable = stream is not None and choice is not False and finite and stream.streams(
-            selected, views)
+            selected, views, self.memory)
         pieces = stream.cut(selected) if stream is not None and choice else None
         streamed = streamable and pieces is not None
         # a streamed tensor is absorbed part by part
@@ -449,7 +449,11 @@ class CompressedScheme(Scheme):
             rows = [self._encode_whole(launch, info) for info in launch.whole]
         if selected or rows:
             if stream is not None and pieces is not None:
-                futures.extend(stream.launch(launch, pieces, streamed, group))
+                futures.extend(stream.launch(
+                    launch, pieces, streamed, memory=self.memory,
+                    scratch=self._magnitudes(buffer), remember=self._remember,
+                    send=lambda launch, chosen, piece, kept: self._send(
+                        launch, chosen, piece, [], group, kept)))
             else:
                 futures.append(self._send(launch, self._select(launch) if selected else [],
                                           None, rows, group))

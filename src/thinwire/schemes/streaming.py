@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -26,38 +26,31 @@ from thinwire.compress.pieces import TRIALS, Part, Streams, cut, pay
 from thinwire.feedback import Memory
 from thinwire.schemes.selected import Chosen, Kept, merged
 
-
-class Engine(Protocol):
-    """What streaming uses of the kernel it serves (a ``CompressedScheme``)."""
-
-    memory: Memory | None
-
-    def _magnitudes(self, buffer: torch.Tensor) -> torch.Tensor: ...
-
-    def _record(self, segments: Sequence[tuple[str, int]], collective: str, n: int) -> None: ...
-
-    def _send(self, launch: Any, chosen: Sequence[Chosen], piece: Sequence[Part] | None,
-              rows: Sequence[Any], group: Group, kept: list[Kept] | None = None) -> Future[Any]:
-        ...
-
-    def _remember(self, kept: Sequence[Kept]) -> None: ...
+# the kernel's payload of a piece: (launch, chosen, piece, kept) -> decoded on arrival
+Send = Callable[[Any, Sequence[Chosen], Sequence[Part], list[Kept]], Future[Any]]
+# meters a collective: (segments, collective, ranks)
+Record = Callable[[Sequence[tuple[str, int]], str, int], None]
 
 
 class Streaming:
     """One scheme's buckets in pieces: when to cut, the timed trials, the agreed choice.
 
+    It works on the kernel's launch with what the kernel hands it: the memory, a
+    scratch for ``|p|``, how a piece is sent and decoded (``send``), how what was sent
+    is remembered, and how the trials' one all-reduce is metered (``record``).
+
     Args:
         compressor: the scheme's codec.
-        scheme: the engine it serves (its memory, meter, scratch and sums).
+        record: meters a collective's segments (the trials' choice, once per bucket).
 
     Attributes:
         streaming: per bucket (its sparse keys), the agreed choice (True: pieces);
             kept in the scheme's ``state_dict``.
     """
 
-    def __init__(self, compressor: Streams, scheme: Engine) -> None:
+    def __init__(self, compressor: Streams, record: Record) -> None:
         self.compressor = compressor
-        self.scheme = scheme
+        self.record = record
         self.rounds: dict[tuple[str, ...], int] = {}  # stream="auto": rounds launched
         self.trials: dict[tuple[str, ...], list[tuple[float, float]]] = {}  # (codec, exchange) s
         self.streaming: dict[tuple[str, ...], bool] = {}
@@ -98,10 +91,10 @@ class Streaming:
             del self.rounds[bucket]
         return self.streaming[bucket]
 
-    def streams(self, sparse: Sequence[TensorInfo], views: Mapping[str, torch.Tensor]) -> bool:
-        """Whether every sparse tensor's threshold and memory let it be absorbed part by part
-        (a reused tau, state from an earlier round); else each is absorbed whole first."""
-        memory = self.scheme.memory
+    def streams(self, sparse: Sequence[TensorInfo], views: Mapping[str, torch.Tensor],
+                memory: Memory | None) -> bool:
+        """Whether every sparse tensor's threshold and ``memory`` let it be absorbed part by
+        part (a reused tau, state from an earlier round); else each is absorbed whole first."""
         return all(self.compressor.reused(info) and (
             memory is None or memory.holds(info.key, views[info.key])) for info in sparse)
 
@@ -128,30 +121,32 @@ class Streaming:
         if n > 1:
             both = torch.tensor([exchange, -codec], dtype=torch.float64)
             torch.distributed.all_reduce(both, torch.distributed.ReduceOp.MIN, group=group)
-            self.scheme._record([("stream", both.numel() * both.element_size())],
-                                "all_reduce", n)
+            self.record([("stream", both.numel() * both.element_size())], "all_reduce", n)
             exchange, codec = both[0].item(), -both[1].item()
         return pay(exchange, codec)
 
-    def launch(self, launch: Any, pieces: Sequence[Sequence[Part]], streamed: bool,
-               group: Group) -> list[Future[Any]]:
-        """The kernel's selected tensors in pieces, each sent once selected (by the kernel's
-        own send, :meth:`~thinwire.schemes.kernel.CompressedScheme._send`), decoded on arrival.
+    def launch(self, launch: Any, pieces: Sequence[Sequence[Part]], streamed: bool, *,
+               memory: Memory | None, scratch: torch.Tensor, send: Send,
+               remember: Callable[[Sequence[Kept]], None]) -> list[Future[Any]]:
+        """The kernel's selected tensors in pieces, each sent once selected (``send``: the
+        kernel's own payload, decoded on arrival).
 
-        ``streamed``: each part is absorbed into the memory, selected and sent
+        ``streamed``: each part is absorbed into ``memory``, selected and sent
         before the next part is touched. Otherwise (a threshold refresh, a first
         round) every tensor is absorbed whole first; the parts are then selected
-        alike, so both give the same bits. The memory remembers once every piece
-        has gone (a later part may read what an earlier one left in it).
+        alike, so both give the same bits. What was sent is remembered once every
+        piece has gone (a later part may read what an earlier one left in the memory).
+
+        Args:
+            scratch: room for ``|p|`` of the whole bucket.
 
         Returns:
             One future per piece, completed once it is decoded into the bucket.
         """
-        scheme, compressor, memory = self.scheme, self.compressor, self.scheme.memory
+        compressor = self.compressor
         views, finite = launch.views, launch.finite
         offsets = offsets_of(launch.infos)
         tensors = list(dict.fromkeys(part.info for piece in pieces for part in piece))
-        scratch = scheme._magnitudes(launch.buffer)
 
         def magnitudes(info: TensorInfo, start: int = 0, stop: int | None = None) -> torch.Tensor:
             offset = offsets[info.key]
@@ -159,39 +154,43 @@ class Streaming:
 
         held: dict[str, torch.Tensor] = {}  # key -> p, flat (the memory's buffer)
         tau: dict[str, float] = {}
-        if finite:
-            for info in tensors:
-                whole = views[info.key]
-                if not streamed:
-                    whole = whole if memory is None else memory.absorb_(info.key, whole)
-                    torch.abs(whole, out=magnitudes(info))
-                    held[info.key] = whole
-                tau[info.key] = compressor.open_call(None if streamed else magnitudes(info), info)
+        for info in tensors if finite else ():
+            if not streamed:  # absorbed whole first
+                held[info.key] = views[info.key] if memory is None else memory.absorb_(
+                    info.key, views[info.key])
+                torch.abs(held[info.key], out=magnitudes(info))
+            tau[info.key] = compressor.open_call(None if streamed else magnitudes(info), info)
         passed = dict.fromkeys(tau, 0)
         kept: list[Kept] = []
         futures = []
         for piece in pieces:
             chosen = []
             for part in piece if finite else ():
-                key, start, stop = part.info.key, part.start, part.stop
-                if streamed:
-                    grad = views[key]
-                    held[key] = grad if memory is None else memory.absorb_part_(
-                        key, grad[start:stop], start)
-                part_abs = magnitudes(part.info, start, stop)
-                if streamed:
-                    torch.abs(held[key][start:stop], out=part_abs)
-                local, count = compressor.pick(part_abs, tau[key], part.room)
+                key = part.info.key
+                if streamed:  # absorbed part by part
+                    held[key] = views[key] if memory is None else memory.absorb_part_(
+                        key, views[key][part.start: part.stop], part.start)
+                one, count = self._pick(part, held[key], streamed, tau[key],
+                                        magnitudes(part.info, part.start, part.stop))
                 passed[key] += count
-                chosen.append(Chosen(part.info, held[key], local + start))
-            futures.append(scheme._send(launch, chosen, piece, [], group, kept))
+                chosen.append(one)
+            futures.append(send(launch, chosen, piece, kept))
         whole = {item.key: item for item in merged(kept)}
         if finite:
-            scheme._remember(list(whole.values()))
+            remember(list(whole.values()))
         for info in tensors if finite else ():
             compressor.close_call(magnitudes(info), info, passed[info.key],
                                   whole[info.key].indices.numel())
         return futures
+
+    def _pick(self, part: Part, p: torch.Tensor, streamed: bool, tau: float,
+              magnitudes: torch.Tensor) -> tuple[Chosen, int]:
+        """A part's indices to send (into its tensor's flat ``p``), and how many passed
+        ``tau``; its ``|p|`` are written into ``magnitudes`` first where ``streamed``."""
+        if streamed:
+            torch.abs(p[part.start: part.stop], out=magnitudes)
+        local, count = self.compressor.pick(magnitudes, tau, part.room)
+        return Chosen(part.info, p, local + part.start), count
 
     def state_dict(self) -> list[list[Any]]:
         return [[list(bucket), choice] for bucket, choice in self.streaming.items()]
