@@ -132,6 +132,25 @@ class ChunkTopK(Sparsifier):
         return tuple(part for info in infos
                      for part in chunk_counts(info.numel, self.chunk, self.k))
 
+    def select_joined(self, magnitudes: torch.Tensor,
+                      infos: Sequence[TensorInfo]) -> tuple[torch.Tensor, list[int]]:
+        """One :func:`chunk_topk` over the tensors back to back where each but the last is
+        a whole number of chunks, so its chunks are the tensors' own: the same indices
+        as tensor by tensor, and per tensor the same call count, threshold (the least
+        ``|x|`` it sends) and trace point. Else tensor by tensor."""
+        numels = [info.numel for info in infos]
+        if len(infos) < 2 or 0 in numels or any(n % self.chunk for n in numels[:-1]):
+            return super().select_joined(magnitudes, infos)
+        indices = chunk_topk(magnitudes, self.chunk, self.k)  # ascending, exactly kept()
+        counts = [kept(numel, self.chunk, self.k) for numel in numels]
+        least = torch.segment_reduce(magnitudes.index_select(0, indices), "min",
+                                     lengths=torch.tensor(counts, device=indices.device))
+        for info, count, tau in zip(infos, counts, least.tolist()):
+            call = self._calls.get(info.key, 0)
+            self._calls[info.key] = call + 1
+            self._trace(info.key, call, tau, count / info.numel)
+        return indices, counts
+
     def _select(self, magnitudes: torch.Tensor, info: TensorInfo,
                 call: int) -> tuple[torch.Tensor, float]:
         indices = chunk_topk(magnitudes, self.chunk, self.k)

@@ -487,13 +487,14 @@ class CompressedScheme(Scheme):
 
     def _region(self, launch: _Launch, selection: Sparsifier) -> Region | None:
         """The selected tensors compensated and selected as one, in a few ops whatever
-        their count, where they lie back to back in the bucket and the memory (if any)
-        absorbs them so (:attr:`~thinwire.feedback.Memory.absorbs_regions`); else None."""
-        span, memory, selected = launch.span, self.memory, launch.selected
-        if span is None or memory is not None and not (memory.forgets_what_is_sent
-                                                       and memory.absorbs_regions):
+        their count, where the memory (if any) absorbs them so
+        (:attr:`~thinwire.feedback.Memory.absorbs_regions`); else None."""
+        memory, selected = self.memory, launch.selected
+        if memory is not None and not (memory.forgets_what_is_sent and memory.absorbs_regions):
             return None
-        grads = launch.buffer[span]
+        span = launch.span  # else gathered: tensors sent whole lie between them
+        grads = launch.buffer[span] if span is not None else torch.cat(
+            [launch.views[info.key] for info in selected])
         p = grads if memory is None else memory.absorb_region_(
             [info.key for info in selected], [info.numel for info in selected], grads)
         magnitudes = torch.abs(p, out=self._magnitudes(launch.buffer)[: p.numel()])
