@@ -39,6 +39,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +269,38 @@ def table(record: dict[str, Any]) -> str:
         else:
             line += f"{'':9s} {'':6s} {record['calls_per_step'][name]:6d}"
         lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def section(records: Sequence[tuple[dict[str, Any], Path]]) -> str:
+    """Markdown for the results page: per record, each scheme's codec beside its plain
+    version (time and torch calls a step, and their ratios)."""
+    lines = ["## Codec against its plain-torch version", "",
+             "Each scheme's encode and decode of one gradient bucket (a group of one: the "
+             "collectives are no-ops), beside the same arithmetic written as the fewest plain "
+             "torch ops on one flat bucket and one flat error memory "
+             "([how](bench.md#reading-the-numbers)): median thread CPU time of one "
+             "torch thread over interleaved rounds, and torch operator calls a step. The "
+             "ratios are what thinwire's engine adds to the arithmetic (the plain versions "
+             "leave out what the wire alone needs: index codes, byte layouts, the "
+             "finiteness check).", ""]
+    for record, path in records:
+        plain_ms, plain_calls = record["plain_ms_per_step"], record["plain_calls_per_step"]
+        lines += [f"### {record['workload']}: {record['tensors']} tensors, "
+                  f"{record['entries']:,} entries", "",
+                  f"Source `{path.as_posix()}`: `{record['command']}` ({record['when']}, load "
+                  f"average {record['load_before'][0]:.1f} before, "
+                  f"{record['load_after'][0]:.1f} after, {record['cores']} cores).", "",
+                  "| scheme | ms | plain ms | ratio | calls | plain calls | ratio |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name, ms in record["ms_per_step"].items():
+            if name not in plain_ms:
+                continue
+            calls = record["calls_per_step"][name]
+            lines.append(f"| `{name}` | {ms:.2f} | {plain_ms[name]:.2f} | "
+                         f"{ms / plain_ms[name]:.2f} | {calls} | {plain_calls[name]} | "
+                         f"{calls / plain_calls[name]:.1f} |")
+        lines.append("")
     return "\n".join(lines)
 
 

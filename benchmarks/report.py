@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import codec as codec_floors
 from benchmarks import convergence, efficiency, faults, linkmodel, step, wire_format
 from benchmarks.netem.summary import (
     FRAME_OVERHEAD,
@@ -631,6 +632,10 @@ def render(netem: tuple[dict[str, Any], Path] | None,
         parts.append(overhead_section(json.loads(on_gpu.read_text()), on_gpu, figures, docs,
                                       "Compression overhead per step on a GPU",
                                       "overhead-cuda.png"))
+    floors = [(json.loads(path.read_text()), path)  # written by benchmarks.codec
+              for path in sorted((docs / "data").glob("codec-floors-*.json"))]
+    if floors:
+        parts.append(codec_floors.section(floors))
     if (docs / "data" / "convergence.json").exists():  # written by benchmarks.convergence
         record = json.loads((docs / "data" / "convergence.json").read_text())
         parts.append(convergence.section(record, figures, docs))

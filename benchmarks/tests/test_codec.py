@@ -119,6 +119,11 @@ def test_each_spelling_times_its_own_scheme_beside_the_floor(tmp_path: Path) -> 
     assert record["calls_per_step"]["floor"] == 1
     assert 0 < record["plain_calls_per_step"]["topk:ratio=0.1"] \
         < record["calls_per_step"]["topk:ratio=0.1"]
+    page = codec.section([(record, out)])  # the results page: rows with a plain version
+    row = next(line for line in page.splitlines() if line.startswith("| `topk:ratio=0.1`"))
+    ms = record["ms_per_step"]["topk:ratio=0.1"]
+    assert f"{ms / record['plain_ms_per_step']['topk:ratio=0.1']:.2f}" in row
+    assert "| `dense`" not in page and out.as_posix() in page
 
 
 def test_a_synthetic_gradient_has_the_tensors_asked_for(tmp_path: Path) -> None:
