@@ -71,15 +71,15 @@ def exposed(run: dict[str, Any], link_s: float, busy_s: float) -> float:
     """The link time per step that training waits for (``link_s`` averaged over steps).
 
     An exchange that overlaps compute hides behind the steps it overlaps: under
-    Streaming DiLoCo the ``delay`` inner steps before a fragment lands, with
-    ``overlap`` or ``eager`` the whole cycle before the fragment's next sync, and for a
+    Streaming DiLoCo the ``delay`` inner steps before a fragment lands, with ``overlap``,
+    ``eager`` or ``lookahead`` the whole cycle before the fragment's next sync, and for a
     per-step scheme with ``delayed`` the next step. Each exchange carries the
     link time of the steps between its launches (``every / fragments``; 1 per
     step), and the link carries one exchange at a time, so no more than a step's
     compute hides per step. Otherwise all of ``link_s``.
     """
     local = run.get("local") or {}
-    if local.get("overlap") or local.get("eager"):
+    if local.get("overlap") or local.get("eager") or local.get("lookahead"):
         spacing, window = local["every"] / local["fragments"], local["every"]
     elif local.get("delay"):
         spacing, window = local["every"] / local["fragments"], local["delay"]

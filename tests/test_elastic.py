@@ -494,7 +494,7 @@ def test_bad_options_are_refused_by_name(options: dict[str, Any], match: str,
         elastic.connect(**{"lighthouse": "http://localhost:1", **options})
 
 
-@pytest.mark.parametrize("option", ["overlap", "eager"])
+@pytest.mark.parametrize("option", ["overlap", "eager", "lookahead"])
 def test_overlapped_local_updates_are_refused(option: str) -> None:
     model = nn.Linear(3, 2)
     updates = LocalUpdates(model, torch.optim.SGD(model.parameters(), lr=0.1), every=2,

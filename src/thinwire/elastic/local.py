@@ -61,8 +61,8 @@ class ElasticLocalUpdates:
 
     Raises:
         ValueError: ``updates`` has a group of its own, DTensor parameters, or
-            ``overlap`` or ``eager`` (an exchange landing a sync late would span two
-            quorums).
+            ``overlap``, ``eager`` or ``lookahead`` (an exchange landing a sync late would
+            span two quorums).
     """
 
     def __init__(self, updates: LocalUpdates, manager: Manager, *,
@@ -75,12 +75,10 @@ class ElasticLocalUpdates:
         if sharded:
             raise ValueError(f"parameters {sharded[:3]} are DTensors: fault-tolerant local "
                              "updates take a model that is not sharded")
-        if updates.config.overlap:
-            raise ValueError("overlap=True lands each exchange a sync late, across the next "
-                             "sync's quorum; fault-tolerant local updates take overlap=False")
-        if updates.config.eager:
-            raise ValueError("eager=True lands each exchange a sync late, across the next "
-                             "sync's quorum; fault-tolerant local updates take eager=False")
+        for name in ("overlap", "eager", "lookahead"):
+            if getattr(updates.config, name):
+                raise ValueError(f"{name}=True lands each exchange a sync late, across the next "
+                                 f"sync's quorum; fault-tolerant local updates take {name}=False")
         self.updates = updates
         self.membership = Membership(manager, updates.fields, "fault-tolerant local updates",
                                      updates.device, updates.scheme.meter, job)

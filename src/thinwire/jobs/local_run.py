@@ -57,6 +57,9 @@ class DiLoCoOptions:
     overlap: bool = False  # each exchange lands one sync late, under the next H steps
     # as overlap, each worker stepping at once with its own fresh share (Kale et al. 2025)
     eager: bool = False
+    # as overlap, each replica starting from the outer step its own fresh pseudo-gradient
+    # would take
+    lookahead: bool = False
     # the outer Nesterov SGD's learning rate, > 0; None: the scheme's (outer_defaults:
     # 0.7, or 1.0 for sparseloco)
     outer_lr: float | None = None
@@ -145,7 +148,7 @@ def validate(name: str, config: dict[str, Any]) -> None:
     options = options.resolved(schemes.build(inner_scheme(name), **scheme))
     assert options.every is not None  # resolved fills it
     LocalConfig(options.every, options.fragments, options.delay, options.mix, options.overlap,
-                options.eager)
+                options.eager, options.lookahead)
 
 
 def run(name: str, config: dict[str, Any], options: RunOptions,
@@ -201,7 +204,7 @@ def run_local(name: str, config: dict[str, Any], options: RunOptions,
     updates = LocalUpdates(model, inner, scheme, every=local_options.every,
                            fragments=local_options.fragments, delay=local_options.delay,
                            mix=local_options.mix, overlap=local_options.overlap,
-                           eager=local_options.eager,
+                           eager=local_options.eager, lookahead=local_options.lookahead,
                            outer=nesterov(local_options.outer_lr, local_options.outer_momentum),
                            group=group, meter=meter)
     dtype = PRECISIONS[options.precision]

@@ -13,6 +13,8 @@ through it, and when it lands each replica becomes the new global weights plus
 its own progress since the exchange left. With ``eager`` (Kale et al. 2025) it
 lands as late, and each worker steps at once with its own fresh pseudo-gradient
 in the place of its share of the average, the others' shares arriving a sync late.
+With ``lookahead`` it lands as late, only whole averages step the global weights,
+and each replica starts from the step its own fresh pseudo-gradient would take.
 
 Parameters only: buffers (batch-norm statistics) stay each worker's own. A
 DTensor parameter (FSDP2 inside a site) is worked on through its local shard,
@@ -74,6 +76,9 @@ class LocalConfig:
     # each exchange lands a sync late; meanwhile the outer step takes the worker's own fresh
     # pseudo-gradient in place of its share (Kale et al. 2025; overlap False)
     eager: bool = False
+    # each exchange lands a sync late; meanwhile the replica starts from the outer step the
+    # worker's own fresh pseudo-gradient would take, on a copy (overlap and eager False)
+    lookahead: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("every", 1), ("fragments", 1), ("delay", 0)):
@@ -91,8 +96,9 @@ class LocalConfig:
             raise ValueError(f"mix={self.mix!r} is outside the allowed range [0, 1)")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True or False")
-        if not isinstance(self.eager, bool):
-            raise ValueError(f"eager={self.eager!r} must be True or False")
+        for name in ("eager", "lookahead"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.overlap and (self.delay or self.mix):
             raise ValueError(f"overlap=True lands each exchange a whole sync late; it takes "
                              f"delay=0 and mix=0, not delay={self.delay!r}, mix={self.mix!r}")
@@ -101,11 +107,17 @@ class LocalConfig:
                              f"(it implies overlap's schedule); it takes overlap=False, delay=0 "
                              f"and mix=0, not overlap={self.overlap!r}, delay={self.delay!r}, "
                              f"mix={self.mix!r}")
+        if self.lookahead and (self.overlap or self.eager or self.delay or self.mix):
+            raise ValueError(f"lookahead=True lands each exchange a whole sync late (it implies "
+                             f"overlap's schedule); it takes overlap=False, eager=False, delay=0 "
+                             f"and mix=0, not overlap={self.overlap!r}, eager={self.eager!r}, "
+                             f"delay={self.delay!r}, mix={self.mix!r}")
 
     @property
     def late(self) -> bool:
-        """Whether each exchange lands at the fragment's next sync (``overlap`` or ``eager``)."""
-        return self.overlap or self.eager
+        """Whether each exchange lands at the fragment's next sync (``overlap``, ``eager``
+        or ``lookahead``)."""
+        return self.overlap or self.eager or self.lookahead
 
     def offset(self, fragment: int) -> int:
         """The step of the cycle, in [1, every], at which ``fragment`` lands."""
@@ -199,12 +211,23 @@ class LocalUpdates:
     takes one more outer step with the rest of the last average. With one
     worker and a lossless scheme the step is ``delta_t``: blocking DiLoCo.
 
+    Lookahead (``lookahead=True``): the exchange of ``delta_t`` lands at the next
+    sync as under ``overlap``; at a sync the average that lands steps the global
+    weights and the outer state (shared by every worker, as under blocking DiLoCo),
+    then the replica starts from the outer step this worker's own ``delta_t`` would
+    take from them, taken on copies of the weights and the outer state: its stand-in
+    for the average in flight, which never enters the outer momentum. The next
+    ``delta`` is measured from that start. :meth:`finish` lands the last averages and
+    moves each replica by what they changed of where it started. With one worker
+    and a lossless scheme, or every worker's ``delta`` the same, it is blocking
+    DiLoCo to the bit, a sync's exchange hidden behind the next H steps.
+
     Args:
         module: the replica; its trained parameters are synchronised.
         inner: the user's optimiser of ``module``'s parameters (never reset).
         scheme: averages the pseudo-gradients; default ``build("dense")``.
-        every, fragments, delay, mix, overlap, eager: see :class:`LocalConfig`; ``every``
-            None: the scheme's (:func:`default_every`).
+        every, fragments, delay, mix, overlap, eager, lookahead: see
+            :class:`LocalConfig`; ``every`` None: the scheme's (:func:`default_every`).
         outer: builds the outer optimiser from the global weights; default
             :func:`nesterov` ``(*``:func:`outer_defaults` ``(scheme))``.
         group: the process group the workers exchange over; None: the default. For a
@@ -218,18 +241,19 @@ class LocalUpdates:
         ValueError: a bad option, more fragments than trained parameters, or a
             parameter sharded on a mesh of more than one dimension (native HSDP).
         PeerMismatchError: another rank differs in H, fragments, delay, mix, overlap,
-            eager, the outer optimiser, the scheme or the parameters, or
+            eager, lookahead, the outer optimiser, the scheme or the parameters, or
             (``broadcast=False``) in its weights (on every rank alike).
     """
 
     def __init__(self, module: nn.Module, inner: torch.optim.Optimizer,
                  scheme: Scheme | None = None, *, every: int | None = None, fragments: int = 1,
                  delay: int = 0, mix: float = 0.0, overlap: bool = False, eager: bool = False,
-                 outer: OuterFactory | None = None, group: Group = None,
-                 meter: Meter | None = None, broadcast: bool = True) -> None:
+                 lookahead: bool = False, outer: OuterFactory | None = None,
+                 group: Group = None, meter: Meter | None = None,
+                 broadcast: bool = True) -> None:
         self.scheme = scheme if scheme is not None else build("dense")
         every = default_every(self.scheme) if every is None else every
-        self.config = LocalConfig(every, fragments, delay, mix, overlap, eager)
+        self.config = LocalConfig(every, fragments, delay, mix, overlap, eager, lookahead)
         self.module = module
         self.inner = inner
         if meter is not None:
@@ -248,8 +272,8 @@ class LocalUpdates:
         self.params = dict(named)
         with torch.no_grad():
             self.globals = {name: _local(p).detach().clone() for name, p in named}
-        self.outer = (outer or nesterov(*outer_defaults(self.scheme)))(
-            list(self.globals.values()))
+        self.make_outer = outer or nesterov(*outer_defaults(self.scheme))
+        self.outer = self.make_outer(list(self.globals.values()))
         # split by the whole parameter's size (a DTensor's numel is global), so the
         # ranks of a site, whose shards differ in size, agree on every fragment
         self.fragments = [[self.names[i] for i in run] for run in
@@ -269,9 +293,10 @@ class LocalUpdates:
         with torch.no_grad():  # every replica starts from the (now shared) global weights
             for name in self.names:
                 _local(self.params[name]).copy_(self.globals[name])
-        # overlap: each replica's weights when its last exchange left, its progress' origin
+        # overlap: each replica's weights when its last exchange left, its progress' origin;
+        # lookahead: where the replica started (the predicted global weights)
         self.anchors = ({name: g.clone() for name, g in self.globals.items()}
-                        if self.config.overlap else None)
+                        if self.config.overlap or self.config.lookahead else None)
         # eager: each fragment's last pseudo-gradient, whose share stepped before its average
         self.fresh: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -321,6 +346,8 @@ class LocalUpdates:
                 deltas = self._launch(fragment, self.steps + config.every)
                 if config.eager:
                     self._eager(fragment, deltas, None if previous is None else previous[1])
+                elif config.lookahead:
+                    self._look_ahead(fragment, deltas, None if previous is None else previous[1])
                 elif previous is not None:
                     self._land(fragment, previous[1])
                 else:
@@ -338,8 +365,8 @@ class LocalUpdates:
 
     def _launch(self, fragment: int, lands: int) -> dict[str, torch.Tensor]:
         """Start averaging the fragment's pseudo-gradients (``x_global - x_local``; under
-        ``overlap`` ``x_anchor - x_local``, this replica's progress since its last launch),
-        and return them."""
+        ``overlap`` and ``lookahead`` ``x_anchor - x_local``, this replica's progress since
+        its last launch, or since it started), and return them."""
         origin = self.globals if self.anchors is None else self.anchors
         with torch.no_grad():
             deltas = {name: origin[name] - _local(self.params[name])
@@ -373,6 +400,46 @@ class LocalUpdates:
             for name in names:
                 self.globals[name].grad = None
                 _local(self.params[name]).copy_(self.globals[name])
+
+    def _look_ahead(self, fragment: int, deltas: dict[str, torch.Tensor] | None,
+                    future: Future[Any] | None) -> None:
+        """Under ``lookahead``: the average in ``future`` (last sync's) steps the global
+        weights, as under blocking DiLoCo; then the replica starts from the outer step that
+        this worker's fresh ``deltas`` would take from them, taken on a copy of the weights
+        and the outer state (the stand-in for this sync's average, in flight). ``deltas``
+        None (:meth:`finish`): the replica moves by what the average changed of where it
+        started, keeping its progress since (``x <- x + (g - start)``: alone, no move)."""
+        names = self.fragments[fragment]
+        averaged = None if future is None else self.exchange.land(self, fragment, future)
+        if averaged is not None:
+            self._outer_step(self.outer, {name: self.globals[name] for name in names}, averaged)
+        assert self.anchors is not None
+        if deltas is None:
+            with torch.no_grad():
+                for name in names:
+                    _local(self.params[name]).add_(self.globals[name] - self.anchors[name])
+            return
+        start = {name: self.globals[name].clone() for name in names}
+        ahead = self.make_outer(list(start.values()))
+        for name, tensor in start.items():  # the outer state, copied
+            ahead.state[tensor] = {key: value.clone() if isinstance(value, torch.Tensor)
+                                   else value for key, value in
+                                   self.outer.state.get(self.globals[name], {}).items()}
+        self._outer_step(ahead, start, deltas)
+        with torch.no_grad():
+            for name in names:
+                _local(self.params[name]).copy_(start[name])
+                self.anchors[name].copy_(start[name])
+
+    @staticmethod
+    def _outer_step(outer: torch.optim.Optimizer, weights: Mapping[str, torch.Tensor],
+                    grads: Mapping[str, torch.Tensor]) -> None:
+        """One step of ``outer`` on ``weights`` (some of its parameters) with ``grads``."""
+        for name, tensor in weights.items():  # the optimiser skips parameters without one
+            tensor.grad = grads[name].to(tensor.dtype)
+        outer.step()
+        for tensor in weights.values():
+            tensor.grad = None
 
     def _land(self, fragment: int, future: Future[Any]) -> None:
         """The outer step on the fragment's global weights, then the local weights (unless
@@ -417,6 +484,8 @@ class LocalUpdates:
             future = self.pending.pop(fragment)[1]
             if self.config.eager:
                 self._eager(fragment, None, future)
+            elif self.config.lookahead:
+                self._look_ahead(fragment, None, future)
             else:
                 self._land(fragment, future)
 
