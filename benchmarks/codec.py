@@ -286,7 +286,8 @@ def section(records: Sequence[tuple[dict[str, Any], Path]]) -> str:
              "finiteness check).", ""]
     for record, path in records:
         plain_ms, plain_calls = record["plain_ms_per_step"], record["plain_calls_per_step"]
-        lines += [f"### {record['workload']}: {record['tensors']} tensors, "
+        tensors = record["tensors"]
+        lines += [f"### {record['workload']}: {tensors} tensor{'s' * (tensors != 1)}, "
                   f"{record['entries']:,} entries", "",
                   f"Source `{path.as_posix()}`: `{record['command']}` ({record['when']}, load "
                   f"average {record['load_before'][0]:.1f} before, "
