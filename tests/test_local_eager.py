@@ -93,6 +93,22 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def _matches(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """A worker's run against a reference's, to rounding: every step's weights, the final
+    and the global ones."""
+    for at_step, wanted in zip(got["trajectory"], want["trajectory"], strict=True):
+        _close(at_step, wanted)
+    _close(got["final"], want["final"])
+    _close(got["globals"], want["globals"])
+
+
+def _identical(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Two runs' every step and global weights, to the bit."""
+    for a, b in zip(got["trajectory"] + [got["globals"]], want["trajectory"] + [want["globals"]],
+                    strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def test_one_worker_eager_is_blocking_diloco() -> None:
     """Alone the fresh share is the whole average: every step is blocking DiLoCo's, to the bit."""
     eager, blocking = _run(0, eager=True), _run(0)
@@ -170,11 +186,7 @@ def test_eager_updates_of_three_workers_equal_a_reference_of_the_rule(
         name: str, runs: list[dict[str, Any]]) -> None:
     expected = _reference(name)
     for rank in range(WORLD):
-        got, want = runs[rank][name], expected[rank]
-        for at_step, wanted in zip(got["trajectory"], want["trajectory"], strict=True):
-            _close(at_step, wanted)
-        _close(got["final"], want["final"])
-        _close(got["globals"], want["globals"])
+        _matches(runs[rank][name], expected[rank])
     # each worker stepped with its own fresh share, so their weights differ
     assert not torch.allclose(runs[0][name]["agreed"][0], runs[1][name]["agreed"][0])
 
@@ -191,10 +203,7 @@ def test_every_share_is_stepped_with_once(runs: list[dict[str, Any]]) -> None:
 def test_resume_with_an_eager_exchange_in_flight_is_bit_identical(
         stop: int, runs: list[dict[str, Any]]) -> None:
     for rank in range(WORLD):
-        got, want = runs[rank][f"resumed {stop}"], runs[rank]["int4"]
-        for a, b in zip(got["trajectory"] + [got["globals"]],
-                        want["trajectory"] + [want["globals"]], strict=True):
-            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        _identical(runs[rank][f"resumed {stop}"], runs[rank]["int4"])
 
 
 @pytest.mark.parametrize("options", [{"overlap": True}, {"delay": 1}, {"mix": 0.5}])

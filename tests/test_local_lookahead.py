@@ -15,8 +15,9 @@ from test_local_eager import (
     OPTIONS,
     STEPS,
     WORLD,
-    _close,
+    _identical,
     _inner_step,
+    _matches,
     _model,
     _run,
     _sgd,
@@ -136,11 +137,7 @@ def test_lookahead_of_three_workers_equals_a_reference_of_the_rule(
         name: str, runs: list[dict[str, Any]]) -> None:
     expected = _reference(name)
     for rank in range(WORLD):
-        got, want = runs[rank][name], expected[rank]
-        for at_step, wanted in zip(got["trajectory"], want["trajectory"], strict=True):
-            _close(at_step, wanted)
-        _close(got["final"], want["final"])
-        _close(got["globals"], want["globals"])
+        _matches(runs[rank][name], expected[rank])
     # the replicas started from their own lookahead; the global weights are everyone's
     assert not torch.allclose(runs[0][name]["trajectory"][2][0],
                               runs[1][name]["trajectory"][2][0])
@@ -153,10 +150,7 @@ def test_lookahead_of_three_workers_equals_a_reference_of_the_rule(
 def test_resume_with_a_lookahead_exchange_in_flight_is_bit_identical(
         stop: int, runs: list[dict[str, Any]]) -> None:
     for rank in range(WORLD):
-        got, want = runs[rank][f"resumed {stop}"], runs[rank]["int4"]
-        for a, b in zip(got["trajectory"] + [got["globals"]],
-                        want["trajectory"] + [want["globals"]], strict=True):
-            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        _identical(runs[rank][f"resumed {stop}"], runs[rank]["int4"])
 
 
 @pytest.mark.parametrize("options", [{"overlap": True}, {"eager": True}, {"delay": 1},
