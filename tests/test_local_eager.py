@@ -117,18 +117,25 @@ def test_one_worker_eager_is_blocking_diloco() -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager["agreed"], blocking["globals"]))
 
 
+def _workers(name: str) -> tuple[list[nn.Module], list[torch.optim.Optimizer], list[Any],
+                                 list[list[str]]]:
+    """WORLD workers for a reference in one process: models, inner optimisers, codecs (each
+    alone), and the names of each of the two fragments."""
+    models = [_model() for _ in range(WORLD)]
+    names = [n for n, _ in models[0].named_parameters()]
+    fragments = [[names[i] for i in run]
+                 for run in split([p.numel() for p in models[0].parameters()], 2)]
+    return (models, [_sgd(m) for m in models],
+            [schemes.build(name, **CONFIGS[name]) for _ in range(WORLD)], fragments)
+
+
 def _reference(name: str) -> list[dict[str, Any]]:
     """Kale et al. 2025's eager rule for WORLD workers in one process, literally: each worker
     keeps its own global weights and outer optimisers (one a fragment); at a fragment's
     sync it sends ``delta`` through its own codec and steps with ``delta / M`` plus, from
     the previous sync's average, ``mean - last_delta / M``; the replica restarts from the
     result. At the end the last average's rest is stepped with."""
-    models = [_model() for _ in range(WORLD)]
-    inners = [_sgd(m) for m in models]
-    codecs = [schemes.build(name, **CONFIGS[name]) for _ in range(WORLD)]
-    names = [n for n, _ in models[0].named_parameters()]
-    fragments = [[names[i] for i in run]
-                 for run in split([p.numel() for p in models[0].parameters()], 2)]
+    models, inners, codecs, fragments = _workers(name)
     config = LocalConfig(**OPTIONS)
     lr, momentum = outer_defaults(codecs[0])
     globals_ = [{n: p.detach().clone() for n, p in models[0].named_parameters()}

@@ -22,10 +22,10 @@ from test_local_eager import (
     _run,
     _sgd,
     _weights,
+    _workers,
 )
-from thinwire import schemes
 from thinwire.launch import spawn
-from thinwire.local import LocalConfig, LocalUpdates, outer_defaults, split
+from thinwire.local import LocalConfig, LocalUpdates, outer_defaults
 
 
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
@@ -62,12 +62,7 @@ def _reference(name: str) -> list[dict[str, Any]]:
     starts from the step its own ``delta`` would take from them, on copies of the weights
     and the outer state. At the end the last averages land, and each replica moves by what
     they changed of where it started."""
-    models = [_model() for _ in range(WORLD)]
-    inners = [_sgd(m) for m in models]
-    codecs = [schemes.build(name, **CONFIGS[name]) for _ in range(WORLD)]
-    names = [n for n, _ in models[0].named_parameters()]
-    fragments = [[names[i] for i in run]
-                 for run in split([p.numel() for p in models[0].parameters()], 2)]
+    models, inners, codecs, fragments = _workers(name)
     config = LocalConfig(**OPTIONS)
     lr, momentum = outer_defaults(codecs[0])
     global_ = {n: p.detach().clone() for n, p in models[0].named_parameters()}
