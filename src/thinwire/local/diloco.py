@@ -388,17 +388,17 @@ class LocalUpdates:
         last = self.fresh.pop(fragment, None)
         averaged = None if future is None else self.exchange.land(self, fragment, future)
         names = self.fragments[fragment]
+        shares = {}
         for name in names:
             share = torch.zeros_like(self.globals[name]) if deltas is None else deltas[name] / size
             if averaged is not None and last is not None:
                 share = share + (averaged[name] - last[name] / size)
-            self.globals[name].grad = share.to(self.globals[name].dtype)
+            shares[name] = share
         if deltas is not None:
             self.fresh[fragment] = deltas
-        self.outer.step()
+        self._outer_step(self.outer, {name: self.globals[name] for name in names}, shares)
         with torch.no_grad():
             for name in names:
-                self.globals[name].grad = None
                 _local(self.params[name]).copy_(self.globals[name])
 
     def _look_ahead(self, fragment: int, deltas: dict[str, torch.Tensor] | None,
@@ -450,12 +450,9 @@ class LocalUpdates:
                 self._rebase(fragment, moved=False)
             return
         names = self.fragments[fragment]
-        for name in names:  # the outer optimiser skips parameters without a gradient
-            self.globals[name].grad = averaged[name].to(self.globals[name].dtype)
-        self.outer.step()
+        self._outer_step(self.outer, {name: self.globals[name] for name in names}, averaged)
         with torch.no_grad():
             for name in names:
-                self.globals[name].grad = None
                 local = _local(self.params[name])
                 if self.anchors is not None:
                     continue  # below: the global weights plus this replica's progress
